@@ -1,0 +1,27 @@
+"""Exponential backoff with full jitter for reconnecting to the coordinator."""
+
+from __future__ import annotations
+
+import random
+
+
+class Backoff:
+    """Delays of ``uniform(0, min(cap, base * 2**attempt))`` seconds.
+
+    Full jitter spreads thousands of agents reconnecting after a coordinator
+    restart instead of letting them arrive in waves.
+    """
+
+    def __init__(self, base_s: float = 0.5, cap_s: float = 30.0, rng: random.Random | None = None) -> None:
+        self.base_s = base_s
+        self.cap_s = cap_s
+        self._attempt = 0
+        self._rng = rng or random.Random()  # noqa: S311 - jitter, not cryptography
+
+    def next_delay_s(self) -> float:
+        ceiling = min(self.cap_s, self.base_s * (2**self._attempt))
+        self._attempt = min(self._attempt + 1, 32)
+        return self._rng.uniform(0, ceiling)
+
+    def reset(self) -> None:
+        self._attempt = 0

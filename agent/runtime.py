@@ -1,0 +1,155 @@
+"""The agent process: collect on a fixed schedule, buffer, stream, serve /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import socket
+import time
+import uuid
+from types import ModuleType
+
+from clusterwatch import __version__
+from clusterwatch.agent.collectors.base import Collector, CollectorRunner
+from clusterwatch.agent.commands import CommandHandler
+from clusterwatch.agent.report_buffer import ReportBuffer
+from clusterwatch.agent.uplink import Uplink
+from clusterwatch.config import AgentSettings
+from clusterwatch.http_server import MetricsHttpServer
+from clusterwatch.node_metrics import NODE_UP, register_node_families, write_node, write_node_info
+from clusterwatch.promtext import Exposition, counter, escape, gauge
+from clusterwatch.v1 import agent_pb2, node_pb2
+
+logger = logging.getLogger(__name__)
+
+CAPABILITIES = ("report.v1", "command.ping")
+
+AGENT_CONNECTED = gauge("clusterwatch_agent_connected", "1 while the agent's stream to the coordinator is up.")
+AGENT_BUFFERED = gauge("clusterwatch_agent_reports_buffered", "Reports waiting for the coordinator's ack.")
+AGENT_CONNECTIONS = counter("clusterwatch_agent_connections_total", "Streams the agent established.")
+
+
+def build_collectors(settings: AgentSettings, nvml: ModuleType | None = None) -> list[Collector]:
+    """The collectors named in ``settings.collectors``, in that order."""
+    collectors: list[Collector] = []
+    for name in settings.collectors:
+        if name == "gpu":
+            from clusterwatch.agent.collectors.gpu import GpuCollector
+            from clusterwatch.agent.gpu.factory import open_gpu_backend
+
+            backend = open_gpu_backend(settings.gpu_backend, settings.sim_gpus, settings.resolved_node_id, nvml)
+            collectors.append(GpuCollector(backend))
+        elif name == "host":
+            from clusterwatch.agent.collectors.host import HostCollector
+
+            collectors.append(HostCollector(proc_root=settings.proc_root))
+        elif name == "network":
+            from clusterwatch.agent.collectors.network import NetworkCollector
+
+            collectors.append(NetworkCollector(proc_root=settings.proc_root, sys_root=settings.sys_root))
+        elif name == "infiniband":
+            from clusterwatch.agent.collectors.infiniband import InfinibandCollector
+
+            collectors.append(InfinibandCollector(sys_root=settings.sys_root))
+    return collectors
+
+
+class Agent:
+    """One node's agent.
+
+    Args:
+        settings: the agent's settings.
+        collectors: what to run each interval (default: from settings).
+    """
+
+    def __init__(self, settings: AgentSettings, collectors: list[Collector] | None = None) -> None:
+        self.settings = settings
+        self.node_id = settings.resolved_node_id
+        self.hostname = socket.gethostname()
+        self.instance_id = uuid.uuid4().hex
+        self.buffer = ReportBuffer(max(1, math.ceil(settings.buffer_s / settings.interval_s)))
+        self._runner = CollectorRunner(build_collectors(settings) if collectors is None else collectors)
+        self.uplink = Uplink(
+            settings.coordinator, self._hello, self.buffer, CommandHandler(), settings.reconnect_max_s
+        )
+        self.latest: node_pb2.NodeReport | None = None
+        self._sequence = 0
+        self._http: MetricsHttpServer | None = None
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._http.port if self._http else None
+
+    def _hello(self, last_acked_sequence: int) -> agent_pb2.Hello:
+        return agent_pb2.Hello(
+            node_id=self.node_id,
+            hostname=self.hostname,
+            agent_version=__version__,
+            instance_id=self.instance_id,
+            capabilities=CAPABILITIES,
+            interval_seconds=self.settings.interval_s,
+            last_acked_sequence=last_acked_sequence,
+        )
+
+    def _collect(self) -> node_pb2.NodeReport:
+        report = node_pb2.NodeReport(interval_seconds=self.settings.interval_s)
+        self._runner.run(report)
+        report.timestamp_unix_seconds = time.time()
+        return report
+
+    async def collect_once(self) -> node_pb2.NodeReport:
+        """Collect one report (off the event loop: NVML calls can block) and buffer it."""
+        report = await asyncio.to_thread(self._collect)
+        self._sequence += 1
+        report.sequence = self._sequence
+        report.reports_dropped_total = self.buffer.dropped_total
+        self.buffer.append(report)
+        self.latest = report
+        return report
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run until ``stop`` is set, then close the stream and the collectors."""
+        if self.settings.metrics_listen:
+            self._http = MetricsHttpServer(self.settings.metrics_listen, self.render_metrics, lambda: True)
+            self._http.start()
+            logger.info("serving /metrics on port %d", self._http.port)
+        logger.info(
+            "agent %s reporting to %s every %.3g s", self.node_id, self.settings.coordinator, self.settings.interval_s
+        )
+        uplink = asyncio.create_task(self.uplink.run(stop), name="uplink")
+        try:
+            next_due = time.monotonic()
+            while not stop.is_set():
+                await self.collect_once()
+                next_due += self.settings.interval_s
+                now = time.monotonic()
+                if next_due < now:  # fell behind (e.g. a slow NVML call): skip, don't burst
+                    next_due = now + self.settings.interval_s
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=next_due - now)
+            await asyncio.wait_for(uplink, timeout=5.0)
+        finally:
+            uplink.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await uplink
+            self._runner.close()
+            if self._http:
+                self._http.close()
+
+    def render_metrics(self) -> bytes:
+        """This node's /metrics page (called from the HTTP thread; reads one reference)."""
+        exp = Exposition()
+        report = self.latest
+        node = f'node="{escape(self.node_id)}"'
+        backend = report.gpu_inventory.backend if report else ""
+        write_node_info(exp, self.node_id, self.hostname, __version__, backend)
+        exp.add(NODE_UP, node, 1)
+        register_node_families(exp)
+        if report is not None:
+            write_node(exp, self.node_id, report)
+        exp.add(AGENT_CONNECTED, node, int(self.uplink.connected))
+        exp.add(AGENT_BUFFERED, node, len(self.buffer))
+        exp.add(AGENT_CONNECTIONS, node, self.uplink.connections_total)
+        return exp.render()

@@ -1,0 +1,136 @@
+"""The agent's one long-lived gRPC stream to the coordinator.
+
+Connect, say hello, replay every unacknowledged report in order, then send
+each new report as it is collected; acknowledgements remove reports from the
+buffer. Any stream error closes the channel and reconnects after a jittered
+exponential backoff (capped, default 30 s). Commands arriving on the stream
+are carried out by the CommandHandler and their results sent back up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from clusterwatch.agent.backoff import Backoff
+from clusterwatch.agent.commands import CommandHandler
+from clusterwatch.agent.report_buffer import ReportBuffer
+from clusterwatch.grpc_options import CHANNEL_OPTIONS
+from clusterwatch.v1 import agent_pb2, agent_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class Uplink:
+    """Streams buffered reports to the coordinator and keeps the stream alive.
+
+    Args:
+        target: coordinator address, HOST:PORT.
+        make_hello: builds the Hello for each new connection.
+        buffer: the reports waiting for acknowledgement.
+        commands: runs commands sent by the coordinator.
+        reconnect_max_s: the backoff cap.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        make_hello: Callable[[int], agent_pb2.Hello],
+        buffer: ReportBuffer,
+        commands: CommandHandler,
+        reconnect_max_s: float = 30.0,
+    ) -> None:
+        self.target = target
+        self._make_hello = make_hello
+        self._buffer = buffer
+        self._commands = commands
+        self._backoff = Backoff(cap_s=reconnect_max_s)
+        self._outbox: collections.deque[agent_pb2.CommandResult] = collections.deque()
+        self._outbox_ready = asyncio.Event()
+        self.connected = False
+        self.connections_total = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Keep a stream open until ``stop`` is set; then close it cleanly."""
+        failing = False
+        while not stop.is_set():
+            try:
+                await self._session(stop)
+                if not stop.is_set():
+                    logger.warning("coordinator %s closed the stream; reconnecting", self.target)
+            except grpc.aio.AioRpcError as exc:
+                if not failing:
+                    logger.warning(
+                        "cannot reach coordinator %s: %s %s; retrying with backoff up to %.0f s",
+                        self.target, exc.code().name, exc.details(), self._backoff.cap_s,
+                    )  # fmt: skip
+                failing = True
+            else:
+                failing = False
+            self.connected = False
+            if stop.is_set():
+                break
+            delay_s = self._backoff.next_delay_s()
+            logger.debug("reconnecting in %.2f s", delay_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=delay_s)
+
+    async def _session(self, stop: asyncio.Event) -> None:
+        async with grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS) as channel:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            call = stub.Connect()
+            await call.write(agent_pb2.AgentMessage(hello=self._make_hello(self._buffer.acked_sequence)))
+            sender = asyncio.create_task(self._send(call, stop), name="uplink-send")
+            try:
+                async for message in call:
+                    await self._on_message(message)
+                # The server ended the call; surface the sender's error, if any.
+                if sender.done() and not sender.cancelled() and sender.exception():
+                    raise sender.exception()  # type: ignore[misc]
+            finally:
+                sender.cancel()
+                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                    await sender
+
+    async def _on_message(self, message: agent_pb2.CoordinatorMessage) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "ack":
+            self._buffer.ack(message.ack.sequence)
+            if not self.connected:
+                self.connected = True
+                self.connections_total += 1
+                self._backoff.reset()
+                logger.info("connected to coordinator %s", self.target)
+        elif kind == "command":
+            self._outbox.append(await self._commands.handle(message.command))
+            self._outbox_ready.set()
+
+    async def _send(self, call: grpc.aio.StreamStreamCall, stop: asyncio.Event) -> None:  # type: ignore[type-arg]
+        """The stream's only writer: replayed and new reports, then command results."""
+        sent = self._buffer.acked_sequence
+        while True:
+            self._outbox_ready.clear()
+            while self._outbox:
+                await call.write(agent_pb2.AgentMessage(command_result=self._outbox.popleft()))
+            for report in self._buffer.after(sent):
+                await call.write(agent_pb2.AgentMessage(report=report))
+                sent = report.sequence
+            if stop.is_set():
+                await call.done_writing()
+                return
+            waiters = {
+                asyncio.ensure_future(self._buffer.wait_for_newer(sent)),
+                asyncio.ensure_future(stop.wait()),
+                asyncio.ensure_future(self._outbox_ready.wait()),
+            }
+            try:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
+

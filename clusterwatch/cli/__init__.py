@@ -1,0 +1,34 @@
+"""The ``clusterwatch`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from clusterwatch import __version__
+from clusterwatch.cli import agent_cmd, common, coordinator_cmd, demo, status
+from clusterwatch.errors import ConfigError
+
+EXIT_CONFIG_ERROR = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="clusterwatch",
+        description="Watch multi-node PyTorch training: GPUs, hosts, fabric and ranks, live.",
+    )
+    parser.add_argument("--version", action="version", version=f"clusterwatch {__version__}")
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    for module in (agent_cmd, coordinator_cmd, status, demo):
+        common.add_common_flags(module.add_parser(subparsers))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    common.setup_logging(args.log_level)
+    try:
+        return int(args.run(args))
+    except ConfigError as exc:
+        print(f"clusterwatch: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR

@@ -1,0 +1,84 @@
+"""What every subcommand shares: settings flags, config loading, logging, signals."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from clusterwatch import config
+
+T = TypeVar("T")
+
+LOG_LEVEL_ENV = "CLUSTERWATCH_LOG_LEVEL"
+_FLAG_PREFIX = "setting__"
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of a settings dataclass; values are parsed by config.load."""
+    section = config.SECTIONS[cls]
+    group = parser.add_argument_group(f"settings ([{section}] in the config file, or CLUSTERWATCH_{section.upper()}_*)")
+    for field in config.fields_of(cls):
+        if field.name in skip:
+            continue
+        default = field.default if field.default is not config.dataclasses.MISSING else field.default_factory()  # type: ignore[misc]
+        shown = ",".join(default) if isinstance(default, list) else default
+        group.add_argument(
+            config.flag_name(field),
+            dest=_FLAG_PREFIX + field.name,
+            default=argparse.SUPPRESS,
+            metavar=field.name.upper(),
+            help=f"{field.metadata['help']} ({f'default {shown}; ' if shown != '' else ''}"
+            f"env {config.env_name(section, field.name)})",
+        )
+
+
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help=f"TOML config file (default: ${config.CONFIG_PATH_ENV} or {config.DEFAULT_CONFIG_PATH} if present)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get(LOG_LEVEL_ENV, "info"),
+        choices=("debug", "info", "warning", "error"),
+        help=f"log verbosity (env {LOG_LEVEL_ENV})",
+    )
+
+
+def settings_from_args(args: argparse.Namespace, cls: type[T]) -> T:
+    """Settings of ``cls`` with precedence flag > env > file > default.
+
+    Raises:
+        ConfigError: naming the first bad key.
+    """
+    flags = {k.removeprefix(_FLAG_PREFIX): v for k, v in vars(args).items() if k.startswith(_FLAG_PREFIX)}
+    tables, file_name = config.read_config_file(args.config, os.environ)
+    return config.load(cls, file_tables=tables, file_name=file_name, flags=flags)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[Any]]) -> None:
+    """Run ``main(stop)`` on a new event loop; SIGINT and SIGTERM set ``stop``."""
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    asyncio.run(runner())

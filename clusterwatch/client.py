@@ -1,0 +1,45 @@
+"""A small synchronous client of the ClusterService, for the CLI."""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+import grpc
+
+from clusterwatch.grpc_options import CHANNEL_OPTIONS
+from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
+
+
+class ClusterClient:
+    """Talks to a coordinator's ClusterService.
+
+    Args:
+        address: HOST:PORT of the coordinator.
+        timeout_s: deadline of each call.
+    """
+
+    def __init__(self, address: str, timeout_s: float = 5.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = cluster_pb2_grpc.ClusterServiceStub(self._channel)
+
+    def snapshot(self, summary_only: bool = False) -> cluster_pb2.ClusterSnapshot:
+        request = cluster_pb2.GetSnapshotRequest(summary_only=summary_only)
+        return self._stub.GetSnapshot(request, timeout=self.timeout_s, wait_for_ready=True)  # type: ignore[no-any-return]
+
+    def events(self, after_id: int = 0, limit: int = 0, node_id: str = "") -> list[cluster_pb2.Event]:
+        request = cluster_pb2.ListEventsRequest(after_id=after_id, limit=limit, node_id=node_id)
+        response = self._stub.ListEvents(request, timeout=self.timeout_s, wait_for_ready=True)
+        return list(response.events)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> ClusterClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

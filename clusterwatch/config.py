@@ -1,0 +1,262 @@
+"""Typed settings for every clusterwatch command, from file, environment and flags.
+
+Precedence, highest first: command-line flag > ``CLUSTERWATCH_<SECTION>_<KEY>``
+environment variable > TOML config file > built-in default.
+
+The config file is ``--config PATH``, else ``$CLUSTERWATCH_CONFIG``, else
+``/etc/clusterwatch/clusterwatch.toml`` when it exists. It has one table per
+section::
+
+    [agent]
+    coordinator = "coordinator.example:50051"
+    interval_s = 1.0
+
+    [coordinator]
+    state_dir = "/var/lib/clusterwatch"
+
+Every setting is a field of one of the dataclasses below; its metadata names
+its flag and help text, so the file keys, the environment variables and the
+flags cannot drift apart. A bad value raises ConfigError naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar, get_args, get_origin, get_type_hints
+
+from clusterwatch.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = Path("/etc/clusterwatch/clusterwatch.toml")
+ENV_PREFIX = "CLUSTERWATCH_"
+CONFIG_PATH_ENV = "CLUSTERWATCH_CONFIG"
+
+GPU_BACKENDS = ("auto", "nvml", "sim", "none")
+COLLECTORS = ("gpu", "host", "network", "infiniband")
+
+
+def setting(default: Any, help: str, flag: str | None = None, **checks: Any) -> Any:  # noqa: A002
+    """Declare a setting: its default, help text, optional flag name and checks.
+
+    Checks: ``positive=True`` (> 0), ``minimum=N``, ``choices=(...)``,
+    ``host_port=True`` (HOST:PORT, empty allowed when ``optional=True``).
+    """
+    meta = {"help": help, "flag": flag, **checks}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSettings:
+    """Settings of ``clusterwatch agent`` (section ``[agent]``)."""
+
+    coordinator: str = setting("127.0.0.1:50051", "coordinator gRPC address HOST:PORT", host_port=True)
+    node_id: str = setting("", "node name in every report and metric (default: hostname)")
+    interval_s: float = setting(1.0, "seconds between node reports", flag="--interval", positive=True)
+    gpu_backend: str = setting(
+        "auto", "GPU source: auto (NVML if it loads), nvml, sim (simulated), none", choices=GPU_BACKENDS
+    )
+    sim_gpus: int = setting(8, "number of simulated GPUs with --gpu-backend sim", minimum=0)
+    metrics_listen: str = setting(
+        "", "serve this node's /metrics on HOST:PORT (empty: off)", host_port=True, optional=True
+    )
+    collectors: list[str] = setting(list(COLLECTORS), "collectors to run (comma-separated)", choices=COLLECTORS)
+    proc_root: Path = setting(Path("/proc"), "procfs root (a container may mount the host's elsewhere)")
+    sys_root: Path = setting(Path("/sys"), "sysfs root")
+    buffer_s: float = setting(600.0, "seconds of reports kept for replay while disconnected", positive=True)
+    reconnect_max_s: float = setting(30.0, "cap of the reconnect backoff, seconds", positive=True)
+
+    @property
+    def resolved_node_id(self) -> str:
+        return self.node_id or socket.gethostname()
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorSettings:
+    """Settings of ``clusterwatch coordinator`` (section ``[coordinator]``)."""
+
+    listen: str = setting("0.0.0.0:50051", "gRPC listen address HOST:PORT (port 0: any)", host_port=True)
+    metrics_listen: str = setting(
+        "0.0.0.0:9470", "/metrics and /healthz on HOST:PORT (empty: off)", host_port=True, optional=True
+    )
+    state_dir: Path = setting(Path("/var/lib/clusterwatch"), "directory for the SQLite event database")
+    unreachable_after_intervals: float = setting(
+        3.0, "a node that misses this many report intervals is unreachable", positive=True
+    )
+    ready_file: str = setting("", "write the bound ports as JSON to this file once serving")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientSettings:
+    """Settings of the client commands such as ``clusterwatch status`` (section ``[client]``)."""
+
+    coordinator: str = setting("127.0.0.1:50051", "coordinator gRPC address HOST:PORT", host_port=True)
+    timeout_s: float = setting(5.0, "seconds to wait for the coordinator", flag="--timeout", positive=True)
+
+
+SECTIONS: dict[type, str] = {AgentSettings: "agent", CoordinatorSettings: "coordinator", ClientSettings: "client"}
+
+T = TypeVar("T")
+
+
+def flag_name(field: dataclasses.Field[Any]) -> str:
+    """The command-line flag of a setting: explicit, or the field name in kebab-case."""
+    explicit: str | None = field.metadata.get("flag")
+    return explicit or "--" + field.name.replace("_", "-")
+
+
+def env_name(section: str, field_name: str) -> str:
+    return f"{ENV_PREFIX}{section.upper()}_{field_name.upper()}"
+
+
+def fields_of(cls: type) -> list[dataclasses.Field[Any]]:
+    return list(dataclasses.fields(cls))
+
+
+def read_config_file(path: Path | None, environ: Mapping[str, str]) -> tuple[dict[str, Any], str]:
+    """Load the TOML config file; return its tables and a name for messages.
+
+    An explicitly named file must exist; the default path is optional.
+    """
+    explicit = path or (Path(environ[CONFIG_PATH_ENV]) if environ.get(CONFIG_PATH_ENV) else None)
+    chosen = explicit or DEFAULT_CONFIG_PATH
+    if explicit is None and not chosen.exists():
+        return {}, ""
+    try:
+        with chosen.open("rb") as fh:
+            return tomllib.load(fh), str(chosen)
+    except FileNotFoundError:
+        raise ConfigError("config", f"file {chosen} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"{chosen} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {chosen}: {exc.strerror}") from None
+
+
+def load(
+    cls: type[T],
+    *,
+    file_tables: Mapping[str, Any],
+    file_name: str = "",
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, str] | None = None,
+) -> T:
+    """Build a settings object of ``cls`` from file, environment and flags.
+
+    Args:
+        cls: one of the settings dataclasses in SECTIONS.
+        file_tables: the parsed TOML document (all sections).
+        file_name: the file's path, for error messages.
+        environ: environment variables (default: os.environ).
+        flags: field name -> raw string from the command line, only for flags given.
+
+    Raises:
+        ConfigError: naming the key of the first bad value.
+    """
+    section = SECTIONS[cls]
+    environ = os.environ if environ is None else environ
+    flags = flags or {}
+    hints = get_type_hints(cls)
+    table = file_tables.get(section, {})
+    if not isinstance(table, dict):
+        raise ConfigError(section, "must be a table", file_name)
+    known = {f.name for f in fields_of(cls)}
+    for key in table:
+        if key not in known:
+            raise ConfigError(f"{section}.{key}", "unknown setting", file_name)
+    values: dict[str, Any] = {}
+    for field in fields_of(cls):
+        key = f"{section}.{field.name}"
+        env = env_name(section, field.name)
+        if field.name in flags:
+            raw, source = flags[field.name], flag_name(field)
+        elif env in environ:
+            raw, source = environ[env], env
+        elif field.name in table:
+            raw, source = table[field.name], file_name
+        else:
+            continue
+        values[field.name] = _convert(key, raw, hints[field.name], field.metadata, source)
+    return cls(**values)
+
+
+def _convert(key: str, raw: Any, annotation: Any, meta: Mapping[str, Any], source: str) -> Any:
+    """Convert and check one raw value (a TOML value or a string)."""
+    if get_origin(annotation) is list:
+        (item_type,) = get_args(annotation)
+        items = [s.strip() for s in raw.split(",") if s.strip()] if isinstance(raw, str) else raw
+        if not isinstance(items, list):
+            raise ConfigError(key, f"must be a list, got {raw!r}", source)
+        value: Any = [_scalar(key, item, item_type, source) for item in items]
+        for item in value:
+            _check(key, item, meta, source)
+        return value
+    value = _scalar(key, raw, annotation, source)
+    _check(key, value, meta, source)
+    return value
+
+
+_PARSERS: dict[type, Callable[[str], Any]] = {
+    float: float,
+    int: int,
+    str: str,
+    Path: Path,
+}
+
+
+def _scalar(key: str, raw: Any, typ: type, source: str) -> Any:
+    if typ is bool:
+        if isinstance(raw, bool):
+            return raw
+        lowered = str(raw).strip().lower()
+        if lowered in {"1", "true", "yes", "on"}:
+            return True
+        if lowered in {"0", "false", "no", "off"}:
+            return False
+        raise ConfigError(key, f"must be true or false, got {raw!r}", source)
+    if isinstance(raw, bool) or (not isinstance(raw, str) and typ in {str, Path}):
+        raise ConfigError(key, f"must be a {typ.__name__}, got {raw!r}", source)
+    if typ is int and isinstance(raw, float):
+        raise ConfigError(key, f"must be a whole number, got {raw!r}", source)
+    try:
+        value = _PARSERS[typ](raw.strip() if isinstance(raw, str) else raw)
+    except (TypeError, ValueError):
+        kind = {float: "a number", int: "a whole number"}.get(typ, typ.__name__)
+        raise ConfigError(key, f"must be {kind}, got {raw!r}", source) from None
+    if isinstance(value, float) and value != value:  # NaN
+        raise ConfigError(key, "must be a number, got NaN", source)
+    return value
+
+
+def _check(key: str, value: Any, meta: Mapping[str, Any], source: str) -> None:
+    if meta.get("positive") and not value > 0:
+        raise ConfigError(key, f"must be greater than 0, got {value!r}", source)
+    if "minimum" in meta and value < meta["minimum"]:
+        raise ConfigError(key, f"must be at least {meta['minimum']}, got {value!r}", source)
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(key, f"must be one of {', '.join(choices)}; got {value!r}", source)
+    if meta.get("host_port") and not (meta.get("optional") and value == ""):
+        try:
+            split_host_port(value)
+        except ValueError as exc:
+            raise ConfigError(key, str(exc), source) from None
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[::1]:PORT`` for IPv6) into host and port.
+
+    Raises:
+        ValueError: if the address has no port or the port is not 0..65535.
+    """
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"must be HOST:PORT, got {address!r}")
+    if not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(f"port must be 0..65535, got {address!r}")
+    return host.strip("[]"), int(port_text)

@@ -1,0 +1,31 @@
+"""The exception hierarchy shared by every component.
+
+Each subsystem raises subclasses of ClusterwatchError; servicers map them to
+gRPC status codes in one place (clusterwatch.coordinator.errors_interceptor) and
+the CLI maps ConfigError to exit code 2.
+"""
+
+from __future__ import annotations
+
+
+class ClusterwatchError(Exception):
+    """Base of every error clusterwatch raises on purpose."""
+
+
+class ConfigError(ClusterwatchError):
+    """A configuration value is missing, malformed or out of range.
+
+    Attributes:
+        key: the dotted setting name, e.g. ``agent.interval_s``.
+        source: where the bad value came from (file path, env var or flag).
+    """
+
+    def __init__(self, key: str, message: str, source: str = "") -> None:
+        self.key = key
+        self.source = source
+        where = f" (from {source})" if source else ""
+        super().__init__(f"{key}: {message}{where}")
+
+
+class InvalidReportError(ClusterwatchError):
+    """A message from an agent breaks the protocol (maps to INVALID_ARGUMENT)."""

@@ -1,0 +1,289 @@
+"""The node-level metric families and how a NodeReport becomes samples.
+
+Shared by the coordinator's /metrics (every node) and an agent's own /metrics
+(its node only), so the two expose the same names. Every series carries
+``node``; GPU series add ``gpu`` (the NVML index), joined to uuid and model
+through ``clusterwatch_gpu_info``. A field the agent left unset produces no
+sample: absent hardware support is absent data, not zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from clusterwatch.gpu_reasons import CLOCK_EVENT_REASONS
+from clusterwatch.promtext import Exposition, Family, counter, escape, format_value, gauge
+from clusterwatch.v1 import node_pb2
+
+# --- GPU -------------------------------------------------------------------
+GPU_INFO = gauge(
+    "clusterwatch_gpu_info",
+    "GPU identity; value 1. simulated=\"true\" when the agent runs the simulated backend.",
+)
+GPU_CLOCKS_EVENT_ACTIVE = gauge(
+    "clusterwatch_gpu_clocks_event_active",
+    "1 when NVML reports this clock-event (throttle) reason as active on the GPU.",
+)
+GPU_NVLINK_TX = counter("clusterwatch_gpu_nvlink_transmit_bytes_total", "NVLink data bytes sent, per link.")
+GPU_NVLINK_RX = counter("clusterwatch_gpu_nvlink_receive_bytes_total", "NVLink data bytes received, per link.")
+GPU_NVLINK_ERRORS = counter(
+    "clusterwatch_gpu_nvlink_errors_total", "NVLink data-link errors per link and kind (crc, replay, recovery)."
+)
+GPU_ECC = counter("clusterwatch_gpu_ecc_errors_total", "ECC errors since the driver loaded (volatile), by kind.")
+GPU_REMAPPED_ROWS = gauge("clusterwatch_gpu_remapped_rows", "Memory rows remapped, by kind.")
+GPU_XID = counter("clusterwatch_gpu_xid_errors_total", "XID errors seen by this agent, by XID code.")
+GPU_QUERY_ERRORS = counter(
+    "clusterwatch_gpu_query_errors_total", "NVML calls that failed, by function and error (e.g. NotSupported)."
+)
+GPU_PROCESSES = gauge("clusterwatch_gpu_processes", "Compute processes holding memory on the GPU.")
+
+# (family, GpuSample field) for plain per-GPU values.
+GPU_FIELDS: tuple[tuple[Family, str], ...] = (
+    (gauge("clusterwatch_gpu_utilization_ratio", "Fraction of time a kernel ran (NVML GPU utilisation)."),
+     "utilization_ratio"),
+    (gauge("clusterwatch_gpu_memory_bandwidth_utilization_ratio",
+           "Fraction of time device memory was read or written."), "memory_bandwidth_utilization_ratio"),
+    (gauge("clusterwatch_gpu_memory_used_bytes", "Device memory in use."), "memory_used_bytes"),
+    (gauge("clusterwatch_gpu_memory_total_bytes", "Device memory size."), "memory_total_bytes"),
+    (gauge("clusterwatch_gpu_power_watts", "Power draw."), "power_watts"),
+    (gauge("clusterwatch_gpu_power_limit_watts", "Enforced power limit."), "power_limit_watts"),
+    (counter("clusterwatch_gpu_energy_joules_total", "Energy used since the driver loaded."),
+     "energy_joules_total"),
+    (gauge("clusterwatch_gpu_temperature_celsius", "GPU core temperature."), "temperature_celsius"),
+    (gauge("clusterwatch_gpu_memory_temperature_celsius", "HBM temperature."), "memory_temperature_celsius"),
+    (gauge("clusterwatch_gpu_sm_clock_hertz", "Current SM clock."), "sm_clock_hertz"),
+    (gauge("clusterwatch_gpu_sm_clock_max_hertz", "Maximum SM clock."), "sm_clock_max_hertz"),
+    (gauge("clusterwatch_gpu_memory_clock_hertz", "Current memory clock."), "memory_clock_hertz"),
+    (gauge("clusterwatch_gpu_pcie_transmit_bytes_per_second", "PCIe transmit throughput (NVML sample)."),
+     "pcie_transmit_bytes_per_second"),
+    (gauge("clusterwatch_gpu_pcie_receive_bytes_per_second", "PCIe receive throughput (NVML sample)."),
+     "pcie_receive_bytes_per_second"),
+    (counter("clusterwatch_gpu_pcie_replay_errors_total", "PCIe replays (link-level retransmissions)."),
+     "pcie_replay_errors_total"),
+)
+GPU_REMAPPED_PENDING = gauge("clusterwatch_gpu_remapped_rows_pending", "1 when a row remap waits for a GPU reset.")
+GPU_REMAPPED_FAILURE = gauge("clusterwatch_gpu_remapped_rows_failure", "1 when a row remap failed.")
+
+# --- host ------------------------------------------------------------------
+HOST_FIELDS: tuple[tuple[Family, str], ...] = (
+    (gauge("clusterwatch_node_cpu_utilization_ratio", "Fraction of CPU time not idle over the last interval."),
+     "cpu_utilization_ratio"),
+    (gauge("clusterwatch_node_load1", "1-minute load average."), "load1"),
+    (gauge("clusterwatch_node_load5", "5-minute load average."), "load5"),
+    (gauge("clusterwatch_node_load15", "15-minute load average."), "load15"),
+    (gauge("clusterwatch_node_memory_used_bytes", "Host memory in use."), "memory_used_bytes"),
+    (gauge("clusterwatch_node_memory_total_bytes", "Host memory size."), "memory_total_bytes"),
+    (gauge("clusterwatch_node_memory_available_bytes", "Host memory available without swapping."),
+     "memory_available_bytes"),
+    (gauge("clusterwatch_node_swap_used_bytes", "Swap in use."), "swap_used_bytes"),
+    (gauge("clusterwatch_node_swap_total_bytes", "Swap size."), "swap_total_bytes"),
+    (gauge("clusterwatch_node_processes", "Processes on the host."), "processes"),
+    (gauge("clusterwatch_node_boot_time_seconds", "Host boot time, Unix seconds."), "boot_time_seconds"),
+)
+NODE_CPUS = gauge("clusterwatch_node_cpus", "Logical CPUs.")
+
+# --- network ---------------------------------------------------------------
+NIC_FIELDS: tuple[tuple[Family, str], ...] = (
+    (counter("clusterwatch_network_receive_bytes_total", "Bytes received by the interface."),
+     "receive_bytes_total"),
+    (counter("clusterwatch_network_transmit_bytes_total", "Bytes sent by the interface."), "transmit_bytes_total"),
+    (counter("clusterwatch_network_receive_packets_total", "Packets received."), "receive_packets_total"),
+    (counter("clusterwatch_network_transmit_packets_total", "Packets sent."), "transmit_packets_total"),
+    (counter("clusterwatch_network_receive_errors_total", "Receive errors."), "receive_errors_total"),
+    (counter("clusterwatch_network_transmit_errors_total", "Transmit errors."), "transmit_errors_total"),
+    (counter("clusterwatch_network_receive_drops_total", "Received packets dropped."), "receive_drops_total"),
+    (counter("clusterwatch_network_transmit_drops_total", "Outgoing packets dropped."), "transmit_drops_total"),
+)
+NIC_UP = gauge("clusterwatch_network_up", "1 when the interface's operstate is up.")
+NIC_SPEED = gauge("clusterwatch_network_speed_bytes_per_second", "Negotiated link speed.")
+
+# --- InfiniBand ------------------------------------------------------------
+IB_FIELDS: tuple[tuple[Family, str], ...] = (
+    (counter("clusterwatch_infiniband_port_receive_bytes_total", "Data bytes received (port_rcv_data x 4)."),
+     "receive_bytes_total"),
+    (counter("clusterwatch_infiniband_port_transmit_bytes_total", "Data bytes sent (port_xmit_data x 4)."),
+     "transmit_bytes_total"),
+    (counter("clusterwatch_infiniband_port_receive_packets_total", "Packets received."), "receive_packets_total"),
+    (counter("clusterwatch_infiniband_port_transmit_packets_total", "Packets sent."), "transmit_packets_total"),
+    (counter("clusterwatch_infiniband_port_transmit_wait_total",
+             "Ticks the port had data to send but no credits (congestion)."), "transmit_wait_total"),
+    (counter("clusterwatch_infiniband_symbol_errors_total", "Physical-layer symbol errors."),
+     "symbol_errors_total"),
+    (counter("clusterwatch_infiniband_link_downed_total", "Times the link went down."), "link_downed_total"),
+    (counter("clusterwatch_infiniband_port_receive_errors_total", "Malformed packets received."),
+     "receive_errors_total"),
+    (gauge("clusterwatch_infiniband_port_rate_bytes_per_second", "Port signalling rate."),
+     "rate_bytes_per_second"),
+)
+IB_INFO = gauge("clusterwatch_infiniband_port_info", "Port state and link layer; value 1.")
+IB_UP = gauge("clusterwatch_infiniband_port_up", "1 when the port state is ACTIVE.")
+IB_HW_COUNTER = counter(
+    "clusterwatch_infiniband_hw_counter_total", "Driver hw_counters (RoCE congestion and retransmission)."
+)
+
+# --- agent self-monitoring -------------------------------------------------
+COLLECTOR_SUCCESS = gauge("clusterwatch_collector_success", "1 when the collector's last run succeeded.")
+COLLECTOR_DURATION = gauge("clusterwatch_collector_duration_seconds", "Duration of the collector's last run.")
+REPORTS_DROPPED = counter(
+    "clusterwatch_agent_reports_dropped_total",
+    "Reports the agent dropped because its replay buffer was full during an outage.",
+)
+REPORT_TIMESTAMP = gauge(
+    "clusterwatch_node_report_timestamp_seconds", "When the agent collected the latest report, Unix seconds."
+)
+
+NODE_FAMILIES: tuple[Family, ...] = (
+    GPU_INFO,
+    *(f for f, _ in GPU_FIELDS),
+    GPU_CLOCKS_EVENT_ACTIVE, GPU_NVLINK_TX, GPU_NVLINK_RX, GPU_NVLINK_ERRORS, GPU_ECC,
+    GPU_REMAPPED_ROWS, GPU_REMAPPED_PENDING, GPU_REMAPPED_FAILURE, GPU_XID, GPU_PROCESSES, GPU_QUERY_ERRORS,
+    NODE_CPUS, *(f for f, _ in HOST_FIELDS),
+    *(f for f, _ in NIC_FIELDS), NIC_UP, NIC_SPEED,
+    *(f for f, _ in IB_FIELDS), IB_INFO, IB_UP, IB_HW_COUNTER,
+    COLLECTOR_SUCCESS, COLLECTOR_DURATION, REPORTS_DROPPED, REPORT_TIMESTAMP,
+)  # fmt: skip
+
+
+def register_node_families(exp: Exposition) -> None:
+    """Announce every node family so HELP/TYPE appear even with no samples yet."""
+    for family in NODE_FAMILIES:
+        exp.lines(family)
+
+
+def write_node(exp: Exposition, node_id: str, report: node_pb2.NodeReport) -> None:
+    """Add every sample of one node's latest report to ``exp``."""
+    node = f'node="{escape(node_id)}"'
+    _write_gpus(exp, node, report)
+    _write_host(exp, node, report.host)
+    _write_nics(exp, node, report.nics)
+    _write_ib(exp, node, report.ib_ports)
+    for status in report.collectors:
+        collector = f'{node},collector="{escape(status.name)}"'
+        exp.add(COLLECTOR_SUCCESS, collector, 1 if status.success else 0)
+        exp.add(COLLECTOR_DURATION, collector, status.duration_seconds)
+    exp.add(REPORTS_DROPPED, node, report.reports_dropped_total)
+    exp.add(REPORT_TIMESTAMP, node, report.timestamp_unix_seconds)
+
+
+def _write_gpus(exp: Exposition, node: str, report: node_pb2.NodeReport) -> None:
+    inventory = report.gpu_inventory
+    for err in inventory.query_errors:
+        exp.add(GPU_QUERY_ERRORS, f'{node},function="{escape(err.function)}",error="{escape(err.error)}"', err.count)
+    if not report.gpus:
+        return
+    gpus = report.gpus
+    gpu_labels = [f'{node},gpu="{g.index}"' for g in gpus]
+    info_tail = f',driver_version="{escape(inventory.driver_version)}",simulated="{str(inventory.simulated).lower()}"'
+    info_lines = exp.lines(GPU_INFO)
+    for g, lbl in zip(gpus, gpu_labels, strict=True):
+        info_lines.append(
+            f'{GPU_INFO.name}{{{lbl},uuid="{escape(g.uuid)}",name="{escape(g.name)}",'
+            f'pci_bus_id="{escape(g.pci_bus_id)}"{info_tail}}} 1'
+        )
+    for family, attr in GPU_FIELDS:
+        _write_fields(exp, family, attr, gpus, gpu_labels)
+    reason_lines = exp.lines(GPU_CLOCKS_EVENT_ACTIVE)
+    nvl_tx, nvl_rx, nvl_err = exp.lines(GPU_NVLINK_TX), exp.lines(GPU_NVLINK_RX), exp.lines(GPU_NVLINK_ERRORS)
+    for g, lbl in zip(gpus, gpu_labels, strict=True):
+        if g.HasField("clocks_event_reasons"):
+            mask = g.clocks_event_reasons
+            for reason, bit in CLOCK_EVENT_REASONS:
+                reason_lines.append(
+                    f'{GPU_CLOCKS_EVENT_ACTIVE.name}{{{lbl},reason="{reason}"}} {1 if mask & bit else 0}'
+                )
+        for link in g.nvlinks:
+            link_lbl = f'{lbl},link="{link.link}"'
+            if link.HasField("transmit_bytes_total"):
+                nvl_tx.append(f"{GPU_NVLINK_TX.name}{{{link_lbl}}} {link.transmit_bytes_total}")
+            if link.HasField("receive_bytes_total"):
+                nvl_rx.append(f"{GPU_NVLINK_RX.name}{{{link_lbl}}} {link.receive_bytes_total}")
+            for kind in ("crc", "replay", "recovery"):
+                attr = f"{kind}_errors_total"
+                if link.HasField(attr):
+                    nvl_err.append(f'{GPU_NVLINK_ERRORS.name}{{{link_lbl},kind="{kind}"}} {getattr(link, attr)}')
+        if g.HasField("ecc_corrected_errors_total"):
+            exp.add(GPU_ECC, f'{lbl},kind="corrected"', g.ecc_corrected_errors_total)
+        if g.HasField("ecc_uncorrected_errors_total"):
+            exp.add(GPU_ECC, f'{lbl},kind="uncorrected"', g.ecc_uncorrected_errors_total)
+        if g.HasField("remapped_rows_correctable"):
+            exp.add(GPU_REMAPPED_ROWS, f'{lbl},kind="correctable"', g.remapped_rows_correctable)
+        if g.HasField("remapped_rows_uncorrectable"):
+            exp.add(GPU_REMAPPED_ROWS, f'{lbl},kind="uncorrectable"', g.remapped_rows_uncorrectable)
+        if g.HasField("remapped_rows_pending"):
+            exp.add(GPU_REMAPPED_PENDING, lbl, int(g.remapped_rows_pending))
+        if g.HasField("remapped_rows_failure"):
+            exp.add(GPU_REMAPPED_FAILURE, lbl, int(g.remapped_rows_failure))
+        for xid in g.xid_errors:
+            exp.add(GPU_XID, f'{lbl},xid="{xid.xid}"', xid.count)
+        exp.add(GPU_PROCESSES, lbl, len(g.processes))
+
+
+def _write_fields(
+    exp: Exposition,
+    family: Family,
+    attr: str,
+    messages: Sequence[object],
+    label_texts: Sequence[str],
+) -> None:
+    """One family's samples for messages that may leave ``attr`` unset."""
+    lines = exp.lines(family)
+    name = family.name
+    for msg, lbl in zip(messages, label_texts, strict=True):
+        if msg.HasField(attr):  # type: ignore[attr-defined]
+            value = getattr(msg, attr)
+            lines.append(f"{name}{{{lbl}}} {format_value(value)}")
+
+
+def _write_host(exp: Exposition, node: str, host: node_pb2.HostSample) -> None:
+    if host.cpu_count:
+        exp.add(NODE_CPUS, node, host.cpu_count)
+    for family, attr in HOST_FIELDS:
+        _write_fields(exp, family, attr, (host,), (node,))
+
+
+def _write_nics(exp: Exposition, node: str, nics: Sequence[node_pb2.NicSample]) -> None:
+    if not nics:
+        return
+    nic_labels = [f'{node},device="{escape(n.device)}"' for n in nics]
+    for family, attr in NIC_FIELDS:
+        lines = exp.lines(family)
+        for nic, lbl in zip(nics, nic_labels, strict=True):
+            lines.append(f"{family.name}{{{lbl}}} {getattr(nic, attr)}")
+    for nic, lbl in zip(nics, nic_labels, strict=True):
+        if nic.HasField("up"):
+            exp.add(NIC_UP, lbl, int(nic.up))
+        if nic.HasField("speed_bytes_per_second"):
+            exp.add(NIC_SPEED, lbl, nic.speed_bytes_per_second)
+
+
+def _write_ib(exp: Exposition, node: str, ports: Sequence[node_pb2.IbPortSample]) -> None:
+    if not ports:
+        return
+    port_labels = [f'{node},device="{escape(p.device)}",port="{p.port}"' for p in ports]
+    for family, attr in IB_FIELDS:
+        _write_fields(exp, family, attr, ports, port_labels)
+    for port, lbl in zip(ports, port_labels, strict=True):
+        exp.add(
+            IB_INFO,
+            f'{lbl},state="{escape(port.state)}",physical_state="{escape(port.physical_state)}",'
+            f'link_layer="{escape(port.link_layer)}"',
+            1,
+        )
+        exp.add(IB_UP, lbl, 1 if port.state == "ACTIVE" else 0)
+        for name, value in sorted(port.hw_counters.items()):
+            exp.add(IB_HW_COUNTER, f'{lbl},counter="{escape(name)}"', value)
+
+
+
+NODE_INFO = gauge("clusterwatch_node_info", "Node identity and agent version; value 1.")
+NODE_UP = gauge("clusterwatch_node_up", "1 while the node reports on time, 0 when unreachable or gone.")
+
+
+def write_node_info(exp: Exposition, node_id: str, hostname: str, agent_version: str, gpu_backend: str) -> None:
+    """The node_info sample (identity labels, value 1)."""
+    exp.add(
+        NODE_INFO,
+        f'node="{escape(node_id)}",hostname="{escape(hostname)}",agent_version="{escape(agent_version)}",'
+        f'gpu_backend="{escape(gpu_backend)}"',
+        1,
+    )

@@ -1,0 +1,72 @@
+"""AgentService: the thin gRPC face of Coordinator for agent streams."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from clusterwatch.coordinator.core import Coordinator
+from clusterwatch.coordinator.sessions import AgentSession
+from clusterwatch.errors import InvalidReportError
+from clusterwatch.v1 import agent_pb2, agent_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+Context = grpc.aio.ServicerContext[agent_pb2.AgentMessage, agent_pb2.CoordinatorMessage]
+
+
+class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._core = coordinator
+
+    async def Connect(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[agent_pb2.AgentMessage], context: Context
+    ) -> None:
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        assert isinstance(first, agent_pb2.AgentMessage)  # noqa: S101 - narrowing for mypy
+        if first.WhichOneof("kind") != "hello":
+            raise InvalidReportError("the first message on a stream must be a hello")
+        session = self._core.open_stream(first.hello)
+        writer = asyncio.create_task(self._write(session, context), name=f"acks-{session.node_id}")
+        graceful = False
+        try:
+            graceful = await self._read(session, context)
+        finally:
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await writer
+            self._core.close_stream(session, graceful)
+
+    async def _read(self, session: AgentSession, context: Context) -> bool:
+        """Apply messages until the agent half-closes (True) or is superseded."""
+        while True:
+            message: Any = await context.read()
+            if message is grpc.aio.EOF:
+                return True
+            if not self._core.is_current(session):
+                await context.abort(grpc.StatusCode.ABORTED, "superseded by a newer stream from the same node")
+            kind = message.WhichOneof("kind")
+            if kind == "report":
+                self._core.ingest(session, message.report)
+            elif kind == "command_result":
+                session.resolve(message.command_result)
+            else:
+                raise InvalidReportError(f"unexpected {kind or 'empty'} message after the hello")
+
+    async def _write(self, session: AgentSession, context: Context) -> None:
+        """The stream's only writer: cumulative acks, then queued commands."""
+        while True:
+            await session.wake.wait()
+            session.wake.clear()
+            sequence = session.take_ack()
+            if sequence is not None:
+                await context.write(agent_pb2.CoordinatorMessage(ack=agent_pb2.Ack(sequence=sequence)))
+            while session.outbox:
+                await context.write(agent_pb2.CoordinatorMessage(command=session.outbox.popleft()))

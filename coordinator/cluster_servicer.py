@@ -1,0 +1,71 @@
+"""ClusterService: snapshots, the Watch stream and the event history, over Coordinator."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from clusterwatch import __version__
+from clusterwatch.coordinator.core import Coordinator
+from clusterwatch.coordinator.views import node_status, node_views
+from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
+
+DEFAULT_WATCH_INTERVAL_S = 1.0
+MIN_WATCH_INTERVAL_S = 0.1
+DEFAULT_EVENT_LIMIT = 1000
+
+
+class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._core = coordinator
+
+    def snapshot(self, summary_only: bool = False) -> cluster_pb2.ClusterSnapshot:
+        return cluster_pb2.ClusterSnapshot(
+            timestamp_unix_seconds=time.time(),
+            coordinator_version=__version__,
+            nodes=[node_status(v, summary_only) for v in node_views(self._core.state)],
+        )
+
+    async def GetSnapshot(  # noqa: N802 - gRPC method name
+        self, request: cluster_pb2.GetSnapshotRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> cluster_pb2.ClusterSnapshot:
+        return self.snapshot(request.summary_only)
+
+    async def Watch(  # noqa: N802
+        self, request: cluster_pb2.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[cluster_pb2.ClusterSnapshot]:
+        interval_s = max(MIN_WATCH_INTERVAL_S, request.interval_seconds or DEFAULT_WATCH_INTERVAL_S)
+        while True:
+            yield self.snapshot(request.summary_only)
+            await asyncio.sleep(interval_s)
+
+    async def ListEvents(  # noqa: N802
+        self, request: cluster_pb2.ListEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> cluster_pb2.ListEventsResponse:
+        stored = self._core.event_log.events(
+            after_id=request.after_id, limit=request.limit or DEFAULT_EVENT_LIMIT, node_id=request.node_id
+        )
+        return cluster_pb2.ListEventsResponse(
+            events=[
+                cluster_pb2.Event(
+                    id=e.id, timestamp_unix_seconds=e.timestamp_unix_s, kind=e.kind, node_id=e.node_id, detail=e.detail
+                )
+                for e in stored
+            ]
+        )
+
+    async def ListIncidents(  # noqa: N802
+        self, request: cluster_pb2.ListIncidentsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> cluster_pb2.ListIncidentsResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "incident detection is not in this version yet")
+        raise AssertionError("unreachable")  # abort raises
+
+    async def RequestAction(  # noqa: N802
+        self, request: cluster_pb2.ActionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> cluster_pb2.ActionResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "actions are not in this version yet")
+        raise AssertionError("unreachable")

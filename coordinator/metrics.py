@@ -1,0 +1,50 @@
+"""The coordinator's /metrics page, rendered from NodeViews at scrape time."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from clusterwatch import __version__
+from clusterwatch.coordinator.views import NodeView
+from clusterwatch.node_metrics import NODE_UP, register_node_families, write_node, write_node_info
+from clusterwatch.promtext import Exposition, counter, escape, gauge
+from clusterwatch.v1 import cluster_pb2
+
+NodeState = cluster_pb2.NodeState
+
+COORDINATOR_INFO = gauge("clusterwatch_coordinator_info", "Coordinator version; value 1.")
+NODES = gauge("clusterwatch_coordinator_nodes", "Known nodes by state.")
+REPORTS_RECEIVED = counter(
+    "clusterwatch_node_reports_received_total", "Reports applied from this node since the coordinator started."
+)
+REPORTS_MISSED = counter(
+    "clusterwatch_node_reports_missed_total", "Reports the coordinator never received (gaps in the sequence)."
+)
+LAST_SEEN = gauge("clusterwatch_node_last_seen_timestamp_seconds", "When the node last reported, Unix seconds.")
+
+
+def render(views: Sequence[NodeView]) -> bytes:
+    """The whole page. Hardware series come only from nodes that are up, so a
+    node that went silent does not keep exporting its last values."""
+    exp = Exposition()
+    exp.add(COORDINATOR_INFO, f'version="{escape(__version__)}"', 1)
+    states = Counter(v.state for v in views)
+    for state in (NodeState.NODE_STATE_UP, NodeState.NODE_STATE_UNREACHABLE, NodeState.NODE_STATE_LEFT,
+                  NodeState.NODE_STATE_UNKNOWN):  # fmt: skip
+        name = NodeState.Name(state).removeprefix("NODE_STATE_").lower()
+        exp.add(NODES, f'state="{name}"', states.get(state, 0))
+    for v in views:
+        node = f'node="{escape(v.node_id)}"'
+        backend = v.report.gpu_inventory.backend if v.report else ""
+        write_node_info(exp, v.node_id, v.hostname, v.agent_version, backend)
+        exp.add(NODE_UP, node, 1 if v.state == NodeState.NODE_STATE_UP else 0)
+        exp.add(REPORTS_RECEIVED, node, v.reports_received_total)
+        exp.add(REPORTS_MISSED, node, v.reports_missed_total)
+        if v.last_seen_unix_s:
+            exp.add(LAST_SEEN, node, v.last_seen_unix_s)
+    register_node_families(exp)
+    for v in views:
+        if v.state == NodeState.NODE_STATE_UP and v.report is not None:
+            write_node(exp, v.node_id, v.report)
+    return exp.render()

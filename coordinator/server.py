@@ -1,0 +1,119 @@
+"""Runs the coordinator: gRPC API, health, reflection, /metrics, liveness."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from clusterwatch.config import CoordinatorSettings
+from clusterwatch.coordinator.agent_servicer import AgentServicer
+from clusterwatch.coordinator.cluster_servicer import ClusterServicer
+from clusterwatch.coordinator.core import Coordinator
+from clusterwatch.coordinator.errors_interceptor import ErrorMappingInterceptor
+from clusterwatch.coordinator.event_log import EventLog
+from clusterwatch.coordinator.metrics import render
+from clusterwatch.coordinator.views import NodeView, node_views
+from clusterwatch.grpc_options import SERVER_OPTIONS
+from clusterwatch.http_server import MetricsHttpServer
+from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2, cluster_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 2.0
+RENDER_SNAPSHOT_TIMEOUT_S = 10.0
+
+
+class CoordinatorServer:
+    """The coordinator process's servers around one Coordinator.
+
+    Args:
+        settings: listen addresses, state directory, thresholds.
+    """
+
+    def __init__(self, settings: CoordinatorSettings) -> None:
+        self.settings = settings
+        self.core = Coordinator(EventLog(settings.state_dir), settings.unreachable_after_intervals)
+        self.grpc_port = 0
+        self.metrics_port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._http: MetricsHttpServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        # gRPC's aio objects bind to the running loop: create them here, not in __init__.
+        self._server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=SERVER_OPTIONS)
+        self._health = health.aio.HealthServicer()
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(self.core), self._server)
+        cluster_pb2_grpc.add_ClusterServiceServicer_to_server(ClusterServicer(self.core), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        services = (
+            agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
+            cluster_pb2.DESCRIPTOR.services_by_name["ClusterService"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(services, self._server)
+        self.grpc_port = self._server.add_insecure_port(self.settings.listen)
+        if self.grpc_port == 0:
+            raise OSError(f"cannot listen on {self.settings.listen}")
+        await self._server.start()
+        for service in services[:2]:
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        if self.settings.metrics_listen:
+            self._http = MetricsHttpServer(self.settings.metrics_listen, self.render_metrics, lambda: True)
+            self._http.start()
+            self.metrics_port = self._http.port
+        logger.info(
+            "coordinator serving gRPC on port %d, /metrics on %s, state in %s",
+            self.grpc_port, self.metrics_port or "(off)", self.settings.state_dir,
+        )  # fmt: skip
+        if self.settings.ready_file:
+            self._write_ready_file(Path(self.settings.ready_file))
+
+    def render_metrics(self) -> bytes:
+        """Called from the HTTP thread: copy state on the loop, render here."""
+        assert self._loop is not None  # noqa: S101 - start() ran
+        views = asyncio.run_coroutine_threadsafe(self._views(), self._loop).result(RENDER_SNAPSHOT_TIMEOUT_S)
+        return render(views)
+
+    async def _views(self) -> list[NodeView]:
+        return node_views(self.core.state)
+
+    def _write_ready_file(self, path: Path) -> None:
+        ready = {"grpc_port": self.grpc_port, "metrics_port": self.metrics_port, "pid": os.getpid()}
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(ready))
+        tmp.replace(path)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set, then shut down gracefully."""
+        await self.start()
+        liveness = asyncio.create_task(self.core.watch_liveness(), name="liveness")
+        try:
+            await stop.wait()
+        finally:
+            logger.info("coordinator shutting down")
+            liveness.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await liveness
+            await self.stop()
+
+    async def stop(self) -> None:
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(SHUTDOWN_GRACE_S)
+        if self._http:
+            self._http.close()
+        self.core.event_log.close()

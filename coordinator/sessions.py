@@ -1,0 +1,63 @@
+"""Per-stream bookkeeping: what to acknowledge and which commands to send down."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+from clusterwatch.v1 import agent_pb2
+
+
+class AgentSession:
+    """One open Connect stream of one agent.
+
+    The stream's reader records applied sequences and wakes the writer; the
+    writer sends one cumulative ack per wake-up, so a burst of replayed
+    reports is acknowledged with a few messages rather than one each.
+    """
+
+    def __init__(self, node_id: str, stream_id: int) -> None:
+        self.node_id = node_id
+        self.stream_id = stream_id
+        self.applied_sequence = 0
+        # True when the agent has not been told the current applied_sequence;
+        # starts True so a new stream is acknowledged at once.
+        self.ack_due = True
+        self.outbox: collections.deque[agent_pb2.Command] = collections.deque()
+        self.wake = asyncio.Event()
+        self.wake.set()
+        self._waiting: dict[str, asyncio.Future[agent_pb2.CommandResult]] = {}
+
+    def applied(self, sequence: int) -> None:
+        """Everything up to ``sequence`` is in the cluster state (replays included)."""
+        if sequence > self.applied_sequence:
+            self.applied_sequence = sequence
+            self.ack_due = True
+            self.wake.set()
+
+    def take_ack(self) -> int | None:
+        """The sequence to acknowledge now, or None if the agent already knows it."""
+        if not self.ack_due:
+            return None
+        self.ack_due = False
+        return self.applied_sequence
+
+    def send(self, command: agent_pb2.Command) -> asyncio.Future[agent_pb2.CommandResult]:
+        """Queue a command; the future resolves with the agent's result."""
+        future = self._waiting.get(command.command_id)
+        if future is None:
+            future = self._waiting[command.command_id] = asyncio.get_running_loop().create_future()
+            self.outbox.append(command)
+            self.wake.set()
+        return future
+
+    def resolve(self, result: agent_pb2.CommandResult) -> None:
+        future = self._waiting.pop(result.command_id, None)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    def fail_pending(self, reason: str) -> None:
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(ConnectionError(reason))
+        self._waiting.clear()

@@ -1,0 +1,78 @@
+"""Regenerate the protobuf and gRPC modules in clusterwatch/v1 from proto/.
+
+Usage:
+    python scripts/gen_protos.py           # rewrite clusterwatch/v1/*_pb2*.py[i]
+    python scripts/gen_protos.py --check   # exit 1 if the committed files are stale
+
+The generated files are committed and never edited by hand; the test command
+runs --check so a proto change without regeneration fails CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from grpc_tools import protoc
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTO_ROOT = ROOT / "proto"
+PACKAGE_DIR = Path("clusterwatch") / "v1"
+GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
+
+
+def generate(out_root: Path) -> list[Path]:
+    """Generate every proto under proto/ into out_root; return the files written."""
+    sources = sorted(str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / PACKAGE_DIR).glob("*.proto"))
+    include = Path(protoc.__file__).parent / "_proto"
+    argv = [
+        "protoc",
+        f"-I{PROTO_ROOT}",
+        f"-I{include}",
+        f"--python_out={out_root}",
+        f"--grpc_python_out={out_root}",
+        f"--mypy_out={out_root}",
+        f"--mypy_grpc_out={out_root}",
+        *sources,
+    ]
+    # protoc finds the mypy-protobuf plugins on PATH, next to this interpreter.
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    if protoc.main(argv) != 0:
+        raise SystemExit("protoc failed")
+    out_dir = out_root / PACKAGE_DIR
+    return sorted(p for p in out_dir.iterdir() if p.name.endswith(GENERATED_SUFFIXES))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="fail if the committed files differ")
+    args = parser.parse_args()
+    committed_dir = ROOT / PACKAGE_DIR
+    if not args.check:
+        for stale in committed_dir.iterdir():
+            if stale.name.endswith(GENERATED_SUFFIXES):
+                stale.unlink()
+        for path in generate(ROOT):
+            print(f"wrote {path.relative_to(ROOT)}")
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh = {p.name: p for p in generate(Path(tmp))}
+        committed = {p.name: p for p in committed_dir.iterdir() if p.name.endswith(GENERATED_SUFFIXES)}
+        stale = sorted(
+            name
+            for name in fresh.keys() | committed.keys()
+            if name not in fresh or name not in committed or not filecmp.cmp(fresh[name], committed[name], shallow=False)
+        )
+    if stale:
+        print(f"generated protobuf code is stale: {', '.join(stale)}; run python scripts/gen_protos.py", file=sys.stderr)
+        return 1
+    print("generated protobuf code is up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
