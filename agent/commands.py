@@ -30,7 +30,9 @@ class CommandHandler:
         started = time.monotonic()
         action = command.WhichOneof("action")
         if action == "ping":
-            result = agent_pb2.CommandResult(command_id=command.command_id, status=Status.STATUS_OK, message="pong")
+            result = agent_pb2.CommandResult(
+                command_id=command.command_id, status=Status.STATUS_OK, message="pong"
+            )
         else:
             logger.warning("unsupported command %s (%s)", command.command_id, action)
             result = agent_pb2.CommandResult(

@@ -26,7 +26,9 @@ logger = logging.getLogger(__name__)
 
 CAPABILITIES = ("report.v1", "command.ping")
 
-AGENT_CONNECTED = gauge("clusterwatch_agent_connected", "1 while the agent's stream to the coordinator is up.")
+AGENT_CONNECTED = gauge(
+    "clusterwatch_agent_connected", "1 while the agent's stream to the coordinator is up."
+)
 AGENT_BUFFERED = gauge("clusterwatch_agent_reports_buffered", "Reports waiting for the coordinator's ack.")
 AGENT_CONNECTIONS = counter("clusterwatch_agent_connections_total", "Streams the agent established.")
 
@@ -39,7 +41,9 @@ def build_collectors(settings: AgentSettings, nvml: ModuleType | None = None) ->
             from clusterwatch.agent.collectors.gpu import GpuCollector
             from clusterwatch.agent.gpu.factory import open_gpu_backend
 
-            backend = open_gpu_backend(settings.gpu_backend, settings.sim_gpus, settings.resolved_node_id, nvml)
+            backend = open_gpu_backend(
+                settings.gpu_backend, settings.sim_gpus, settings.resolved_node_id, nvml
+            )
             collectors.append(GpuCollector(backend))
         elif name == "host":
             from clusterwatch.agent.collectors.host import HostCollector
@@ -116,7 +120,10 @@ class Agent:
             self._http.start()
             logger.info("serving /metrics on port %d", self._http.port)
         logger.info(
-            "agent %s reporting to %s every %.3g s", self.node_id, self.settings.coordinator, self.settings.interval_s
+            "agent %s reporting to %s every %.3g s",
+            self.node_id,
+            self.settings.coordinator,
+            self.settings.interval_s,
         )
         uplink = asyncio.create_task(self.uplink.run(stop), name="uplink")
         try:

@@ -83,7 +83,9 @@ class Uplink:
     async def _session(self, stop: asyncio.Event) -> None:
         async with grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS) as channel:
             stub = agent_pb2_grpc.AgentServiceStub(channel)
-            call = stub.Connect()
+            # No request iterator: this call is driven with write()/done_writing(),
+            # which grpc.aio supports and the generated stub's types do not model.
+            call = stub.Connect()  # type: ignore[call-arg]
             await call.write(agent_pb2.AgentMessage(hello=self._make_hello(self._buffer.acked_sequence)))
             sender = asyncio.create_task(self._send(call, stop), name="uplink-send")
             try:
@@ -133,4 +135,3 @@ class Uplink:
             finally:
                 for waiter in waiters:
                     waiter.cancel()
-

@@ -26,7 +26,7 @@ class ClusterClient:
 
     def snapshot(self, summary_only: bool = False) -> cluster_pb2.ClusterSnapshot:
         request = cluster_pb2.GetSnapshotRequest(summary_only=summary_only)
-        return self._stub.GetSnapshot(request, timeout=self.timeout_s, wait_for_ready=True)  # type: ignore[no-any-return]
+        return self._stub.GetSnapshot(request, timeout=self.timeout_s, wait_for_ready=True)
 
     def events(self, after_id: int = 0, limit: int = 0, node_id: str = "") -> list[cluster_pb2.Event]:
         request = cluster_pb2.ListEventsRequest(after_id=after_id, limit=limit, node_id=node_id)

@@ -22,6 +22,7 @@ flags cannot drift apart. A bad value raises ConfigError naming the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import tomllib
@@ -39,7 +40,7 @@ GPU_BACKENDS = ("auto", "nvml", "sim", "none")
 COLLECTORS = ("gpu", "host", "network", "infiniband")
 
 
-def setting(default: Any, help: str, flag: str | None = None, **checks: Any) -> Any:  # noqa: A002
+def setting(default: Any, help: str, flag: str | None = None, **checks: Any) -> Any:
     """Declare a setting: its default, help text, optional flag name and checks.
 
     Checks: ``positive=True`` (> 0), ``minimum=N``, ``choices=(...)``,
@@ -65,7 +66,9 @@ class AgentSettings:
     metrics_listen: str = setting(
         "", "serve this node's /metrics on HOST:PORT (empty: off)", host_port=True, optional=True
     )
-    collectors: list[str] = setting(list(COLLECTORS), "collectors to run (comma-separated)", choices=COLLECTORS)
+    collectors: list[str] = setting(
+        list(COLLECTORS), "collectors to run (comma-separated)", choices=COLLECTORS
+    )
     proc_root: Path = setting(Path("/proc"), "procfs root (a container may mount the host's elsewhere)")
     sys_root: Path = setting(Path("/sys"), "sysfs root")
     buffer_s: float = setting(600.0, "seconds of reports kept for replay while disconnected", positive=True)
@@ -99,7 +102,11 @@ class ClientSettings:
     timeout_s: float = setting(5.0, "seconds to wait for the coordinator", flag="--timeout", positive=True)
 
 
-SECTIONS: dict[type, str] = {AgentSettings: "agent", CoordinatorSettings: "coordinator", ClientSettings: "client"}
+SECTIONS: dict[type, str] = {
+    AgentSettings: "agent",
+    CoordinatorSettings: "coordinator",
+    ClientSettings: "client",
+}
 
 T = TypeVar("T")
 
@@ -228,7 +235,7 @@ def _scalar(key: str, raw: Any, typ: type, source: str) -> Any:
     except (TypeError, ValueError):
         kind = {float: "a number", int: "a whole number"}.get(typ, typ.__name__)
         raise ConfigError(key, f"must be {kind}, got {raw!r}", source) from None
-    if isinstance(value, float) and value != value:  # NaN
+    if isinstance(value, float) and math.isnan(value):
         raise ConfigError(key, "must be a number, got NaN", source)
     return value
 

@@ -56,7 +56,9 @@ def _make_handler(render: Callable[[], bytes], healthy: Callable[[], bool]) -> t
                 self._metrics()
             elif path == "/healthz":
                 ok = healthy()
-                self._send(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, b"ok\n" if ok else b"unhealthy\n")
+                self._send(
+                    HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, b"ok\n" if ok else b"unhealthy\n"
+                )
             else:
                 self._send(HTTPStatus.NOT_FOUND, b"not found; try /metrics or /healthz\n")
 
@@ -73,7 +75,11 @@ def _make_handler(render: Callable[[], bytes], healthy: Callable[[], bool]) -> t
             self._send(HTTPStatus.OK, body, CONTENT_TYPE, encoding)
 
         def _send(
-            self, status: HTTPStatus, body: bytes, content_type: str = "text/plain", encoding: str | None = None
+            self,
+            status: HTTPStatus,
+            body: bytes,
+            content_type: str = "text/plain",
+            encoding: str | None = None,
         ) -> None:
             self.send_response(status)
             self.send_header("Content-Type", content_type)
@@ -83,7 +89,7 @@ def _make_handler(render: Callable[[], bytes], healthy: Callable[[], bool]) -> t
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - base class name
-            logger.debug("http: " + format, *args)
+        def log_message(self, format: str, *args: object) -> None:
+            logger.debug("http %s: %s", self.address_string(), format % args)
 
     return Handler

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from google.protobuf.message import Message
+
 from clusterwatch.gpu_reasons import CLOCK_EVENT_REASONS
 from clusterwatch.promtext import Exposition, Family, counter, escape, format_value, gauge
 from clusterwatch.v1 import node_pb2
@@ -18,63 +20,92 @@ from clusterwatch.v1 import node_pb2
 # --- GPU -------------------------------------------------------------------
 GPU_INFO = gauge(
     "clusterwatch_gpu_info",
-    "GPU identity; value 1. simulated=\"true\" when the agent runs the simulated backend.",
+    'GPU identity; value 1. simulated="true" when the agent runs the simulated backend.',
 )
 GPU_CLOCKS_EVENT_ACTIVE = gauge(
     "clusterwatch_gpu_clocks_event_active",
     "1 when NVML reports this clock-event (throttle) reason as active on the GPU.",
 )
 GPU_NVLINK_TX = counter("clusterwatch_gpu_nvlink_transmit_bytes_total", "NVLink data bytes sent, per link.")
-GPU_NVLINK_RX = counter("clusterwatch_gpu_nvlink_receive_bytes_total", "NVLink data bytes received, per link.")
-GPU_NVLINK_ERRORS = counter(
-    "clusterwatch_gpu_nvlink_errors_total", "NVLink data-link errors per link and kind (crc, replay, recovery)."
+GPU_NVLINK_RX = counter(
+    "clusterwatch_gpu_nvlink_receive_bytes_total", "NVLink data bytes received, per link."
 )
-GPU_ECC = counter("clusterwatch_gpu_ecc_errors_total", "ECC errors since the driver loaded (volatile), by kind.")
+GPU_NVLINK_ERRORS = counter(
+    "clusterwatch_gpu_nvlink_errors_total",
+    "NVLink data-link errors per link and kind (crc, replay, recovery).",
+)
+GPU_ECC = counter(
+    "clusterwatch_gpu_ecc_errors_total", "ECC errors since the driver loaded (volatile), by kind."
+)
 GPU_REMAPPED_ROWS = gauge("clusterwatch_gpu_remapped_rows", "Memory rows remapped, by kind.")
 GPU_XID = counter("clusterwatch_gpu_xid_errors_total", "XID errors seen by this agent, by XID code.")
 GPU_QUERY_ERRORS = counter(
-    "clusterwatch_gpu_query_errors_total", "NVML calls that failed, by function and error (e.g. NotSupported)."
+    "clusterwatch_gpu_query_errors_total",
+    "NVML calls that failed, by function and error (e.g. NotSupported).",
 )
 GPU_PROCESSES = gauge("clusterwatch_gpu_processes", "Compute processes holding memory on the GPU.")
 
 # (family, GpuSample field) for plain per-GPU values.
 GPU_FIELDS: tuple[tuple[Family, str], ...] = (
-    (gauge("clusterwatch_gpu_utilization_ratio", "Fraction of time a kernel ran (NVML GPU utilisation)."),
-     "utilization_ratio"),
-    (gauge("clusterwatch_gpu_memory_bandwidth_utilization_ratio",
-           "Fraction of time device memory was read or written."), "memory_bandwidth_utilization_ratio"),
+    (
+        gauge("clusterwatch_gpu_utilization_ratio", "Fraction of time a kernel ran (NVML GPU utilisation)."),
+        "utilization_ratio",
+    ),
+    (
+        gauge(
+            "clusterwatch_gpu_memory_bandwidth_utilization_ratio",
+            "Fraction of time device memory was read or written.",
+        ),
+        "memory_bandwidth_utilization_ratio",
+    ),
     (gauge("clusterwatch_gpu_memory_used_bytes", "Device memory in use."), "memory_used_bytes"),
     (gauge("clusterwatch_gpu_memory_total_bytes", "Device memory size."), "memory_total_bytes"),
     (gauge("clusterwatch_gpu_power_watts", "Power draw."), "power_watts"),
     (gauge("clusterwatch_gpu_power_limit_watts", "Enforced power limit."), "power_limit_watts"),
-    (counter("clusterwatch_gpu_energy_joules_total", "Energy used since the driver loaded."),
-     "energy_joules_total"),
+    (
+        counter("clusterwatch_gpu_energy_joules_total", "Energy used since the driver loaded."),
+        "energy_joules_total",
+    ),
     (gauge("clusterwatch_gpu_temperature_celsius", "GPU core temperature."), "temperature_celsius"),
     (gauge("clusterwatch_gpu_memory_temperature_celsius", "HBM temperature."), "memory_temperature_celsius"),
     (gauge("clusterwatch_gpu_sm_clock_hertz", "Current SM clock."), "sm_clock_hertz"),
     (gauge("clusterwatch_gpu_sm_clock_max_hertz", "Maximum SM clock."), "sm_clock_max_hertz"),
     (gauge("clusterwatch_gpu_memory_clock_hertz", "Current memory clock."), "memory_clock_hertz"),
-    (gauge("clusterwatch_gpu_pcie_transmit_bytes_per_second", "PCIe transmit throughput (NVML sample)."),
-     "pcie_transmit_bytes_per_second"),
-    (gauge("clusterwatch_gpu_pcie_receive_bytes_per_second", "PCIe receive throughput (NVML sample)."),
-     "pcie_receive_bytes_per_second"),
-    (counter("clusterwatch_gpu_pcie_replay_errors_total", "PCIe replays (link-level retransmissions)."),
-     "pcie_replay_errors_total"),
+    (
+        gauge("clusterwatch_gpu_pcie_transmit_bytes_per_second", "PCIe transmit throughput (NVML sample)."),
+        "pcie_transmit_bytes_per_second",
+    ),
+    (
+        gauge("clusterwatch_gpu_pcie_receive_bytes_per_second", "PCIe receive throughput (NVML sample)."),
+        "pcie_receive_bytes_per_second",
+    ),
+    (
+        counter("clusterwatch_gpu_pcie_replay_errors_total", "PCIe replays (link-level retransmissions)."),
+        "pcie_replay_errors_total",
+    ),
 )
-GPU_REMAPPED_PENDING = gauge("clusterwatch_gpu_remapped_rows_pending", "1 when a row remap waits for a GPU reset.")
+GPU_REMAPPED_PENDING = gauge(
+    "clusterwatch_gpu_remapped_rows_pending", "1 when a row remap waits for a GPU reset."
+)
 GPU_REMAPPED_FAILURE = gauge("clusterwatch_gpu_remapped_rows_failure", "1 when a row remap failed.")
 
 # --- host ------------------------------------------------------------------
 HOST_FIELDS: tuple[tuple[Family, str], ...] = (
-    (gauge("clusterwatch_node_cpu_utilization_ratio", "Fraction of CPU time not idle over the last interval."),
-     "cpu_utilization_ratio"),
+    (
+        gauge(
+            "clusterwatch_node_cpu_utilization_ratio", "Fraction of CPU time not idle over the last interval."
+        ),
+        "cpu_utilization_ratio",
+    ),
     (gauge("clusterwatch_node_load1", "1-minute load average."), "load1"),
     (gauge("clusterwatch_node_load5", "5-minute load average."), "load5"),
     (gauge("clusterwatch_node_load15", "15-minute load average."), "load15"),
     (gauge("clusterwatch_node_memory_used_bytes", "Host memory in use."), "memory_used_bytes"),
     (gauge("clusterwatch_node_memory_total_bytes", "Host memory size."), "memory_total_bytes"),
-    (gauge("clusterwatch_node_memory_available_bytes", "Host memory available without swapping."),
-     "memory_available_bytes"),
+    (
+        gauge("clusterwatch_node_memory_available_bytes", "Host memory available without swapping."),
+        "memory_available_bytes",
+    ),
     (gauge("clusterwatch_node_swap_used_bytes", "Swap in use."), "swap_used_bytes"),
     (gauge("clusterwatch_node_swap_total_bytes", "Swap size."), "swap_total_bytes"),
     (gauge("clusterwatch_node_processes", "Processes on the host."), "processes"),
@@ -84,36 +115,67 @@ NODE_CPUS = gauge("clusterwatch_node_cpus", "Logical CPUs.")
 
 # --- network ---------------------------------------------------------------
 NIC_FIELDS: tuple[tuple[Family, str], ...] = (
-    (counter("clusterwatch_network_receive_bytes_total", "Bytes received by the interface."),
-     "receive_bytes_total"),
-    (counter("clusterwatch_network_transmit_bytes_total", "Bytes sent by the interface."), "transmit_bytes_total"),
+    (
+        counter("clusterwatch_network_receive_bytes_total", "Bytes received by the interface."),
+        "receive_bytes_total",
+    ),
+    (
+        counter("clusterwatch_network_transmit_bytes_total", "Bytes sent by the interface."),
+        "transmit_bytes_total",
+    ),
     (counter("clusterwatch_network_receive_packets_total", "Packets received."), "receive_packets_total"),
     (counter("clusterwatch_network_transmit_packets_total", "Packets sent."), "transmit_packets_total"),
     (counter("clusterwatch_network_receive_errors_total", "Receive errors."), "receive_errors_total"),
     (counter("clusterwatch_network_transmit_errors_total", "Transmit errors."), "transmit_errors_total"),
     (counter("clusterwatch_network_receive_drops_total", "Received packets dropped."), "receive_drops_total"),
-    (counter("clusterwatch_network_transmit_drops_total", "Outgoing packets dropped."), "transmit_drops_total"),
+    (
+        counter("clusterwatch_network_transmit_drops_total", "Outgoing packets dropped."),
+        "transmit_drops_total",
+    ),
 )
 NIC_UP = gauge("clusterwatch_network_up", "1 when the interface's operstate is up.")
 NIC_SPEED = gauge("clusterwatch_network_speed_bytes_per_second", "Negotiated link speed.")
 
 # --- InfiniBand ------------------------------------------------------------
 IB_FIELDS: tuple[tuple[Family, str], ...] = (
-    (counter("clusterwatch_infiniband_port_receive_bytes_total", "Data bytes received (port_rcv_data x 4)."),
-     "receive_bytes_total"),
-    (counter("clusterwatch_infiniband_port_transmit_bytes_total", "Data bytes sent (port_xmit_data x 4)."),
-     "transmit_bytes_total"),
-    (counter("clusterwatch_infiniband_port_receive_packets_total", "Packets received."), "receive_packets_total"),
-    (counter("clusterwatch_infiniband_port_transmit_packets_total", "Packets sent."), "transmit_packets_total"),
-    (counter("clusterwatch_infiniband_port_transmit_wait_total",
-             "Ticks the port had data to send but no credits (congestion)."), "transmit_wait_total"),
-    (counter("clusterwatch_infiniband_symbol_errors_total", "Physical-layer symbol errors."),
-     "symbol_errors_total"),
+    (
+        counter(
+            "clusterwatch_infiniband_port_receive_bytes_total", "Data bytes received (port_rcv_data x 4)."
+        ),
+        "receive_bytes_total",
+    ),
+    (
+        counter("clusterwatch_infiniband_port_transmit_bytes_total", "Data bytes sent (port_xmit_data x 4)."),
+        "transmit_bytes_total",
+    ),
+    (
+        counter("clusterwatch_infiniband_port_receive_packets_total", "Packets received."),
+        "receive_packets_total",
+    ),
+    (
+        counter("clusterwatch_infiniband_port_transmit_packets_total", "Packets sent."),
+        "transmit_packets_total",
+    ),
+    (
+        counter(
+            "clusterwatch_infiniband_port_transmit_wait_total",
+            "Ticks the port had data to send but no credits (congestion).",
+        ),
+        "transmit_wait_total",
+    ),
+    (
+        counter("clusterwatch_infiniband_symbol_errors_total", "Physical-layer symbol errors."),
+        "symbol_errors_total",
+    ),
     (counter("clusterwatch_infiniband_link_downed_total", "Times the link went down."), "link_downed_total"),
-    (counter("clusterwatch_infiniband_port_receive_errors_total", "Malformed packets received."),
-     "receive_errors_total"),
-    (gauge("clusterwatch_infiniband_port_rate_bytes_per_second", "Port signalling rate."),
-     "rate_bytes_per_second"),
+    (
+        counter("clusterwatch_infiniband_port_receive_errors_total", "Malformed packets received."),
+        "receive_errors_total",
+    ),
+    (
+        gauge("clusterwatch_infiniband_port_rate_bytes_per_second", "Port signalling rate."),
+        "rate_bytes_per_second",
+    ),
 )
 IB_INFO = gauge("clusterwatch_infiniband_port_info", "Port state and link layer; value 1.")
 IB_UP = gauge("clusterwatch_infiniband_port_up", "1 when the port state is ACTIVE.")
@@ -168,12 +230,18 @@ def write_node(exp: Exposition, node_id: str, report: node_pb2.NodeReport) -> No
 def _write_gpus(exp: Exposition, node: str, report: node_pb2.NodeReport) -> None:
     inventory = report.gpu_inventory
     for err in inventory.query_errors:
-        exp.add(GPU_QUERY_ERRORS, f'{node},function="{escape(err.function)}",error="{escape(err.error)}"', err.count)
+        exp.add(
+            GPU_QUERY_ERRORS,
+            f'{node},function="{escape(err.function)}",error="{escape(err.error)}"',
+            err.count,
+        )
     if not report.gpus:
         return
     gpus = report.gpus
     gpu_labels = [f'{node},gpu="{g.index}"' for g in gpus]
-    info_tail = f',driver_version="{escape(inventory.driver_version)}",simulated="{str(inventory.simulated).lower()}"'
+    info_tail = (
+        f',driver_version="{escape(inventory.driver_version)}",simulated="{str(inventory.simulated).lower()}"'
+    )
     info_lines = exp.lines(GPU_INFO)
     for g, lbl in zip(gpus, gpu_labels, strict=True):
         info_lines.append(
@@ -182,6 +250,13 @@ def _write_gpus(exp: Exposition, node: str, report: node_pb2.NodeReport) -> None
         )
     for family, attr in GPU_FIELDS:
         _write_fields(exp, family, attr, gpus, gpu_labels)
+    _write_gpu_links_and_reasons(exp, gpus, gpu_labels)
+    _write_gpu_health(exp, gpus, gpu_labels)
+
+
+def _write_gpu_links_and_reasons(
+    exp: Exposition, gpus: Sequence[node_pb2.GpuSample], gpu_labels: Sequence[str]
+) -> None:
     reason_lines = exp.lines(GPU_CLOCKS_EVENT_ACTIVE)
     nvl_tx, nvl_rx, nvl_err = exp.lines(GPU_NVLINK_TX), exp.lines(GPU_NVLINK_RX), exp.lines(GPU_NVLINK_ERRORS)
     for g, lbl in zip(gpus, gpu_labels, strict=True):
@@ -199,8 +274,14 @@ def _write_gpus(exp: Exposition, node: str, report: node_pb2.NodeReport) -> None
                 nvl_rx.append(f"{GPU_NVLINK_RX.name}{{{link_lbl}}} {link.receive_bytes_total}")
             for kind in ("crc", "replay", "recovery"):
                 attr = f"{kind}_errors_total"
-                if link.HasField(attr):
-                    nvl_err.append(f'{GPU_NVLINK_ERRORS.name}{{{link_lbl},kind="{kind}"}} {getattr(link, attr)}')
+                if _has(link, attr):
+                    nvl_err.append(
+                        f'{GPU_NVLINK_ERRORS.name}{{{link_lbl},kind="{kind}"}} {getattr(link, attr)}'
+                    )
+
+
+def _write_gpu_health(exp: Exposition, gpus: Sequence[node_pb2.GpuSample], gpu_labels: Sequence[str]) -> None:
+    for g, lbl in zip(gpus, gpu_labels, strict=True):
         if g.HasField("ecc_corrected_errors_total"):
             exp.add(GPU_ECC, f'{lbl},kind="corrected"', g.ecc_corrected_errors_total)
         if g.HasField("ecc_uncorrected_errors_total"):
@@ -222,16 +303,21 @@ def _write_fields(
     exp: Exposition,
     family: Family,
     attr: str,
-    messages: Sequence[object],
+    messages: Sequence[Message],
     label_texts: Sequence[str],
 ) -> None:
     """One family's samples for messages that may leave ``attr`` unset."""
     lines = exp.lines(family)
     name = family.name
     for msg, lbl in zip(messages, label_texts, strict=True):
-        if msg.HasField(attr):  # type: ignore[attr-defined]
+        if _has(msg, attr):
             value = getattr(msg, attr)
             lines.append(f"{name}{{{lbl}}} {format_value(value)}")
+
+
+def _has(message: Message, field: str) -> bool:
+    """HasField for a field name held in a variable (the stubs type it as a literal)."""
+    return message.HasField(field)
 
 
 def _write_host(exp: Exposition, node: str, host: node_pb2.HostSample) -> None:
@@ -274,12 +360,13 @@ def _write_ib(exp: Exposition, node: str, ports: Sequence[node_pb2.IbPortSample]
             exp.add(IB_HW_COUNTER, f'{lbl},counter="{escape(name)}"', value)
 
 
-
 NODE_INFO = gauge("clusterwatch_node_info", "Node identity and agent version; value 1.")
 NODE_UP = gauge("clusterwatch_node_up", "1 while the node reports on time, 0 when unreachable or gone.")
 
 
-def write_node_info(exp: Exposition, node_id: str, hostname: str, agent_version: str, gpu_backend: str) -> None:
+def write_node_info(
+    exp: Exposition, node_id: str, hostname: str, agent_version: str, gpu_backend: str
+) -> None:
     """The node_info sample (identity labels, value 1)."""
     exp.add(
         NODE_INFO,

@@ -26,11 +26,11 @@ class Family:
     help: str
 
 
-def gauge(name: str, help: str) -> Family:  # noqa: A002 - the exposition format's word
+def gauge(name: str, help: str) -> Family:
     return Family(name, "gauge", help)
 
 
-def counter(name: str, help: str) -> Family:  # noqa: A002
+def counter(name: str, help: str) -> Family:
     if not name.endswith("_total"):
         raise ValueError(f"counter {name} must end in _total")
     return Family(name, "counter", help)
@@ -86,4 +86,3 @@ class Exposition:
                 parts.append("\n".join(sample_lines))
                 parts.append("\n")
         return "".join(parts).encode()
-

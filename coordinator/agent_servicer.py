@@ -19,16 +19,22 @@ logger = logging.getLogger(__name__)
 
 Context = grpc.aio.ServicerContext[agent_pb2.AgentMessage, agent_pb2.CoordinatorMessage]
 
+# grpc.aio's end-of-stream marker (missing from grpc-stubs).
+EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]
+
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     def __init__(self, coordinator: Coordinator) -> None:
         self._core = coordinator
 
-    async def Connect(  # noqa: N802 - gRPC method name
+    # Driven with context.read()/write() so acks and commands can be written
+    # while reports are read; the generated base class only types the
+    # generator style.
+    async def Connect(  # type: ignore[override]  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[agent_pb2.AgentMessage], context: Context
     ) -> None:
         first = await context.read()
-        if first is grpc.aio.EOF:
+        if first is EOF:
             return
         assert isinstance(first, agent_pb2.AgentMessage)  # noqa: S101 - narrowing for mypy
         if first.WhichOneof("kind") != "hello":
@@ -48,10 +54,12 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         """Apply messages until the agent half-closes (True) or is superseded."""
         while True:
             message: Any = await context.read()
-            if message is grpc.aio.EOF:
+            if message is EOF:
                 return True
             if not self._core.is_current(session):
-                await context.abort(grpc.StatusCode.ABORTED, "superseded by a newer stream from the same node")
+                await context.abort(
+                    grpc.StatusCode.ABORTED, "superseded by a newer stream from the same node"
+                )
             kind = message.WhichOneof("kind")
             if kind == "report":
                 self._core.ingest(session, message.report)

@@ -52,7 +52,11 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         return cluster_pb2.ListEventsResponse(
             events=[
                 cluster_pb2.Event(
-                    id=e.id, timestamp_unix_seconds=e.timestamp_unix_s, kind=e.kind, node_id=e.node_id, detail=e.detail
+                    id=e.id,
+                    timestamp_unix_seconds=e.timestamp_unix_s,
+                    kind=e.kind,
+                    node_id=e.node_id,
+                    detail=e.detail,
                 )
                 for e in stored
             ]

@@ -43,7 +43,9 @@ class Coordinator:
         self.started_unix_s = wall_clock()
         for node in event_log.nodes():
             self.state.restore(node.node_id, node.hostname, node.interval_s, clock())
-        self._record([Event(EventKind.COORDINATOR_STARTED, "", self.started_unix_s, f"{len(self.state.nodes)} known")])
+        self._record(
+            [Event(EventKind.COORDINATOR_STARTED, "", self.started_unix_s, f"{len(self.state.nodes)} known")]
+        )
 
     def open_stream(self, hello: agent_pb2.Hello) -> AgentSession:
         """Register a new agent stream; a newer stream for the same node supersedes the old."""

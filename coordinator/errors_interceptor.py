@@ -25,14 +25,14 @@ def status_for(exc: ClusterwatchError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Turns a ClusterwatchError raised by a servicer into the matching status."""
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any]:
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
@@ -65,7 +65,9 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: ClusterwatchE
 def _wrap(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
     if inspect.isasyncgenfunction(behavior):
 
-        async def stream_wrapper(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        async def stream_wrapper(
+            request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[Any]:
             try:
                 async for item in behavior(request, context):
                     yield item

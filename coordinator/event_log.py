@@ -63,7 +63,9 @@ class EventLog:
         self._db.execute("PRAGMA synchronous=NORMAL")
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
-            raise RuntimeError(f"{self.path} has schema {version}, newer than this clusterwatch ({SCHEMA_VERSION})")
+            raise RuntimeError(
+                f"{self.path} has schema {version}, newer than this clusterwatch ({SCHEMA_VERSION})"
+            )
         self._db.executescript(SCHEMA)
         self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 

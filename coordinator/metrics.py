@@ -16,12 +16,15 @@ NodeState = cluster_pb2.NodeState
 COORDINATOR_INFO = gauge("clusterwatch_coordinator_info", "Coordinator version; value 1.")
 NODES = gauge("clusterwatch_coordinator_nodes", "Known nodes by state.")
 REPORTS_RECEIVED = counter(
-    "clusterwatch_node_reports_received_total", "Reports applied from this node since the coordinator started."
+    "clusterwatch_node_reports_received_total",
+    "Reports applied from this node since the coordinator started.",
 )
 REPORTS_MISSED = counter(
     "clusterwatch_node_reports_missed_total", "Reports the coordinator never received (gaps in the sequence)."
 )
-LAST_SEEN = gauge("clusterwatch_node_last_seen_timestamp_seconds", "When the node last reported, Unix seconds.")
+LAST_SEEN = gauge(
+    "clusterwatch_node_last_seen_timestamp_seconds", "When the node last reported, Unix seconds."
+)
 
 
 def render(views: Sequence[NodeView]) -> bytes:

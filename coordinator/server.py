@@ -8,6 +8,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -44,7 +45,7 @@ class CoordinatorServer:
         self.grpc_port = 0
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
-        self._health: health.aio.HealthServicer | None = None
+        self._health: Any = None  # grpc_health.v1.health.aio.HealthServicer (untyped)
         self._http: MetricsHttpServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -52,7 +53,7 @@ class CoordinatorServer:
         self._loop = asyncio.get_running_loop()
         # gRPC's aio objects bind to the running loop: create them here, not in __init__.
         self._server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=SERVER_OPTIONS)
-        self._health = health.aio.HealthServicer()
+        self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(self.core), self._server)
         cluster_pb2_grpc.add_ClusterServiceServicer_to_server(ClusterServicer(self.core), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -28,7 +28,7 @@ NodeState = cluster_pb2.NodeState
 DEFAULT_INTERVAL_S = 1.0
 
 
-class EventKind(str, enum.Enum):
+class EventKind(enum.StrEnum):
     NODE_JOINED = "node_joined"
     NODE_LEFT = "node_left"
     NODE_UNREACHABLE = "node_unreachable"
@@ -118,7 +118,9 @@ class ClusterState:
         record.stream_id = self._next_stream_id
         return record.stream_id, events
 
-    def ingest(self, node_id: str, report: node_pb2.NodeReport, now_mono: float, now_unix: float) -> list[Event]:
+    def ingest(
+        self, node_id: str, report: node_pb2.NodeReport, now_mono: float, now_unix: float
+    ) -> list[Event]:
         """Apply one report; a sequence at or below the last applied one is a replay and ignored.
 
         Raises:
@@ -167,7 +169,9 @@ class ClusterState:
             if silent_s > self.unreachable_after_intervals * record.interval_s:
                 record.state = NodeState.NODE_STATE_UNREACHABLE
                 events.append(
-                    Event(EventKind.NODE_UNREACHABLE, record.node_id, now_unix, f"silent for {silent_s:.1f} s")
+                    Event(
+                        EventKind.NODE_UNREACHABLE, record.node_id, now_unix, f"silent for {silent_s:.1f} s"
+                    )
                 )
         return events
 

@@ -49,7 +49,9 @@ class CollectorRunner:
     every interval.
     """
 
-    def __init__(self, collectors: Sequence[Collector], clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, collectors: Sequence[Collector], clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.collectors = list(collectors)
         self._clock = clock
         self._failing: set[str] = set()

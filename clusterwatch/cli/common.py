@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -22,11 +23,14 @@ _FLAG_PREFIX = "setting__"
 def add_settings_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
     """One flag per field of a settings dataclass; values are parsed by config.load."""
     section = config.SECTIONS[cls]
-    group = parser.add_argument_group(f"settings ([{section}] in the config file, or CLUSTERWATCH_{section.upper()}_*)")
+    group = parser.add_argument_group(
+        f"settings ([{section}] in the config file, or CLUSTERWATCH_{section.upper()}_*)"
+    )
     for field in config.fields_of(cls):
         if field.name in skip:
             continue
-        default = field.default if field.default is not config.dataclasses.MISSING else field.default_factory()  # type: ignore[misc]
+        factory: Any = field.default_factory
+        default = factory() if field.default is dataclasses.MISSING else field.default
         shown = ",".join(default) if isinstance(default, list) else default
         group.add_argument(
             config.flag_name(field),

@@ -23,12 +23,16 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="Start a coordinator and two agents (demo-node-0, demo-node-1) with simulated GPUs "
         "on 127.0.0.1, print where to look, and run until Ctrl-C or --duration.",
     )
-    parser.add_argument("--grpc-port", type=int, default=50051, help="coordinator gRPC port (0: any free port)")
+    parser.add_argument(
+        "--grpc-port", type=int, default=50051, help="coordinator gRPC port (0: any free port)"
+    )
     parser.add_argument("--metrics-port", type=int, default=9470, help="coordinator /metrics port (0: any)")
     parser.add_argument("--sim-gpus", type=int, default=4, help="simulated GPUs per node (default: 4)")
     parser.add_argument("--interval", type=float, default=1.0, help="report interval in seconds (default: 1)")
     parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
-    parser.add_argument("--state-dir", type=Path, default=None, help="coordinator state (default: a temp dir)")
+    parser.add_argument(
+        "--state-dir", type=Path, default=None, help="coordinator state (default: a temp dir)"
+    )
     parser.set_defaults(run=run)
     return parser
 
@@ -95,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
             while deadline is None or time.monotonic() < deadline:
                 for p in processes:
                     if p.poll() is not None:
-                        print(f"clusterwatch demo: a process exited with code {p.returncode}", file=sys.stderr)
+                        print(
+                            f"clusterwatch demo: a process exited with code {p.returncode}", file=sys.stderr
+                        )
                         return 1
                 time.sleep(0.2)
         except KeyboardInterrupt:

@@ -98,7 +98,9 @@ def format_table(rows: list[dict[str, Any]], now: float) -> str:
             _ago(r["last_seen_unix_seconds"], now),
         ))  # fmt: skip
     widths = [max(len(str(row[i])) for row in lines) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in lines)
+    return "\n".join(
+        "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in lines
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,11 +109,15 @@ def run(args: argparse.Namespace) -> int:
         with ClusterClient(settings.coordinator, settings.timeout_s) as client:
             snapshot = client.snapshot(summary_only=True)
     except grpc.RpcError as exc:
-        print(f"clusterwatch: cannot get status from {settings.coordinator}: {exc.code().name}", file=sys.stderr)  # type: ignore[attr-defined]
+        print(
+            f"clusterwatch: cannot get status from {settings.coordinator}: {exc.code().name}", file=sys.stderr
+        )
         return 1
     rows = [node_summary(n) for n in snapshot.nodes]
     if args.json:
-        print(json.dumps({"timestamp_unix_seconds": snapshot.timestamp_unix_seconds, "nodes": rows}, indent=2))
+        print(
+            json.dumps({"timestamp_unix_seconds": snapshot.timestamp_unix_seconds, "nodes": rows}, indent=2)
+        )
     elif not rows:
         print(f"no nodes have reported to {settings.coordinator} yet")
     else:

@@ -1,0 +1,154 @@
+"""Network collector: per-interface counters, link state and speed.
+
+Counters come from ``<proc_root>/net/dev`` through
+``psutil.net_io_counters(pernic=True, nowrap=False)``: ``nowrap`` is off
+because psutil's wrap correction keeps process-wide state and would hide a
+real counter reset, and counters are to be passed on as the kernel gives
+them. psutil is pointed at ``proc_root`` through ``psutil.PROCFS_PATH`` for
+the duration of each ``collect()`` (a process-wide setting, restored after).
+
+Link state and speed come from ``<sys_root>/class/net/<dev>/operstate`` and
+``.../speed``, one small read each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+
+from clusterwatch.v1 import node_pb2
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK_DEVICE = "lo"
+
+# operstate values (RFC 2863 names, see Documentation/networking/operstates.rst)
+# that say for sure whether the link carries traffic. "unknown" (loopback,
+# many virtual devices), "dormant" and "testing" say neither, so stay unset.
+_OPERSTATE_UP: dict[str, bool] = {
+    "up": True,
+    "down": False,
+    "lowerlayerdown": False,
+    "notpresent": False,
+}
+
+# Values drivers write to ``speed`` when they do not know it: SPEED_UNKNOWN
+# (-1) and, from older drivers, the same value through u16/u32 casts.
+_UNKNOWN_SPEEDS_MBIT_S = frozenset({-1, 0xFFFF, 0xFFFFFFFF})
+
+_ATTR_READ_BYTES = 4096  # a sysfs attribute is at most one page
+
+
+class NetworkCollector:
+    """Appends one ``NicSample`` per network interface to ``report.nics``.
+
+    Interfaces are sorted by device name. A missing or unreadable ``sysfs``
+    attribute leaves ``up`` or ``speed_bytes_per_second`` unset (reading
+    ``speed`` of a down interface fails with EINVAL on Linux, which is
+    expected). ``net/dev`` is the collector's one essential source: if it
+    cannot be read or parsed, ``collect()`` raises.
+
+    Args:
+        proc_root: where procfs is mounted.
+        sys_root: where sysfs is mounted.
+        include_loopback: also report ``lo``.
+    """
+
+    name = "network"
+
+    def __init__(
+        self,
+        proc_root: Path = Path("/proc"),
+        sys_root: Path = Path("/sys"),
+        include_loopback: bool = False,
+    ) -> None:
+        self.proc_root = proc_root
+        self.sys_root = sys_root
+        self.include_loopback = include_loopback
+
+    def collect(self, report: node_pb2.NodeReport) -> None:
+        """Append fresh ``NicSample`` values to ``report.nics``.
+
+        Raises:
+            OSError: ``<proc_root>/net/dev`` cannot be read.
+            ValueError: ``net/dev`` is malformed (psutil's parser may also
+                raise AssertionError for a line without a colon).
+        """
+        with _psutil_procfs(self.proc_root):
+            counters = psutil.net_io_counters(pernic=True, nowrap=False)
+        net_dir = self.sys_root / "class" / "net"
+        for device in sorted(counters):
+            if device == LOOPBACK_DEVICE and not self.include_loopback:
+                continue
+            io = counters[device]
+            nic = report.nics.add(
+                device=device,
+                receive_bytes_total=io.bytes_recv,
+                transmit_bytes_total=io.bytes_sent,
+                receive_packets_total=io.packets_recv,
+                transmit_packets_total=io.packets_sent,
+                receive_errors_total=io.errin,
+                transmit_errors_total=io.errout,
+                receive_drops_total=io.dropin,
+                transmit_drops_total=io.dropout,
+            )
+            device_dir = net_dir / device
+            up = _parse_operstate(_read_attr(device_dir / "operstate"))
+            if up is not None:
+                nic.up = up
+            speed_bytes_per_second = _parse_speed(_read_attr(device_dir / "speed"))
+            if speed_bytes_per_second is not None:
+                nic.speed_bytes_per_second = speed_bytes_per_second
+
+    def close(self) -> None:
+        """Nothing to release; present for the Collector protocol."""
+
+
+def _parse_operstate(text: str | None) -> bool | None:
+    if text is None:
+        return None
+    return _OPERSTATE_UP.get(text.lower())
+
+
+def _parse_speed(text: str | None) -> float | None:
+    """``speed`` is in Mb/s (10^6 bits/s); returns bytes/s, or None when unknown."""
+    if text is None:
+        return None
+    try:
+        speed_mbit_s = int(text)
+    except ValueError:
+        logger.debug("unparseable NIC speed %r", text)
+        return None
+    if speed_mbit_s <= 0 or speed_mbit_s in _UNKNOWN_SPEEDS_MBIT_S:
+        return None
+    return speed_mbit_s * 1e6 / 8
+
+
+def _read_attr(path: Path) -> str | None:
+    """One sysfs attribute, stripped, with one open and one read; None if unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.read(fd, _ATTR_READ_BYTES)
+        finally:
+            os.close(fd)
+        return data.decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        logger.debug("cannot read %s: %r", path, exc)
+        return None
+
+
+@contextlib.contextmanager
+def _psutil_procfs(proc_root: Path) -> Iterator[None]:
+    """Point psutil at ``proc_root`` for the duration of the block."""
+    previous = psutil.PROCFS_PATH
+    psutil.PROCFS_PATH = str(proc_root)
+    try:
+        yield
+    finally:
+        psutil.PROCFS_PATH = previous

@@ -1,0 +1,26 @@
+"""Fixtures shared by the tests: a Cluster of real processes, torn down after each test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import Cluster
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    yield c
+    c.close()
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        print(c.logs())
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report = yield
+    setattr(item, "rep_" + report.when, report)
+    return report

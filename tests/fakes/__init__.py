@@ -1,0 +1,1 @@
+"""Fakes for true hardware boundaries (NVML), built to mirror the real APIs."""

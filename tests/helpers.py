@@ -1,0 +1,190 @@
+"""Test helpers: real coordinator and agent processes, condition waits, scrapes.
+
+Imported as ``helpers`` (pytest puts tests/ on sys.path, as for ``fakes``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from clusterwatch.client import ClusterClient
+from clusterwatch.v1 import cluster_pb2
+
+FIXTURES = Path(__file__).parent / "fixtures"
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T | None], timeout_s: float, what: str, poll_s: float = 0.05) -> T:
+    """Poll ``predicate`` until it returns something truthy; fail with ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except Exception as exc:  # the condition may not be checkable yet
+            last_error = exc
+        else:
+            if value:
+                return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; last error: {last_error!r}")
+
+
+def clusterwatch_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "clusterwatch", *args]
+
+
+def run_cli(
+    *args: str, timeout_s: float = 30, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        clusterwatch_cmd(*args), capture_output=True, text=True, timeout=timeout_s, env=env, check=False
+    )
+
+
+def scrape(url: str) -> list[Sample]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def samples_named(samples: list[Sample], name: str, **labels: str) -> list[Sample]:
+    return [s for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+
+
+@dataclass
+class Process:
+    """A clusterwatch subprocess whose output goes to a log file."""
+
+    argv: list[str]
+    log_path: Path
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Process:
+        log = self.log_path.open("ab")
+        self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def signal(self, sig: int) -> None:
+        assert self.popen is not None
+        os.kill(self.popen.pid, sig)
+
+    def kill(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(timeout=10)
+
+    def stop(self, timeout_s: float = 10) -> int:
+        """SIGTERM, wait; SIGKILL if it does not exit. Returns the exit code."""
+        assert self.popen is not None
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGCONT)
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=10)
+        return self.popen.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@dataclass
+class Coordinator(Process):
+    ready_file: Path = field(default_factory=Path)
+    grpc_port: int = 0
+    metrics_port: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def start(self) -> Coordinator:
+        self.ready_file.unlink(missing_ok=True)
+        super().start()
+
+        def ready() -> dict[str, int] | None:
+            assert self.popen is not None
+            if self.popen.poll() is not None:
+                raise AssertionError(f"coordinator exited with {self.popen.returncode}:\n{self.log()}")
+            return json.loads(self.ready_file.read_text()) if self.ready_file.exists() else None
+
+        info = wait_for(ready, 30, "the coordinator's ready file")
+        self.grpc_port, self.metrics_port = info["grpc_port"], info["metrics_port"]
+        return self
+
+    def client(self) -> ClusterClient:
+        return ClusterClient(self.address, timeout_s=10)
+
+    def snapshot(self) -> cluster_pb2.ClusterSnapshot:
+        with self.client() as client:
+            return client.snapshot()
+
+    def node(self, node_id: str) -> cluster_pb2.NodeStatus | None:
+        for node in self.snapshot().nodes:
+            if node.node_id == node_id:
+                return node
+        return None
+
+
+class Cluster:
+    """Starts coordinators and agents for one test and stops them all afterwards."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.processes: list[Process] = []
+        self.coordinators: list[Coordinator] = []
+        self.state_dir = tmp_path / "state"
+
+    def coordinator(self, grpc_port: int = 0, unreachable_after: float = 3.0) -> Coordinator:
+        n = len(self.processes)
+        ready = self.tmp_path / f"coordinator-{n}.ready"
+        argv = clusterwatch_cmd(
+            "coordinator", "--listen", f"127.0.0.1:{grpc_port}", "--metrics-listen", "127.0.0.1:0",
+            "--state-dir", str(self.state_dir), "--ready-file", str(ready),
+            "--unreachable-after-intervals", str(unreachable_after), "--log-level", "debug",
+        )  # fmt: skip
+        coordinator = Coordinator(argv, self.tmp_path / f"coordinator-{n}.log", ready_file=ready)
+        self.processes.append(coordinator)
+        self.coordinators.append(coordinator)
+        return coordinator.start()
+
+    def agent(self, coordinator: Coordinator, node_id: str, *extra: str, interval_s: float = 0.2) -> Process:
+        argv = clusterwatch_cmd(
+            "agent", "--coordinator", coordinator.address, "--node-id", node_id,
+            "--interval", str(interval_s), "--reconnect-max-s", "0.5", "--log-level", "debug", *extra,
+        )  # fmt: skip
+        agent = Process(argv, self.tmp_path / f"agent-{node_id}-{len(self.processes)}.log")
+        self.processes.append(agent)
+        return agent.start()
+
+    def close(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.log_path.name}\n{p.log()[-4000:]}" for p in self.processes)

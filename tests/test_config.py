@@ -1,0 +1,112 @@
+"""Settings: precedence flag > env > file > default, and one-line errors naming the key (exit 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import run_cli
+
+from clusterwatch import config
+from clusterwatch.config import AgentSettings, CoordinatorSettings
+from clusterwatch.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_defaults() -> None:
+    settings = config.load(AgentSettings, file_tables={}, environ={})
+    assert settings.interval_s == 1.0
+    assert settings.gpu_backend == "auto"
+    assert settings.collectors == ["gpu", "host", "network", "infiniband"]
+
+
+def test_precedence_flag_over_env_over_file_over_default() -> None:
+    tables = {"agent": {"interval_s": 2.0, "sim_gpus": 3, "node_id": "from-file"}}
+    env = {"CLUSTERWATCH_AGENT_INTERVAL_S": "4", "CLUSTERWATCH_AGENT_SIM_GPUS": "5"}
+    settings = config.load(AgentSettings, file_tables=tables, environ=env, flags={"interval_s": "8"})
+    assert settings.interval_s == 8.0  # flag
+    assert settings.sim_gpus == 5  # env
+    assert settings.node_id == "from-file"  # file
+    assert settings.gpu_backend == "auto"  # default
+
+
+def test_lists_from_env_and_file() -> None:
+    env = {"CLUSTERWATCH_AGENT_COLLECTORS": "host, network"}
+    assert config.load(AgentSettings, file_tables={}, environ=env).collectors == ["host", "network"]
+    tables = {"agent": {"collectors": ["gpu"]}}
+    assert config.load(AgentSettings, file_tables=tables, environ={}).collectors == ["gpu"]
+
+
+@pytest.mark.parametrize(
+    ("tables", "env", "key"),
+    [
+        ({"agent": {"interval_s": "fast"}}, {}, "agent.interval_s"),
+        ({"agent": {"interval_s": 0}}, {}, "agent.interval_s"),
+        ({"agent": {"interval_s": True}}, {}, "agent.interval_s"),
+        ({"agent": {"sim_gpus": 1.5}}, {}, "agent.sim_gpus"),
+        ({"agent": {"sim_gpus": -1}}, {}, "agent.sim_gpus"),
+        ({"agent": {"gpu_backend": "cuda"}}, {}, "agent.gpu_backend"),
+        ({"agent": {"collectors": ["gpu", "disk"]}}, {}, "agent.collectors"),
+        ({"agent": {"coordinator": "nohost"}}, {}, "agent.coordinator"),
+        ({"agent": {"coordinator": "h:99999"}}, {}, "agent.coordinator"),
+        ({"agent": {"intervall_s": 1}}, {}, "agent.intervall_s"),
+        ({"agent": 5}, {}, "agent"),
+        ({}, {"CLUSTERWATCH_AGENT_INTERVAL_S": "nan"}, "agent.interval_s"),
+        ({}, {"CLUSTERWATCH_AGENT_BUFFER_S": ""}, "agent.buffer_s"),
+    ],
+)
+def test_bad_values_name_the_key(tables: dict[str, object], env: dict[str, str], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config.load(AgentSettings, file_tables=tables, environ=env)
+    assert info.value.key == key
+    assert str(info.value).startswith(f"{key}:")
+
+
+def test_config_file_errors(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[agent\ninterval_s = 1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config.read_config_file(broken, {})
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.read_config_file(tmp_path / "missing.toml", {})
+    good = tmp_path / "good.toml"
+    good.write_text('[coordinator]\nstate_dir = "/tmp/x"\n')
+    tables, name = config.read_config_file(None, {"CLUSTERWATCH_CONFIG": str(good)})
+    assert name == str(good)
+    assert config.load(CoordinatorSettings, file_tables=tables, environ={}).state_dir == Path("/tmp/x")
+
+
+def _assert_exit_2_naming(result_stderr: str, returncode: int, key: str) -> None:
+    assert returncode == 2, result_stderr
+    lines = result_stderr.strip().splitlines()
+    assert len(lines) == 1, result_stderr
+    assert key in lines[0]
+
+
+def test_cli_bad_flag_exits_2_with_one_line_naming_the_key() -> None:
+    result = run_cli("agent", "--interval", "soon")
+    _assert_exit_2_naming(result.stderr, result.returncode, "agent.interval_s")
+    assert "--interval" in result.stderr
+
+
+def test_cli_bad_env_exits_2(tmp_path: Path) -> None:
+    import os
+
+    env = {**os.environ, "CLUSTERWATCH_COORDINATOR_UNREACHABLE_AFTER_INTERVALS": "-3"}
+    result = run_cli("coordinator", "--state-dir", str(tmp_path), env=env)
+    _assert_exit_2_naming(result.stderr, result.returncode, "coordinator.unreachable_after_intervals")
+
+
+def test_cli_bad_file_exits_2(tmp_path: Path) -> None:
+    path = tmp_path / "clusterwatch.toml"
+    path.write_text('[client]\ncoordinator = "no-port"\n')
+    result = run_cli("status", "--config", str(path))
+    _assert_exit_2_naming(result.stderr, result.returncode, "client.coordinator")
+
+
+@pytest.mark.parametrize("command", ["agent", "coordinator", "status", "demo"])
+def test_every_command_has_help(command: str) -> None:
+    result = run_cli(command, "--help")
+    assert result.returncode == 0
+    assert "usage: clusterwatch" in result.stdout

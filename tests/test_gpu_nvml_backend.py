@@ -1,0 +1,509 @@
+"""NvmlBackend against the fake pynvml: units, failure as data, XID events, the factory."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+import pynvml
+import pytest
+from fakes.fake_pynvml import FakeNvml, h100
+
+from clusterwatch.agent.collectors.gpu import GpuCollector
+from clusterwatch.agent.gpu.errors import GpuBackendError
+from clusterwatch.agent.gpu.factory import open_gpu_backend
+from clusterwatch.agent.gpu.nvml_backend import NvmlBackend
+from clusterwatch.agent.gpu.sim_backend import SimulatedBackend
+from clusterwatch.errors import ClusterwatchError
+from clusterwatch.gpu_reasons import CLOCK_EVENT_REASONS, active_reasons
+from clusterwatch.v1 import node_pb2
+
+pytestmark = pytest.mark.timeout(60)
+
+GIB = 1024**3
+
+# Every function sample() calls, and the GpuSample fields it feeds.
+FIELDS_BY_FUNCTION: dict[str, tuple[str, ...]] = {
+    "nvmlDeviceGetUUID": ("uuid",),
+    "nvmlDeviceGetName": ("name",),
+    "nvmlDeviceGetPciInfo": ("pci_bus_id",),
+    "nvmlDeviceGetUtilizationRates": ("utilization_ratio", "memory_bandwidth_utilization_ratio"),
+    "nvmlDeviceGetMemoryInfo": ("memory_used_bytes", "memory_total_bytes"),
+    "nvmlDeviceGetPowerUsage": ("power_watts",),
+    "nvmlDeviceGetEnforcedPowerLimit": ("power_limit_watts",),
+    "nvmlDeviceGetTotalEnergyConsumption": ("energy_joules_total",),
+    "nvmlDeviceGetTemperature": ("temperature_celsius",),
+    "nvmlDeviceGetClockInfo": ("sm_clock_hertz", "memory_clock_hertz"),
+    "nvmlDeviceGetMaxClockInfo": ("sm_clock_max_hertz",),
+    "nvmlDeviceGetCurrentClocksEventReasons": ("clocks_event_reasons",),
+    "nvmlDeviceGetPcieThroughput": ("pcie_transmit_bytes_per_second", "pcie_receive_bytes_per_second"),
+    "nvmlDeviceGetPcieReplayCounter": ("pcie_replay_errors_total",),
+    "nvmlDeviceGetTotalEccErrors": ("ecc_corrected_errors_total", "ecc_uncorrected_errors_total"),
+    "nvmlDeviceGetRemappedRows": (
+        "remapped_rows_correctable",
+        "remapped_rows_uncorrectable",
+        "remapped_rows_pending",
+        "remapped_rows_failure",
+    ),
+    "nvmlDeviceGetComputeRunningProcesses": ("processes",),
+    "nvmlDeviceGetFieldValues": ("memory_temperature_celsius", "nvlinks"),
+}
+ALL_FIELDS = tuple(name for names in FIELDS_BY_FUNCTION.values() for name in names)
+# Functions called once per GPU per meaning (SM vs memory clock...), each switched off on its own.
+VARIANTS = {"nvmlDeviceGetClockInfo": 2, "nvmlDeviceGetPcieThroughput": 2, "nvmlDeviceGetTotalEccErrors": 2}
+
+
+def has(sample: node_pb2.GpuSample, field: str) -> bool:
+    """Whether a field carries a value: set optional, non-empty string or repeated."""
+    value = getattr(sample, field)
+    if isinstance(value, str):
+        return value != ""
+    if field in {"processes", "nvlinks"}:
+        return len(value) > 0
+    return sample.HasField(field)
+
+
+def errors_of(backend: NvmlBackend) -> dict[tuple[str, str], int]:
+    return {(e.function, e.error): e.count for e in backend.query_errors()}
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Waits for a condition with a deadline (the XID thread works asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met before the deadline")
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def fake() -> FakeNvml:
+    return FakeNvml([h100(0), h100(1)])
+
+
+@pytest.fixture
+def open_backend(fake: FakeNvml) -> Iterator[Callable[..., NvmlBackend]]:
+    opened: list[NvmlBackend] = []
+
+    def _open(**kwargs: object) -> NvmlBackend:
+        backend = NvmlBackend(fake, xid_wait_timeout_ms=50, **kwargs)  # type: ignore[arg-type]
+        opened.append(backend)
+        return backend
+
+    yield _open
+    for backend in opened:
+        backend.close()
+
+
+# ----- the fake cannot drift from the real pynvml ----------------------------
+
+
+def test_fake_functions_match_real_pynvml_signatures() -> None:
+    fake = FakeNvml()
+    names = [name for name in dir(FakeNvml) if name.startswith("nvml") and callable(getattr(fake, name))]
+    assert len(names) >= len(FIELDS_BY_FUNCTION) + 8
+    for name in names:
+        assert hasattr(pynvml, name), f"{name} is not a pynvml function"
+        real = [
+            (p.name, p.kind, p.default) for p in inspect.signature(getattr(pynvml, name)).parameters.values()
+        ]
+        ours = [
+            (p.name, p.kind, p.default) for p in inspect.signature(getattr(fake, name)).parameters.values()
+        ]
+        assert ours == real, name
+
+
+def test_fake_reexports_real_errors_constants_and_structs() -> None:
+    fake = FakeNvml()
+    for name in (
+        "NVMLError",
+        "NVMLError_NotSupported",
+        "NVMLError_FunctionNotFound",
+        "NVMLError_Timeout",
+        "NVMLError_GpuIsLost",
+        "NVMLError_LibraryNotFound",
+        "NVMLLibraryMismatchError",
+        "c_nvmlFieldValue_t",
+        "c_nvmlEventData_t",
+        "c_nvmlMemory_t",
+        "c_nvmlUtilization_t",
+        "nvmlPciInfo_t",
+        "NVML_FI_DEV_MEMORY_TEMP",
+        "nvmlEventTypeXidCriticalError",
+    ):
+        assert getattr(fake, name) is getattr(pynvml, name), name
+    assert not hasattr(fake, "nvmlDeviceGetBAR1MemoryInfo"), "unimplemented functions must not exist"
+
+
+def test_clock_event_reasons_match_pynvml() -> None:
+    expected = {
+        "gpu_idle": pynvml.nvmlClocksEventReasonGpuIdle,
+        "applications_clocks_setting": pynvml.nvmlClocksEventReasonApplicationsClocksSetting,
+        "sw_power_cap": pynvml.nvmlClocksEventReasonSwPowerCap,
+        "hw_slowdown": pynvml.nvmlClocksEventReasonHwSlowdown,
+        "sync_boost": pynvml.nvmlClocksEventReasonSyncBoost,
+        "sw_thermal_slowdown": pynvml.nvmlClocksEventReasonSwThermalSlowdown,
+        "hw_thermal_slowdown": pynvml.nvmlClocksEventReasonHwThermalSlowdown,
+        "hw_power_brake_slowdown": pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown,
+        "display_clock_setting": pynvml.nvmlClocksEventReasonDisplayClockSetting,
+    }
+    assert dict(CLOCK_EVENT_REASONS) == expected
+    assert active_reasons(0x4 | 0x20 | 0x10000) == ["sw_power_cap", "sw_thermal_slowdown"]
+    assert active_reasons(0) == []
+
+
+# ----- a full sample ---------------------------------------------------------
+
+
+def test_full_sample_in_base_units(fake: FakeNvml, open_backend: Callable[..., NvmlBackend]) -> None:
+    fake.devices[1].processes = [(77, 3 * GIB)]
+    fake.devices[1].set_field(pynvml.NVML_FI_DEV_MEMORY_TEMP, 81.5, value_type=pynvml.NVML_VALUE_TYPE_DOUBLE)
+    backend = open_backend()
+
+    samples = backend.sample()
+
+    assert [s.index for s in samples] == [0, 1]
+    gpu = samples[0]
+    assert gpu.uuid == "GPU-00000000-1111-2222-3333-444444444444"
+    assert gpu.name == "NVIDIA H100 80GB HBM3"
+    assert gpu.pci_bus_id == "00000000:18:00.0"
+    assert gpu.utilization_ratio == pytest.approx(0.87)
+    assert gpu.memory_bandwidth_utilization_ratio == pytest.approx(0.42)
+    assert gpu.memory_used_bytes == 50 * GIB
+    assert gpu.memory_total_bytes == 80 * GIB
+    assert gpu.power_watts == pytest.approx(612.345)
+    assert gpu.power_limit_watts == pytest.approx(700.0)
+    assert gpu.energy_joules_total == pytest.approx(987_654.321)
+    assert gpu.temperature_celsius == 71
+    assert gpu.memory_temperature_celsius == 80
+    assert gpu.sm_clock_hertz == 1755e6
+    assert gpu.memory_clock_hertz == 2619e6
+    assert gpu.sm_clock_max_hertz == 1980e6
+    assert active_reasons(gpu.clocks_event_reasons) == ["sw_power_cap", "sw_thermal_slowdown"]
+    assert gpu.pcie_transmit_bytes_per_second == 12_000 * 1024
+    assert gpu.pcie_receive_bytes_per_second == 34_000 * 1024
+    assert gpu.pcie_replay_errors_total == 3
+    assert gpu.ecc_corrected_errors_total == 5
+    assert gpu.ecc_uncorrected_errors_total == 1
+    assert gpu.remapped_rows_correctable == 2
+    assert gpu.remapped_rows_uncorrectable == 1
+    assert gpu.remapped_rows_pending is True
+    assert gpu.remapped_rows_failure is False
+    assert [(p.pid, p.HasField("used_memory_bytes")) for p in gpu.processes] == [(4242, True), (4343, False)]
+    assert gpu.processes[0].used_memory_bytes == 10 * GIB
+    assert [link.link for link in gpu.nvlinks] == list(range(18))
+    link = gpu.nvlinks[3]
+    assert link.transmit_bytes_total == 4000 * 1024  # KiB counters -> bytes
+    assert link.receive_bytes_total == 8000 * 1024
+    assert (link.crc_errors_total, link.replay_errors_total, link.recovery_errors_total) == (3, 6, 9)
+    assert list(gpu.xid_errors) == []
+
+    other = samples[1]
+    assert other.pci_bus_id == "00000000:28:00.0"
+    assert other.memory_temperature_celsius == 81.5  # decoded by valueType (double)
+    assert [(p.pid, p.used_memory_bytes) for p in other.processes] == [(77, 3 * GIB)]
+
+    assert backend.driver_version() == "550.54.15"
+    assert backend.query_errors() == []
+
+
+def test_field_values_are_one_batched_call_per_gpu_per_interval(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend]
+) -> None:
+    backend = open_backend()
+    before = fake.calls["nvmlDeviceGetFieldValues"]
+    backend.sample()
+    backend.sample()
+    assert fake.calls["nvmlDeviceGetFieldValues"] - before == 2 * 2
+
+
+def test_every_sampled_function_is_covered_by_the_failure_tests(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend]
+) -> None:
+    backend = open_backend()
+    before = fake.calls.copy()
+    backend.sample()
+    called = {name for name, count in fake.calls.items() if count > before[name]}
+    assert called == set(FIELDS_BY_FUNCTION)
+
+
+# ----- failure is data -------------------------------------------------------
+
+
+@pytest.mark.parametrize("error", [pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound])
+@pytest.mark.parametrize("function", list(FIELDS_BY_FUNCTION))
+def test_unsupported_function_leaves_its_fields_absent_and_is_not_called_again(
+    fake: FakeNvml,
+    open_backend: Callable[..., NvmlBackend],
+    function: str,
+    error: type[pynvml.NVMLError],
+) -> None:
+    fake.fail(function, error)
+    backend = open_backend()
+
+    first = backend.sample()
+    calls_after_first = fake.calls[function]
+    backend.sample()
+    last = backend.sample()
+
+    assert fake.calls[function] == calls_after_first, "a permanently failing function was called again"
+    absent = set(FIELDS_BY_FUNCTION[function])
+    for samples in (first, last):
+        assert len(samples) == 2
+        for sample in samples:
+            for field in ALL_FIELDS:
+                assert has(sample, field) is (field not in absent), field
+    name = error.__name__.removeprefix("NVMLError_")
+    assert errors_of(backend) == {(function, name): 2 * VARIANTS.get(function, 1)}
+
+
+def test_gpu_is_lost_does_not_crash_and_the_other_gpu_is_reported(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend]
+) -> None:
+    backend = open_backend()
+    fake.fail("*", pynvml.NVMLError_GpuIsLost, device=0)
+
+    for _ in range(3):
+        lost, healthy = backend.sample()
+        assert lost.index == 0
+        assert not any(has(lost, field) for field in ALL_FIELDS)
+        assert all(has(healthy, field) for field in ALL_FIELDS)
+
+    errors = errors_of(backend)
+    # Not permanent: a lost GPU is asked again (and counted) every interval.
+    assert errors[("nvmlDeviceGetPowerUsage", "GpuIsLost")] == 3
+    assert errors[("nvmlDeviceGetClockInfo", "GpuIsLost")] == 6
+
+
+def test_gpu_lost_before_start_is_left_out(fake: FakeNvml, open_backend: Callable[..., NvmlBackend]) -> None:
+    fake.fail("*", pynvml.NVMLError_GpuIsLost, device=0)
+    backend = open_backend()
+    assert [s.index for s in backend.sample()] == [1]
+    assert errors_of(backend)[("nvmlDeviceGetHandleByIndex", "GpuIsLost")] == 1
+
+
+def test_transient_error_recovers(fake: FakeNvml, open_backend: Callable[..., NvmlBackend]) -> None:
+    backend = open_backend()
+    fake.fail("nvmlDeviceGetPowerUsage", pynvml.NVMLError_Unknown, device=1, times=1)
+    assert [s.HasField("power_watts") for s in backend.sample()] == [True, False]
+    assert [s.HasField("power_watts") for s in backend.sample()] == [True, True]
+    assert errors_of(backend) == {("nvmlDeviceGetPowerUsage", "Unknown"): 1}
+
+
+def test_driver_version_unavailable_is_empty(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend]
+) -> None:
+    fake.fail("nvmlSystemGetDriverVersion", pynvml.NVMLError_NoPermission)
+    backend = open_backend()
+    assert backend.driver_version() == ""
+    assert len(backend.sample()) == 2
+
+
+def test_per_field_errors_leave_only_that_field_absent(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend]
+) -> None:
+    fake.fail_field(0, pynvml.NVML_FI_DEV_MEMORY_TEMP, pynvml.NVML_ERROR_UNKNOWN)
+    fake.fail_field(1, pynvml.NVML_FI_DEV_NVLINK_ERROR_DL_CRC, pynvml.NVML_ERROR_NOT_SUPPORTED, scope_id=3)
+    backend = open_backend()
+
+    for _ in range(3):
+        gpu0, gpu1 = backend.sample()
+        assert not gpu0.HasField("memory_temperature_celsius")
+        assert gpu1.HasField("memory_temperature_celsius")
+        assert len(gpu0.nvlinks) == len(gpu1.nvlinks) == 18
+        assert not gpu1.nvlinks[3].HasField("crc_errors_total")
+        assert gpu1.nvlinks[3].HasField("transmit_bytes_total")
+        assert gpu1.nvlinks[3].HasField("replay_errors_total")
+        assert all(link.HasField("crc_errors_total") for link in gpu0.nvlinks)
+
+    assert errors_of(backend) == {
+        ("nvmlDeviceGetFieldValues:NVML_FI_DEV_MEMORY_TEMP", "Unknown"): 3,  # transient: every time
+        ("nvmlDeviceGetFieldValues:NVML_FI_DEV_NVLINK_ERROR_DL_CRC", "NotSupported"): 1,  # then dropped
+    }
+
+
+def test_gpu_without_nvlink_reports_no_links(
+    open_backend: Callable[..., NvmlBackend], fake: FakeNvml
+) -> None:
+    fake.devices[1] = h100(1, nvlinks=0)
+    backend = open_backend()
+    gpu0, gpu1 = backend.sample()
+    assert len(gpu0.nvlinks) == 18
+    assert list(gpu1.nvlinks) == []
+    assert gpu1.HasField("memory_temperature_celsius")
+
+
+# ----- XID events ------------------------------------------------------------
+
+
+def xids(backend: NvmlBackend) -> dict[tuple[int, int], int]:
+    return {(gpu.index, x.xid): x.count for gpu in backend.sample() for x in gpu.xid_errors}
+
+
+def test_xid_events_are_counted_per_gpu_and_code(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend]
+) -> None:
+    backend = open_backend()
+    assert backend.xid_thread_running
+
+    for device, xid in [(0, 79), (0, 79), (1, 48), (0, 13)]:
+        fake.queue_xid(device, xid)
+    wait_until(lambda: xids(backend) == {(0, 13): 1, (0, 79): 2, (1, 48): 1})
+
+    fake.queue_xid(0, 79)
+    wait_until(lambda: xids(backend).get((0, 79)) == 3)
+    assert xids(backend) == {(0, 13): 1, (0, 79): 3, (1, 48): 1}
+
+    backend.close()
+    assert not backend.xid_thread_running
+    assert fake.event_sets_freed == 1
+    assert fake.init_count == 0
+    backend.close()  # twice is fine
+    assert fake.event_sets_freed == 1
+    assert backend.sample() == []
+
+
+def test_xid_counts_only_go_up(fake: FakeNvml, open_backend: Callable[..., NvmlBackend]) -> None:
+    backend = open_backend()
+    seen = 0
+    for _ in range(20):
+        fake.queue_xid(1, 94)
+        count = xids(backend).get((1, 94), 0)
+        assert count >= seen
+        seen = count
+    wait_until(lambda: xids(backend).get((1, 94)) == 20)
+
+
+def test_xid_registration_unsupported_on_one_gpu(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend]
+) -> None:
+    fake.fail("nvmlDeviceRegisterEvents", pynvml.NVMLError_NotSupported, device=1)
+    backend = open_backend()
+    assert backend.xid_thread_running
+    assert fake.registered == {0}
+
+    fake.queue_xid(0, 63)
+    wait_until(lambda: xids(backend) == {(0, 63): 1})
+    assert errors_of(backend) == {("nvmlDeviceRegisterEvents", "NotSupported"): 1}
+
+
+def test_no_event_support_means_no_thread_and_samples_still_work(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend]
+) -> None:
+    fake.fail("nvmlEventSetCreate", pynvml.NVMLError_NotSupported)
+    backend = open_backend()
+    assert not backend.xid_thread_running
+    assert len(backend.sample()) == 2
+    backend.close()
+    assert fake.event_sets_freed == 0
+    assert fake.init_count == 0
+
+
+def test_no_gpu_registers_events_frees_the_set(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend]
+) -> None:
+    fake.fail("nvmlDeviceRegisterEvents", pynvml.NVMLError_NotSupported)
+    backend = open_backend()
+    assert not backend.xid_thread_running
+    assert fake.event_sets_freed == 1
+    assert errors_of(backend) == {("nvmlDeviceRegisterEvents", "NotSupported"): 2}
+
+
+def test_xid_thread_survives_errors(fake: FakeNvml, open_backend: Callable[..., NvmlBackend]) -> None:
+    fake.fail("nvmlEventSetWait_v2", pynvml.NVMLError_GpuIsLost, times=2)
+    fake.fail("nvmlEventSetWait_v2", RuntimeError, times=2)
+    backend = open_backend(xid_retry_delay_s=0.01)
+
+    wait_until(lambda: fake.calls["nvmlEventSetWait_v2"] > 4)
+    fake.queue_xid(1, 31)
+    wait_until(lambda: xids(backend) == {(1, 31): 1})
+    assert backend.xid_thread_running
+    assert errors_of(backend) == {
+        ("nvmlEventSetWait_v2", "GpuIsLost"): 2,
+        ("clusterwatch-nvml-xid", "RuntimeError"): 2,
+    }
+
+
+# ----- start-up and the factory ----------------------------------------------
+
+
+def test_nvml_init_failure_propagates(fake: FakeNvml) -> None:
+    fake.init_error = pynvml.NVMLError_LibraryNotFound
+    with pytest.raises(pynvml.NVMLError_LibraryNotFound):
+        NvmlBackend(fake)
+
+
+def test_device_count_failure_shuts_nvml_down(fake: FakeNvml) -> None:
+    fake.fail("nvmlDeviceGetCount", pynvml.NVMLError_Unknown)
+    with pytest.raises(pynvml.NVMLError_Unknown):
+        NvmlBackend(fake)
+    assert fake.init_count == 0
+
+
+def test_auto_without_nvml_reports_no_gpus_in_one_line(
+    fake: FakeNvml, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.init_error = pynvml.NVMLError_LibraryNotFound
+    with caplog.at_level(logging.DEBUG, logger="clusterwatch.agent.gpu"):
+        backend = open_gpu_backend("auto", 8, "node-a", nvml=fake)
+    assert backend is None
+    assert len(caplog.records) == 1
+    record = caplog.records[0]
+    assert record.levelno == logging.INFO
+    message = record.getMessage()
+    assert "NVML unavailable (NVML Shared Library Not Found)" in message
+    assert "--gpu-backend sim" in message
+
+
+def test_auto_with_broken_driver_warns(fake: FakeNvml, caplog: pytest.LogCaptureFixture) -> None:
+    fake.init_error = pynvml.NVMLError_DriverNotLoaded
+    with caplog.at_level(logging.DEBUG, logger="clusterwatch.agent.gpu"):
+        assert open_gpu_backend("auto", 8, "node-a", nvml=fake) is None
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "Driver Not Loaded" in caplog.records[0].getMessage()
+
+
+def test_explicit_nvml_without_nvml_raises(fake: FakeNvml) -> None:
+    fake.init_error = pynvml.NVMLError_LibraryNotFound
+    with pytest.raises(GpuBackendError, match="NVML did not initialise") as info:
+        open_gpu_backend("nvml", 8, "node-a", nvml=fake)
+    assert isinstance(info.value, ClusterwatchError)
+
+
+def test_factory_kinds(fake: FakeNvml, caplog: pytest.LogCaptureFixture) -> None:
+    backend = open_gpu_backend("auto", 8, "node-a", nvml=fake)
+    assert isinstance(backend, NvmlBackend)
+    backend.close()
+    backend = open_gpu_backend("nvml", 8, "node-a", nvml=fake)
+    assert isinstance(backend, NvmlBackend)
+    backend.close()
+    assert open_gpu_backend("none", 8, "node-a", nvml=fake) is None
+
+    with caplog.at_level(logging.WARNING, logger="clusterwatch.agent.gpu"):
+        sim = open_gpu_backend("sim", 3, "node-a", nvml=fake)
+    assert isinstance(sim, SimulatedBackend)
+    assert len(sim.sample()) == 3
+    assert len(caplog.records) == 1
+    assert "SIMULATED" in caplog.records[0].getMessage()
+
+    with pytest.raises(GpuBackendError, match="unknown GPU backend"):
+        open_gpu_backend("cuda", 8, "node-a", nvml=fake)
+
+
+def test_collector_fills_inventory_from_nvml(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend]
+) -> None:
+    fake.fail("nvmlDeviceGetPcieReplayCounter", pynvml.NVMLError_NotSupported)
+    collector = GpuCollector(open_backend())
+    report = node_pb2.NodeReport()
+    collector.collect(report)
+    inventory = report.gpu_inventory
+    assert (inventory.backend, inventory.simulated, inventory.driver_version) == ("nvml", False, "550.54.15")
+    assert [(e.function, e.error, e.count) for e in inventory.query_errors] == [
+        ("nvmlDeviceGetPcieReplayCounter", "NotSupported", 2)
+    ]
+    assert len(report.gpus) == 2
+    collector.close()
+    collector.close()
