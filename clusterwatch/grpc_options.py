@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# Large enough for a full snapshot of a 10,000-node cluster's summaries.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 # Agents ping every 10 s so a dead coordinator (or a silently dropped
 # connection) is noticed within ~15 s even when no report is in flight.

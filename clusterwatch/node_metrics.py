@@ -32,8 +32,11 @@ GPU_NVLINK_RX = counter(
 )
 GPU_NVLINK_ERRORS = counter(
     "clusterwatch_gpu_nvlink_errors_total",
-    "NVLink data-link errors per link and kind (crc, replay, recovery).",
+    "NVLink data-link errors summed over the GPU's links, by kind (crc, replay, recovery); "
+    "per-link counts are in the API.",
 )
+NVLINK_ERROR_KINDS = (("crc", "crc_errors_total"), ("replay", "replay_errors_total"),
+                      ("recovery", "recovery_errors_total"))  # fmt: skip
 GPU_ECC = counter(
     "clusterwatch_gpu_ecc_errors_total", "ECC errors since the driver loaded (volatile), by kind."
 )
@@ -72,12 +75,26 @@ GPU_FIELDS: tuple[tuple[Family, str], ...] = (
     (gauge("clusterwatch_gpu_sm_clock_max_hertz", "Maximum SM clock."), "sm_clock_max_hertz"),
     (gauge("clusterwatch_gpu_memory_clock_hertz", "Current memory clock."), "memory_clock_hertz"),
     (
-        gauge("clusterwatch_gpu_pcie_transmit_bytes_per_second", "PCIe transmit throughput (NVML sample)."),
+        gauge(
+            "clusterwatch_gpu_pcie_transmit_bytes_per_second",
+            "PCIe transmit throughput over the last interval (NVML counters, else NVML's 20 ms sample).",
+        ),
         "pcie_transmit_bytes_per_second",
     ),
     (
-        gauge("clusterwatch_gpu_pcie_receive_bytes_per_second", "PCIe receive throughput (NVML sample)."),
+        gauge(
+            "clusterwatch_gpu_pcie_receive_bytes_per_second",
+            "PCIe receive throughput over the last interval (NVML counters, else NVML's 20 ms sample).",
+        ),
         "pcie_receive_bytes_per_second",
+    ),
+    (
+        counter("clusterwatch_gpu_pcie_transmit_bytes_total", "PCIe bytes sent (NVML counter)."),
+        "pcie_transmit_bytes_total",
+    ),
+    (
+        counter("clusterwatch_gpu_pcie_receive_bytes_total", "PCIe bytes received (NVML counter)."),
+        "pcie_receive_bytes_total",
     ),
     (
         counter("clusterwatch_gpu_pcie_replay_errors_total", "PCIe replays (link-level retransmissions)."),
@@ -259,6 +276,7 @@ def _write_gpu_links_and_reasons(
 ) -> None:
     reason_lines = exp.lines(GPU_CLOCKS_EVENT_ACTIVE)
     nvl_tx, nvl_rx, nvl_err = exp.lines(GPU_NVLINK_TX), exp.lines(GPU_NVLINK_RX), exp.lines(GPU_NVLINK_ERRORS)
+    tx_prefix, rx_prefix = f"{GPU_NVLINK_TX.name}{{", f"{GPU_NVLINK_RX.name}{{"
     for g, lbl in zip(gpus, gpu_labels, strict=True):
         if g.HasField("clocks_event_reasons"):
             mask = g.clocks_event_reasons
@@ -266,18 +284,23 @@ def _write_gpu_links_and_reasons(
                 reason_lines.append(
                     f'{GPU_CLOCKS_EVENT_ACTIVE.name}{{{lbl},reason="{reason}"}} {1 if mask & bit else 0}'
                 )
-        for link in g.nvlinks:
-            link_lbl = f'{lbl},link="{link.link}"'
-            if link.HasField("transmit_bytes_total"):
-                nvl_tx.append(f"{GPU_NVLINK_TX.name}{{{link_lbl}}} {link.transmit_bytes_total}")
-            if link.HasField("receive_bytes_total"):
-                nvl_rx.append(f"{GPU_NVLINK_RX.name}{{{link_lbl}}} {link.receive_bytes_total}")
-            for kind in ("crc", "replay", "recovery"):
-                attr = f"{kind}_errors_total"
-                if _has(link, attr):
-                    nvl_err.append(
-                        f'{GPU_NVLINK_ERRORS.name}{{{link_lbl},kind="{kind}"}} {getattr(link, attr)}'
-                    )
+        links = g.nvlinks
+        if not links:
+            continue
+        # One prefix per GPU; then per link only the link number and the value.
+        tx, rx = f'{tx_prefix}{lbl},link="', f'{rx_prefix}{lbl},link="'
+        nvl_tx.extend(
+            [f'{tx}{k.link}"}} {k.transmit_bytes_total}' for k in links if k.HasField("transmit_bytes_total")]
+        )
+        nvl_rx.extend(
+            [f'{rx}{k.link}"}} {k.receive_bytes_total}' for k in links if k.HasField("receive_bytes_total")]
+        )
+        # Per-link error counters would be 18 links x 3 kinds per GPU; summed per
+        # GPU they stay visible at a fraction of the series.
+        for kind, attr in NVLINK_ERROR_KINDS:
+            reported = [getattr(k, attr) for k in links if k.HasField(attr)]  # type: ignore[arg-type]
+            if reported:
+                nvl_err.append(f'{GPU_NVLINK_ERRORS.name}{{{lbl},kind="{kind}"}} {sum(reported)}')
 
 
 def _write_gpu_health(exp: Exposition, gpus: Sequence[node_pb2.GpuSample], gpu_labels: Sequence[str]) -> None:
@@ -308,11 +331,13 @@ def _write_fields(
 ) -> None:
     """One family's samples for messages that may leave ``attr`` unset."""
     lines = exp.lines(family)
-    name = family.name
+    prefix = f"{family.name}{{"
     for msg, lbl in zip(messages, label_texts, strict=True):
-        if _has(msg, attr):
-            value = getattr(msg, attr)
-            lines.append(f"{name}{{{lbl}}} {format_value(value)}")
+        if msg.HasField(attr):
+            text = repr(getattr(msg, attr))
+            if text[-1] in "nf":  # nan, inf, -inf: Prometheus spells them NaN, +Inf, -Inf
+                text = format_value(float(text))
+            lines.append(f"{prefix}{lbl}}} {text}")
 
 
 def _has(message: Message, field: str) -> bool:

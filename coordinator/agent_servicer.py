@@ -69,7 +69,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 raise InvalidReportError(f"unexpected {kind or 'empty'} message after the hello")
 
     async def _write(self, session: AgentSession, context: Context) -> None:
-        """The stream's only writer: cumulative acks, then queued commands."""
+        """The stream's only writer: periodic cumulative acks and queued commands."""
         while True:
             await session.wake.wait()
             session.wake.clear()

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from clusterwatch.coordinator.event_log import EventLog
-from clusterwatch.coordinator.sessions import AgentSession
+from clusterwatch.coordinator.sessions import ACK_INTERVAL_S, AgentSession
 from clusterwatch.coordinator.state import ClusterState, Event, EventKind
 from clusterwatch.v1 import agent_pb2, node_pb2
 
@@ -91,6 +91,16 @@ class Coordinator:
         while True:
             self._record(self.state.check_liveness(self._clock(), self._wall()))
             await asyncio.sleep(period_s)
+
+    async def tick_acks(self, period_s: float = ACK_INTERVAL_S) -> None:
+        """Wake every stream with an ack due, forever (cancel to stop).
+
+        One timer for all streams instead of one per stream.
+        """
+        while True:
+            await asyncio.sleep(period_s)
+            for session in self.sessions.values():
+                session.wake_if_ack_due()
 
     def _record(self, events: list[Event]) -> None:
         for event in events:

@@ -48,6 +48,7 @@ class CoordinatorServer:
         self._health: Any = None  # grpc_health.v1.health.aio.HealthServicer (untyped)
         self._http: MetricsHttpServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -79,6 +80,10 @@ class CoordinatorServer:
             "coordinator serving gRPC on port %d, /metrics on %s, state in %s",
             self.grpc_port, self.metrics_port or "(off)", self.settings.state_dir,
         )  # fmt: skip
+        self._tasks = [
+            asyncio.create_task(self.core.watch_liveness(), name="liveness"),
+            asyncio.create_task(self.core.tick_acks(), name="acks"),
+        ]
         if self.settings.ready_file:
             self._write_ready_file(Path(self.settings.ready_file))
 
@@ -100,17 +105,16 @@ class CoordinatorServer:
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set, then shut down gracefully."""
         await self.start()
-        liveness = asyncio.create_task(self.core.watch_liveness(), name="liveness")
-        try:
-            await stop.wait()
-        finally:
-            logger.info("coordinator shutting down")
-            liveness.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await liveness
-            await self.stop()
+        await stop.wait()
+        logger.info("coordinator shutting down")
+        await self.stop()
 
     async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._server is not None:

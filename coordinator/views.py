@@ -63,10 +63,27 @@ def node_status(view: NodeView, summary_only: bool) -> cluster_pb2.NodeStatus:
             setattr(status, field, value)
     if view.report is not None:
         if summary_only:
-            status.report.gpus.extend(view.report.gpus)
+            status.report.gpus.extend(_slim_gpu(g) for g in view.report.gpus)
             status.report.host.CopyFrom(view.report.host)
             status.report.gpu_inventory.CopyFrom(view.report.gpu_inventory)
             status.report.timestamp_unix_seconds = view.report.timestamp_unix_seconds
         else:
             status.report.CopyFrom(view.report)
     return status
+
+
+# What a per-node summary keeps of each GPU: enough for a status row or a
+# heat-map cell, not the per-link and per-process detail (18 NVLinks alone
+# make a full 8-GPU report ~6 KB).
+_SUMMARY_GPU_FIELDS = (
+    "utilization_ratio", "memory_used_bytes", "memory_total_bytes", "power_watts", "temperature_celsius",
+    "sm_clock_hertz", "clocks_event_reasons",
+)  # fmt: skip
+
+
+def _slim_gpu(gpu: node_pb2.GpuSample) -> node_pb2.GpuSample:
+    slim = node_pb2.GpuSample(index=gpu.index, uuid=gpu.uuid, name=gpu.name)
+    for field in _SUMMARY_GPU_FIELDS:
+        if gpu.HasField(field):  # type: ignore[arg-type]
+            setattr(slim, field, getattr(gpu, field))
+    return slim

@@ -48,14 +48,16 @@ def generate(out_root: Path) -> list[Path]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--check", action="store_true", help="fail if the committed files differ")
     args = parser.parse_args()
     committed_dir = ROOT / PACKAGE_DIR
     if not args.check:
-        for stale in committed_dir.iterdir():
-            if stale.name.endswith(GENERATED_SUFFIXES):
-                stale.unlink()
+        for old in committed_dir.iterdir():
+            if old.name.endswith(GENERATED_SUFFIXES):
+                old.unlink()
         for path in generate(ROOT):
             print(f"wrote {path.relative_to(ROOT)}")
         return 0
@@ -65,10 +67,15 @@ def main() -> int:
         stale = sorted(
             name
             for name in fresh.keys() | committed.keys()
-            if name not in fresh or name not in committed or not filecmp.cmp(fresh[name], committed[name], shallow=False)
+            if name not in fresh
+            or name not in committed
+            or not filecmp.cmp(fresh[name], committed[name], shallow=False)
         )
     if stale:
-        print(f"generated protobuf code is stale: {', '.join(stale)}; run python scripts/gen_protos.py", file=sys.stderr)
+        print(
+            f"generated protobuf code is stale: {', '.join(stale)}; run python scripts/gen_protos.py",
+            file=sys.stderr,
+        )
         return 1
     print("generated protobuf code is up to date")
     return 0

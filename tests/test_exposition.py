@@ -62,6 +62,7 @@ def sample_report() -> node_pb2.NodeReport:
     gpu.memory_total_bytes = 80
     gpu.clocks_event_reasons = 0x4 | 0x40  # sw power cap + hw thermal slowdown
     gpu.nvlinks.add(link=3, transmit_bytes_total=100, receive_bytes_total=200, crc_errors_total=1)
+    gpu.nvlinks.add(link=4, transmit_bytes_total=5)
     gpu.ecc_uncorrected_errors_total = 2
     gpu.xid_errors.add(xid=79, count=1)
     # power_watts deliberately unset: unsupported on this GPU.
@@ -92,8 +93,11 @@ def test_node_report_becomes_the_expected_samples() -> None:
     assert reasons["sw_power_cap"] == 1
     assert reasons["hw_thermal_slowdown"] == 1
     assert reasons["gpu_idle"] == 0
-    assert m["clusterwatch_gpu_nvlink_transmit_bytes_total"] == [({**g, "link": "3"}, 100.0)]
-    assert m["clusterwatch_gpu_nvlink_errors_total"] == [({**g, "link": "3", "kind": "crc"}, 1.0)]
+    assert m["clusterwatch_gpu_nvlink_transmit_bytes_total"] == [
+        ({**g, "link": "3"}, 100.0),
+        ({**g, "link": "4"}, 5.0),
+    ]
+    assert m["clusterwatch_gpu_nvlink_errors_total"] == [({**g, "kind": "crc"}, 1.0)]
     assert m["clusterwatch_gpu_ecc_errors_total"] == [({**g, "kind": "uncorrected"}, 2.0)]
     assert m["clusterwatch_gpu_xid_errors_total"] == [({**g, "xid": "79"}, 1.0)]
     assert m["clusterwatch_gpu_query_errors_total"] == [

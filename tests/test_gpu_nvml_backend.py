@@ -24,7 +24,8 @@ pytestmark = pytest.mark.timeout(60)
 
 GIB = 1024**3
 
-# Every function sample() calls, and the GpuSample fields it feeds.
+# Every function sample() calls, and the GpuSample fields it feeds. Not in it:
+# nvmlDeviceGetPcieThroughput, called only where the PCIe counters are unsupported.
 FIELDS_BY_FUNCTION: dict[str, tuple[str, ...]] = {
     "nvmlDeviceGetUUID": ("uuid",),
     "nvmlDeviceGetName": ("name",),
@@ -38,7 +39,6 @@ FIELDS_BY_FUNCTION: dict[str, tuple[str, ...]] = {
     "nvmlDeviceGetClockInfo": ("sm_clock_hertz", "memory_clock_hertz"),
     "nvmlDeviceGetMaxClockInfo": ("sm_clock_max_hertz",),
     "nvmlDeviceGetCurrentClocksEventReasons": ("clocks_event_reasons",),
-    "nvmlDeviceGetPcieThroughput": ("pcie_transmit_bytes_per_second", "pcie_receive_bytes_per_second"),
     "nvmlDeviceGetPcieReplayCounter": ("pcie_replay_errors_total",),
     "nvmlDeviceGetTotalEccErrors": ("ecc_corrected_errors_total", "ecc_uncorrected_errors_total"),
     "nvmlDeviceGetRemappedRows": (
@@ -48,11 +48,21 @@ FIELDS_BY_FUNCTION: dict[str, tuple[str, ...]] = {
         "remapped_rows_failure",
     ),
     "nvmlDeviceGetComputeRunningProcesses": ("processes",),
-    "nvmlDeviceGetFieldValues": ("memory_temperature_celsius", "nvlinks"),
+    "nvmlDeviceGetFieldValues": (
+        "memory_temperature_celsius",
+        "nvlinks",
+        "pcie_transmit_bytes_total",
+        "pcie_receive_bytes_total",
+    ),
 }
-ALL_FIELDS = tuple(name for names in FIELDS_BY_FUNCTION.values() for name in names)
+# Made from two readings of the PCIe counters: absent on the first sample.
+RATE_FIELDS = ("pcie_transmit_bytes_per_second", "pcie_receive_bytes_per_second")
+ALL_FIELDS = (*(name for names in FIELDS_BY_FUNCTION.values() for name in names), *RATE_FIELDS)
 # Functions called once per GPU per meaning (SM vs memory clock...), each switched off on its own.
-VARIANTS = {"nvmlDeviceGetClockInfo": 2, "nvmlDeviceGetPcieThroughput": 2, "nvmlDeviceGetTotalEccErrors": 2}
+VARIANTS = {"nvmlDeviceGetClockInfo": 2, "nvmlDeviceGetTotalEccErrors": 2}
+PCIE_KB = 1024  # nvmlDeviceGetPcieThroughput's "KB"
+TX_FIELD = pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES
+RX_FIELD = pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES
 
 
 def has(sample: node_pb2.GpuSample, field: str) -> bool:
@@ -63,6 +73,25 @@ def has(sample: node_pb2.GpuSample, field: str) -> bool:
     if field in {"processes", "nvlinks"}:
         return len(value) > 0
     return sample.HasField(field)
+
+
+def present_fields(unsupported: str | None, first: bool) -> set[str]:
+    """The fields every sample carries while ``unsupported`` (a function, or None) fails for good."""
+    present = set(ALL_FIELDS) - set(FIELDS_BY_FUNCTION[unsupported] if unsupported else ())
+    if unsupported == "nvmlDeviceGetFieldValues":
+        return present  # no counters: the rates come from the throughput call, from the start
+    return present - set(RATE_FIELDS) if first else present
+
+
+def rates(samples: list[node_pb2.GpuSample]) -> list[tuple[float | None, float | None]]:
+    """(transmit, receive) bytes per second per GPU; None where unset."""
+    return [
+        (
+            s.pcie_transmit_bytes_per_second if s.HasField("pcie_transmit_bytes_per_second") else None,
+            s.pcie_receive_bytes_per_second if s.HasField("pcie_receive_bytes_per_second") else None,
+        )
+        for s in samples
+    ]
 
 
 def errors_of(backend: NvmlBackend) -> dict[tuple[str, str], int]:
@@ -162,6 +191,7 @@ def test_full_sample_in_base_units(fake: FakeNvml, open_backend: Callable[..., N
     fake.devices[1].set_field(pynvml.NVML_FI_DEV_MEMORY_TEMP, 81.5, value_type=pynvml.NVML_VALUE_TYPE_DOUBLE)
     backend = open_backend()
 
+    first = backend.sample()
     samples = backend.sample()
 
     assert [s.index for s in samples] == [0, 1]
@@ -182,6 +212,10 @@ def test_full_sample_in_base_units(fake: FakeNvml, open_backend: Callable[..., N
     assert gpu.memory_clock_hertz == 2619e6
     assert gpu.sm_clock_max_hertz == 1980e6
     assert active_reasons(gpu.clocks_event_reasons) == ["sw_power_cap", "sw_thermal_slowdown"]
+    # Counters in bytes; rates from two counter readings one (fake) second apart.
+    assert not any(first[0].HasField(field) for field in RATE_FIELDS)
+    assert gpu.pcie_transmit_bytes_total - first[0].pcie_transmit_bytes_total == 12_000 * 1024
+    assert gpu.pcie_receive_bytes_total - first[0].pcie_receive_bytes_total == 34_000 * 1024
     assert gpu.pcie_transmit_bytes_per_second == 12_000 * 1024
     assert gpu.pcie_receive_bytes_per_second == 34_000 * 1024
     assert gpu.pcie_replay_errors_total == 3
@@ -227,6 +261,7 @@ def test_every_sampled_function_is_covered_by_the_failure_tests(
     backend.sample()
     called = {name for name, count in fake.calls.items() if count > before[name]}
     assert called == set(FIELDS_BY_FUNCTION)
+    assert "nvmlDeviceGetPcieThroughput" not in called
 
 
 # ----- failure is data -------------------------------------------------------
@@ -249,12 +284,14 @@ def test_unsupported_function_leaves_its_fields_absent_and_is_not_called_again(
     last = backend.sample()
 
     assert fake.calls[function] == calls_after_first, "a permanently failing function was called again"
-    absent = set(FIELDS_BY_FUNCTION[function])
-    for samples in (first, last):
+    for samples, present in (
+        (first, present_fields(function, True)),
+        (last, present_fields(function, False)),
+    ):
         assert len(samples) == 2
         for sample in samples:
             for field in ALL_FIELDS:
-                assert has(sample, field) is (field not in absent), field
+                assert has(sample, field) is (field in present), field
     name = error.__name__.removeprefix("NVMLError_")
     assert errors_of(backend) == {(function, name): 2 * VARIANTS.get(function, 1)}
 
@@ -265,11 +302,12 @@ def test_gpu_is_lost_does_not_crash_and_the_other_gpu_is_reported(
     backend = open_backend()
     fake.fail("*", pynvml.NVMLError_GpuIsLost, device=0)
 
-    for _ in range(3):
+    for interval in range(3):
         lost, healthy = backend.sample()
         assert lost.index == 0
         assert not any(has(lost, field) for field in ALL_FIELDS)
-        assert all(has(healthy, field) for field in ALL_FIELDS)
+        expected = present_fields(None, first=interval == 0)
+        assert {field for field in ALL_FIELDS if has(healthy, field)} == expected
 
     errors = errors_of(backend)
     # Not permanent: a lost GPU is asked again (and counted) every interval.
@@ -322,6 +360,123 @@ def test_per_field_errors_leave_only_that_field_absent(
         ("nvmlDeviceGetFieldValues:NVML_FI_DEV_MEMORY_TEMP", "Unknown"): 3,  # transient: every time
         ("nvmlDeviceGetFieldValues:NVML_FI_DEV_NVLINK_ERROR_DL_CRC", "NotSupported"): 1,  # then dropped
     }
+
+
+# ----- PCIe rates from counters ----------------------------------------------
+
+
+def test_pcie_rates_come_from_the_counters_without_the_throughput_call(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend]
+) -> None:
+    fake.devices[1].pcie_tx_kb_per_s, fake.devices[1].pcie_rx_kb_per_s = 1_000, 0
+    fake.devices[1].field_tick_us = 2_500_000  # GPU 1 is read every 2.5 s
+    backend = open_backend()
+
+    first = backend.sample()
+    assert rates(first) == [(None, None), (None, None)]
+    assert all(s.HasField("pcie_transmit_bytes_total") for s in first)
+    assert rates(backend.sample()) == [(12_000 * PCIE_KB, 34_000 * PCIE_KB), (1_000 * PCIE_KB, 0.0)]
+
+    fake.devices[0].pcie_tx_kb_per_s = 500
+    assert rates(backend.sample())[0] == (500 * PCIE_KB, 34_000 * PCIE_KB)
+    assert fake.calls["nvmlDeviceGetPcieThroughput"] == 0
+    assert backend.query_errors() == []
+
+
+def test_pcie_rates_use_the_clock_where_nvml_gives_no_timestamp(fake: FakeNvml) -> None:
+    for device in fake.devices:
+        device.field_timestamps = False
+    now_s = [100.0]
+    backend = NvmlBackend(fake, xid_wait_timeout_ms=50, clock=lambda: now_s[0])
+    try:
+        backend.sample()
+        now_s[0] += 2.0  # the fake's counters moved on by one second's worth: half the rate
+        assert rates(backend.sample()) == [(6_000 * PCIE_KB, 17_000 * PCIE_KB)] * 2
+        # Time that did not move forward makes no rate.
+        assert rates(backend.sample()) == [(None, None)] * 2
+        now_s[0] += 1.0
+        assert rates(backend.sample()) == [(12_000 * PCIE_KB, 34_000 * PCIE_KB)] * 2
+    finally:
+        backend.close()
+    assert fake.calls["nvmlDeviceGetPcieThroughput"] == 0
+
+
+def test_pcie_counter_going_backwards_leaves_the_rate_unset(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend]
+) -> None:
+    backend = open_backend()
+    backend.sample()
+    fake.devices[0].pcie_tx_bytes = 1_000  # wrapped, or the GPU was reset
+
+    gpu0, gpu1 = backend.sample()
+    assert gpu0.pcie_transmit_bytes_total == 1_000 + 12_000 * PCIE_KB
+    assert rates([gpu0, gpu1]) == [(None, 34_000 * PCIE_KB), (12_000 * PCIE_KB, 34_000 * PCIE_KB)]
+    # The next rate counts from the new value again.
+    assert rates(backend.sample())[0] == (12_000 * PCIE_KB, 34_000 * PCIE_KB)
+    assert fake.calls["nvmlDeviceGetPcieThroughput"] == 0
+
+
+def test_pcie_counter_failing_once_makes_no_rate_then_one_over_the_gap(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend]
+) -> None:
+    backend = open_backend()
+    backend.sample()
+    fake.fail_field(0, TX_FIELD, pynvml.NVML_ERROR_UNKNOWN)
+    gpu0, _ = backend.sample()
+    assert not gpu0.HasField("pcie_transmit_bytes_total")
+    assert rates([gpu0]) == [(None, 34_000 * PCIE_KB)]
+
+    fake.devices[0].field_errors.clear()
+    assert rates(backend.sample())[0] == (12_000 * PCIE_KB, 34_000 * PCIE_KB)  # over 2 s
+    assert fake.calls["nvmlDeviceGetPcieThroughput"] == 0  # a transient error is no reason to block
+    assert errors_of(backend) == {("nvmlDeviceGetFieldValues:NVML_FI_DEV_PCIE_COUNT_TX_BYTES", "Unknown"): 1}
+
+
+def test_pcie_counters_unsupported_fall_back_to_the_throughput_call(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend], caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.fail_field(0, TX_FIELD, pynvml.NVML_ERROR_NOT_SUPPORTED)
+    fake.fail_field(0, RX_FIELD, pynvml.NVML_ERROR_NOT_SUPPORTED)
+    fake.devices[1].pcie_rx_bytes = None  # GPU 1 lacks only the receive counter
+    backend = open_backend()
+
+    with caplog.at_level(logging.INFO, logger="clusterwatch.agent.gpu"):
+        first = backend.sample()
+        samples = [backend.sample() for _ in range(3)]
+
+    assert rates(first) == [(12_000 * PCIE_KB, 34_000 * PCIE_KB), (None, 34_000 * PCIE_KB)]
+    for gpu0, gpu1 in samples:
+        assert rates([gpu0, gpu1]) == [(12_000 * PCIE_KB, 34_000 * PCIE_KB)] * 2
+        assert not gpu0.HasField("pcie_transmit_bytes_total")
+        assert not gpu0.HasField("pcie_receive_bytes_total")
+        assert gpu1.HasField("pcie_transmit_bytes_total")
+        assert not gpu1.HasField("pcie_receive_bytes_total")
+    # Two calls per interval for GPU 0, one for GPU 1 (receive only).
+    assert fake.calls["nvmlDeviceGetPcieThroughput"] == 4 * 3
+    fallback_logs = [r.getMessage() for r in caplog.records if "PCIe counters" in r.getMessage()]
+    assert fallback_logs == [
+        "PCIe counters unsupported on GPU 0; using the 20 ms sampling call",
+        "PCIe counters unsupported on GPU 1; using the 20 ms sampling call",
+    ]
+    assert all(r.levelno == logging.INFO for r in caplog.records if "PCIe counters" in r.getMessage())
+    assert errors_of(backend) == {
+        ("nvmlDeviceGetFieldValues:NVML_FI_DEV_PCIE_COUNT_TX_BYTES", "NotSupported"): 1,
+        ("nvmlDeviceGetFieldValues:NVML_FI_DEV_PCIE_COUNT_RX_BYTES", "NotSupported"): 2,
+    }
+
+
+def test_eight_gpus_never_call_the_20ms_throughput_sampler() -> None:
+    # Each real nvmlDeviceGetPcieThroughput call blocks for its 20 ms window;
+    # with counters available the backend must not make one (counted, not timed).
+    fake = FakeNvml([h100(i) for i in range(8)])
+    backend = NvmlBackend(fake, xid_wait_timeout_ms=50)
+    try:
+        backend.sample()
+        samples = backend.sample()
+    finally:
+        backend.close()
+    assert all(s.HasField("pcie_transmit_bytes_per_second") for s in samples)
+    assert fake.calls["nvmlDeviceGetPcieThroughput"] == 0
 
 
 def test_gpu_without_nvlink_reports_no_links(

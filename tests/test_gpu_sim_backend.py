@@ -53,6 +53,8 @@ def test_values_are_plausible_over_a_long_run() -> None:
             assert gpu.memory_clock_hertz > 0
             assert gpu.pcie_transmit_bytes_per_second > 0
             assert gpu.pcie_receive_bytes_per_second > 0
+            assert gpu.HasField("pcie_transmit_bytes_total")
+            assert gpu.HasField("pcie_receive_bytes_total")
             assert (gpu.ecc_corrected_errors_total, gpu.ecc_uncorrected_errors_total) == (0, 0)
             assert (gpu.remapped_rows_pending, gpu.remapped_rows_failure) == (False, False)
             assert gpu.HasField("remapped_rows_correctable")
@@ -81,6 +83,12 @@ def test_counters_integrate_over_the_injected_clock() -> None:
         for link_before, link_after in zip(before.nvlinks, after.nvlinks, strict=True):
             assert link_after.transmit_bytes_total > link_before.transmit_bytes_total
             assert link_after.receive_bytes_total > link_before.receive_bytes_total
+        # The PCIe counters grow by the reported rate over the elapsed time.
+        sent = after.pcie_transmit_bytes_total - before.pcie_transmit_bytes_total
+        received = after.pcie_receive_bytes_total - before.pcie_receive_bytes_total
+        assert sent == pytest.approx(10 * after.pcie_transmit_bytes_per_second, abs=2)
+        assert received == pytest.approx(10 * after.pcie_receive_bytes_per_second, abs=2)
+    assert [g.pcie_transmit_bytes_total for g in same_time] == [g.pcie_transmit_bytes_total for g in first]
 
 
 def test_counters_only_go_up() -> None:
@@ -91,6 +99,8 @@ def test_counters_only_go_up() -> None:
         for gpu_before, gpu_after in zip(before, after, strict=True):
             assert gpu_after.energy_joules_total > gpu_before.energy_joules_total
             assert gpu_after.nvlinks[5].transmit_bytes_total >= gpu_before.nvlinks[5].transmit_bytes_total
+            assert gpu_after.pcie_transmit_bytes_total > gpu_before.pcie_transmit_bytes_total
+            assert gpu_after.pcie_receive_bytes_total > gpu_before.pcie_receive_bytes_total
 
 
 def test_values_vary_with_time_and_between_gpus() -> None:

@@ -1,9 +1,11 @@
-"""Batched NVML field values: memory temperature and per-link NVLink counters.
+"""Batched NVML field values: memory temperature, PCIe byte counters, NVLink counters.
 
 All fields of one GPU are read with ONE ``nvmlDeviceGetFieldValues`` call per
 interval. Each returned value carries its own ``nvmlReturn``: a field that
 failed is left absent and counted as ``nvmlDeviceGetFieldValues:<FIELD NAME>``;
-a field that is NotSupported is dropped from that GPU's batch for good.
+a field that is NotSupported is dropped from that GPU's batch for good, which
+:meth:`FieldReader.unsupported` tells the backend (it then falls back to the
+slow PCIe throughput call).
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ FIELD_VALUES: Final = "nvmlDeviceGetFieldValues"
 
 _KIB: Final = 1024
 
+# Device-wide fields: (pynvml constant name, GpuSample attribute, integer?).
+# The PCIe byte counters replace nvmlDeviceGetPcieThroughput, which blocks for
+# its 20 ms sampling window per call; the backend turns them into rates.
+_DEVICE_FIELDS: Final = (
+    ("NVML_FI_DEV_MEMORY_TEMP", "memory_temperature_celsius", False),
+    ("NVML_FI_DEV_PCIE_COUNT_TX_BYTES", "pcie_transmit_bytes_total", True),
+    ("NVML_FI_DEV_PCIE_COUNT_RX_BYTES", "pcie_receive_bytes_total", True),
+)
 # Per-link fields: (pynvml constant name, NvLinkSample attribute, multiplier).
 # NVLink data throughput fields are counters in KiB (see pynvml's comments on
 # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX); error fields are plain counts.
@@ -31,7 +41,6 @@ _LINK_FIELDS: Final = (
     ("NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY", "replay_errors_total", 1),
     ("NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY", "recovery_errors_total", 1),
 )
-_MEMORY_TEMP: Final = "NVML_FI_DEV_MEMORY_TEMP"
 _LINK_COUNT: Final = "NVML_FI_DEV_NVLINK_LINK_COUNT"
 
 # c_nvmlValue_t member to read for each NVML_VALUE_TYPE_* constant.
@@ -54,7 +63,7 @@ class _Request:
     field_id: int
     link: int | None  # None for device-wide fields
     target: str  # GpuSample / NvLinkSample attribute
-    multiplier: int
+    multiplier: int  # 0: store the value as a float (device-wide fields only)
 
 
 @dataclass
@@ -91,7 +100,12 @@ class FieldReader:
             decoded, _ = self._decode(values[0], _LINK_COUNT)
             if decoded is not None:
                 link_count = max(0, int(decoded))
-        requests = [_Request(_MEMORY_TEMP, int(getattr(self._nvml, _MEMORY_TEMP)), None, "", 1)]
+        requests = [
+            _Request(name, int(field_id), None, target, 1 if integer else 0)
+            for name, target, integer in _DEVICE_FIELDS
+            # A pynvml older than the field cannot ask for it: same as unsupported.
+            if (field_id := getattr(self._nvml, name, None)) is not None
+        ]
         for link in range(link_count):
             requests.extend(
                 _Request(name, int(getattr(self._nvml, name)), link, target, multiplier)
@@ -99,14 +113,32 @@ class FieldReader:
             )
         return GpuFields(link_count=link_count, requests=requests)
 
-    def fill(self, index: int, handle: Any, fields: GpuFields, sample: node_pb2.GpuSample) -> None:
-        """Reads the batch with one NVML call and fills ``sample`` with what came back."""
+    def unsupported(self, index: int, fields: GpuFields, target: str) -> bool:
+        """Whether the device-wide field feeding ``target`` can never be read on this GPU.
+
+        True once the field came back NotSupported (or pynvml lacks it), or when
+        the batched call itself is switched off for the GPU; False while it
+        works or failed only transiently.
+        """
+        if self._queries.is_switched_off(index, FIELD_VALUES):
+            return True
+        return not any(request.link is None and request.target == target for request in fields.requests)
+
+    def fill(self, index: int, handle: Any, fields: GpuFields, sample: node_pb2.GpuSample) -> dict[str, int]:
+        """Reads the batch with one NVML call and fills ``sample`` with what came back.
+
+        Returns:
+            For each device-wide field that was read: its GpuSample attribute
+            -> the value's ``timestamp`` (µs since 1970 as NVML says; 0 when
+            NVML left it unset).
+        """
+        timestamps: dict[str, int] = {}
         if not fields.requests:
-            return
+            return timestamps
         ids = [(request.field_id, request.link or 0) for request in fields.requests]
         values = self._queries.call(index, FIELD_VALUES, handle, ids)
         if values is None:
-            return
+            return timestamps
         links: dict[int, node_pb2.NvLinkSample] = {}
         dropped: list[_Request] = []
         for request, value in zip(fields.requests, values, strict=False):
@@ -116,7 +148,11 @@ class FieldReader:
                     dropped.append(request)
                 continue
             if request.link is None:
-                sample.memory_temperature_celsius = float(decoded)
+                if request.multiplier:
+                    setattr(sample, request.target, int(decoded) * request.multiplier)
+                else:
+                    setattr(sample, request.target, float(decoded))
+                timestamps[request.target] = int(value.timestamp)
                 continue
             link = links.get(request.link)
             if link is None:
@@ -125,6 +161,7 @@ class FieldReader:
         sample.nvlinks.extend(links[link] for link in sorted(links))
         if dropped:
             fields.requests = [request for request in fields.requests if request not in dropped]
+        return timestamps
 
     def _decode(self, value: Any, label: str) -> tuple[float | int | None, bool]:
         """Decodes one c_nvmlFieldValue_t by its valueType.

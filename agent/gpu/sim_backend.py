@@ -2,9 +2,11 @@
 
 Values are plausible for an H100 SXM under a training load and vary with time:
 utilisation follows a slow sinusoid with a per-GPU phase plus a little noise;
-power, temperature and clocks follow utilisation; energy and NVLink byte
-counters integrate their rates over the injected clock, so they are true
-counters. Deterministic for a given seed and sequence of clock readings.
+power, temperature and clocks follow utilisation; energy, NVLink and PCIe
+byte counters integrate their rates over the injected clock, so they are true
+counters (a PCIe counter grows by the reported PCIe rate times the time since
+the previous sample). Deterministic for a given seed and sequence of clock
+readings.
 
 The inventory says ``simulated=True`` so that nobody mistakes these values for
 hardware readings. No processes and no XIDs are simulated: made-up PIDs would
@@ -56,6 +58,8 @@ class _SimGpu:
     energy_joules_total: float
     nvlink_transmit_bytes_total: float  # per link; links differ by a fixed skew
     nvlink_receive_bytes_total: float
+    pcie_transmit_bytes_total: float = 0.0  # set from the NVLink totals, see _make_gpu()
+    pcie_receive_bytes_total: float = 0.0
     template: bytes = b""  # serialised static fields, see _template()
 
 
@@ -99,6 +103,9 @@ class SimulatedBackend:
             nvlink_transmit_bytes_total=self._rng.uniform(1e12, 5e12),
             nvlink_receive_bytes_total=self._rng.uniform(1e12, 5e12),
         )
+        # Derived, not drawn: another draw would shift every later GPU's values.
+        gpu.pcie_transmit_bytes_total = gpu.nvlink_transmit_bytes_total / 20
+        gpu.pcie_receive_bytes_total = gpu.nvlink_receive_bytes_total / 15
         gpu.template = _template(gpu)
         return gpu
 
@@ -142,6 +149,8 @@ class SimulatedBackend:
         # The caching allocator keeps memory nearly flat; let it breathe a little with the load.
         memory_used_ratio = min(0.97, 0.55 + 0.35 * gpu.base_load + 0.02 * wave)
         pcie_rate = (0.2 + 0.8 * utilization) * _PCIE_PEAK_BYTES_PER_SECOND * 0.1
+        gpu.pcie_transmit_bytes_total += pcie_rate * elapsed_s
+        gpu.pcie_receive_bytes_total += pcie_rate * 1.3 * elapsed_s
         sample = node_pb2.GpuSample.FromString(gpu.template)
         sample.utilization_ratio = utilization
         sample.memory_bandwidth_utilization_ratio = utilization * 0.55
@@ -154,6 +163,8 @@ class SimulatedBackend:
         sample.clocks_event_reasons = reasons
         sample.pcie_transmit_bytes_per_second = pcie_rate
         sample.pcie_receive_bytes_per_second = pcie_rate * 1.3
+        sample.pcie_transmit_bytes_total = int(gpu.pcie_transmit_bytes_total)
+        sample.pcie_receive_bytes_total = int(gpu.pcie_receive_bytes_total)
         for link in sample.nvlinks:
             # Links differ by a fixed skew so per-link views are not all identical.
             link.transmit_bytes_total = transmit_bytes + link.link * 1_000_003

@@ -14,7 +14,14 @@ Test controls (names that do not start with ``nvml``):
 * ``fail_field(device, field_id, nvml_return, scope_id=0)``: per-field errors.
 * ``queue_xid(device, xid)``: an XID event for ``nvmlEventSetWait_v2``.
 * ``init_error``: an error class for ``nvmlInit`` (LibraryNotFound = no GPU).
+* ``pcie_throughput_window_s``: how long ``nvmlDeviceGetPcieThroughput`` blocks
+  (the real one samples for 20 ms); 0 by default so tests stay fast.
 * ``calls``: how often each function was called.
+
+PCIe byte counters: every ``nvmlDeviceGetFieldValues`` call on a device moves
+that device's clock on by ``FakeDevice.field_tick_us`` and its PCIe counters by
+``pcie_*_kb_per_s`` over that time, as if the agent read it once per interval;
+values carry that clock as their ``timestamp``, like the real struct.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import threading
+import time
 import types
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +38,7 @@ from typing import Any
 import pynvml
 
 _GIB = 1024**3
+_PCIE_KB = 1024  # what NvmlBackend takes nvmlDeviceGetPcieThroughput's KB to be
 _HANDLE_BASE = 0x7F00_0000_1000
 _EVENT_SET_ADDRESS = 0x7F00_0000_F000
 
@@ -66,6 +75,16 @@ class FakeDevice:
     pcie_tx_kb_per_s: int = 12_000
     pcie_rx_kb_per_s: int = 34_000
     pcie_replay_count: int = 3
+    # NVML_FI_DEV_PCIE_COUNT_TX/RX_BYTES in bytes; None: the GPU has no such counter
+    # (the field comes back NotSupported). They grow at pcie_*_kb_per_s, see field_tick_us.
+    pcie_tx_bytes: int | None = 5_000_000_000_000
+    pcie_rx_bytes: int | None = 9_000_000_000_000
+    # The device's CPU time in µs since 1970, stamped on field values (c_nvmlFieldValue_t.timestamp).
+    field_time_us: int = 1_700_000_000_000_000
+    # How far each nvmlDeviceGetFieldValues call moves field_time_us (and the counters) on.
+    field_tick_us: int = 1_000_000
+    # False: leave the timestamp of field values 0, as an NVML that does not fill it would.
+    field_timestamps: bool = True
     ecc_corrected: int = 5
     ecc_uncorrected: int = 1
     remapped_rows: tuple[int, int, int, int] = (2, 1, 1, 0)
@@ -131,6 +150,7 @@ class FakeNvml(types.ModuleType):
         self.devices = list(devices)
         self.driver_version = driver_version
         self.init_error: type[BaseException] | None = None
+        self.pcie_throughput_window_s = 0.0
         self.calls: collections.Counter[str] = collections.Counter()
         self.init_count = 0
         self.event_sets_freed = 0
@@ -309,6 +329,8 @@ class FakeNvml(types.ModuleType):
 
     def nvmlDeviceGetPcieThroughput(self, device: Any, counter: int) -> int:
         fake = self._device("nvmlDeviceGetPcieThroughput", device)
+        if self.pcie_throughput_window_s:
+            time.sleep(self.pcie_throughput_window_s)  # the real call samples for 20 ms
         rates = {
             pynvml.NVML_PCIE_UTIL_TX_BYTES: fake.pcie_tx_kb_per_s,
             pynvml.NVML_PCIE_UTIL_RX_BYTES: fake.pcie_rx_kb_per_s,
@@ -358,6 +380,9 @@ class FakeNvml(types.ModuleType):
         device = self._device("nvmlDeviceGetFieldValues", handle)
         ids = list(fieldIds)
         values = (pynvml.c_nvmlFieldValue_t * len(ids))()
+        with self._cond:
+            self._tick(device)
+            stamp = device.field_time_us if device.field_timestamps else 0
         for value, field_id in zip(values, ids, strict=True):
             try:
                 value.fieldId, value.scopeId = field_id
@@ -366,17 +391,39 @@ class FakeNvml(types.ModuleType):
             key = (value.fieldId, value.scopeId)
             with self._cond:
                 error = device.field_errors.get(key)
-                entry = device.fields.get(key)
+                entry = self._counter_field(device, key) or device.fields.get(key)
             if error is not None:
                 value.nvmlReturn = error
             elif entry is None:
                 value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
             else:
                 value.nvmlReturn = pynvml.NVML_SUCCESS
+                value.timestamp = stamp
+                value.latencyUsec = 0
                 value.valueType, raw = entry
                 member = _VALUE_MEMBERS[value.valueType]
                 setattr(value.value, member, raw)
         return values
+
+    @staticmethod
+    def _tick(device: FakeDevice) -> None:
+        """One interval passes on ``device``: its clock and PCIe counters move on."""
+        tick_us = device.field_tick_us
+        device.field_time_us += tick_us
+        if device.pcie_tx_bytes is not None:
+            device.pcie_tx_bytes += device.pcie_tx_kb_per_s * _PCIE_KB * tick_us // 1_000_000
+        if device.pcie_rx_bytes is not None:
+            device.pcie_rx_bytes += device.pcie_rx_kb_per_s * _PCIE_KB * tick_us // 1_000_000
+
+    @staticmethod
+    def _counter_field(device: FakeDevice, key: tuple[int, int]) -> tuple[int, int] | None:
+        """The (valueType, value) of a PCIe counter field, or None for any other field."""
+        counters = {
+            (pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, 0): device.pcie_tx_bytes,
+            (pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, 0): device.pcie_rx_bytes,
+        }
+        counter = counters.get(key)
+        return None if counter is None else (pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, counter)
 
     def nvmlEventSetCreate(self) -> Any:
         self._enter("nvmlEventSetCreate")

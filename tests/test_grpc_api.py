@@ -1,0 +1,171 @@
+"""The gRPC surface in-process: a real server on an OS-chosen port, real clients."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from helpers import FIXTURES
+
+from clusterwatch.agent.runtime import Agent, build_collectors
+from clusterwatch.config import AgentSettings, CoordinatorSettings
+from clusterwatch.coordinator.server import CoordinatorServer
+from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2, cluster_pb2_grpc, node_pb2
+
+pytestmark = pytest.mark.timeout(60)
+
+OK = agent_pb2.CommandResult.Status.STATUS_OK
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[CoordinatorServer]:
+    settings = CoordinatorSettings(listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", state_dir=tmp_path)
+    srv = CoordinatorServer(settings)
+    await srv.start()
+    yield srv
+    await srv.stop()
+
+
+def agent_settings(srv: CoordinatorServer, node_id: str) -> AgentSettings:
+    return AgentSettings(
+        coordinator=f"127.0.0.1:{srv.grpc_port}", node_id=node_id, interval_s=0.1, gpu_backend="sim",
+        sim_gpus=1, collectors=["gpu", "host"], reconnect_max_s=0.5,
+    )  # fmt: skip
+
+
+async def wait_for(predicate: object, timeout_s: float, what: str) -> None:
+    async def poll() -> None:
+        while not predicate():  # type: ignore[operator]  # noqa: ASYNC110 - polls state other tasks own
+            await asyncio.sleep(0.02)
+
+    try:
+        await asyncio.wait_for(poll(), timeout_s)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+async def test_command_round_trip_and_idempotency(server: CoordinatorServer) -> None:
+    stop = asyncio.Event()
+    agent = Agent(agent_settings(server, "n1"))
+    task = asyncio.create_task(agent.run(stop))
+    try:
+        await wait_for(
+            lambda: "n1" in server.core.sessions and agent.uplink.connected, 20, "the agent to connect"
+        )
+        command = agent_pb2.Command(command_id="c-1", ping=agent_pb2.PingCommand())
+        first = await server.core.send_command("n1", command, timeout_s=10)
+        assert first.status == OK
+        assert first.command_id == "c-1"
+        again = await server.core.send_command("n1", command, timeout_s=10)  # same id: not run twice
+        assert again == first
+        unsupported = await server.core.send_command("n1", agent_pb2.Command(command_id="c-2"), timeout_s=10)
+        assert unsupported.status == agent_pb2.CommandResult.Status.STATUS_UNSUPPORTED
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+    state = server.core.state.nodes["n1"].state
+    assert state == cluster_pb2.NodeState.NODE_STATE_LEFT
+
+
+async def test_report_before_hello_is_invalid_argument(server: CoordinatorServer) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        call = agent_pb2_grpc.AgentServiceStub(channel).Connect()  # type: ignore[call-arg]
+        await call.write(agent_pb2.AgentMessage(report=node_pb2.NodeReport(sequence=1)))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call.read()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "hello" in (info.value.details() or "")
+
+
+async def test_bad_hello_is_invalid_argument_and_others_keep_reporting(server: CoordinatorServer) -> None:
+    stop = asyncio.Event()
+    good = asyncio.create_task(Agent(agent_settings(server, "good")).run(stop))
+    try:
+        await wait_for(lambda: "good" in server.core.sessions, 20, "the honest agent")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            call = agent_pb2_grpc.AgentServiceStub(channel).Connect()  # type: ignore[call-arg]
+            await call.write(agent_pb2.AgentMessage(hello=agent_pb2.Hello(node_id="bad", interval_seconds=1)))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call.read()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "instance_id" in (info.value.details() or "")
+        before = server.core.state.nodes["good"].last_sequence
+        await wait_for(lambda: server.core.state.nodes["good"].last_sequence > before + 2, 20, "more reports")
+        assert "bad" not in server.core.state.nodes
+    finally:
+        stop.set()
+        await asyncio.wait_for(good, 20)
+
+
+async def test_newer_stream_supersedes_the_older(server: CoordinatorServer) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        hello = agent_pb2.Hello(node_id="n", instance_id="i", interval_seconds=1)
+        old = stub.Connect()  # type: ignore[call-arg]
+        await old.write(agent_pb2.AgentMessage(hello=hello))
+        assert (await old.read()).ack.sequence == 0
+        new = stub.Connect()  # type: ignore[call-arg]
+        await new.write(agent_pb2.AgentMessage(hello=hello))
+        assert (await new.read()).ack.sequence == 0
+        await old.write(agent_pb2.AgentMessage(report=node_pb2.NodeReport(sequence=1)))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await old.read()
+        assert info.value.code() == grpc.StatusCode.ABORTED
+        await new.write(agent_pb2.AgentMessage(report=node_pb2.NodeReport(sequence=1)))
+        assert (await new.read()).ack.sequence == 1
+        await new.done_writing()
+
+
+async def test_health_and_reflection(server: CoordinatorServer) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "clusterwatch.v1.AgentService", "clusterwatch.v1.ClusterService"):
+            response = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert response.status == health_pb2.HealthCheckResponse.SERVING
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = reflect.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        )
+        names = {s.name async for r in responses for s in r.list_services_response.service}
+    assert {
+        "clusterwatch.v1.AgentService",
+        "clusterwatch.v1.ClusterService",
+        "grpc.health.v1.Health",
+    } <= names
+
+
+async def test_unimplemented_rpcs_say_so(server: CoordinatorServer) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        stub = cluster_pb2_grpc.ClusterServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.ListIncidents(cluster_pb2.ListIncidentsRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_watch_streams_snapshots(server: CoordinatorServer) -> None:
+    stop = asyncio.Event()
+    task = asyncio.create_task(Agent(agent_settings(server, "w")).run(stop))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            stub = cluster_pb2_grpc.ClusterServiceStub(channel)
+            stream = stub.Watch(cluster_pb2.WatchRequest(interval_seconds=0.1, summary_only=True), timeout=30)
+            sequences = []
+            async for snapshot in stream:
+                sequences += [n.last_sequence for n in snapshot.nodes if n.node_id == "w"]
+                if len(sequences) >= 3 and sequences[-1] > sequences[0]:
+                    break
+            stream.cancel()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+    assert sequences == sorted(sequences)
+
+
+def test_build_collectors_follows_settings() -> None:
+    settings = AgentSettings(collectors=["infiniband", "host"], sys_root=FIXTURES / "node_a" / "sys")
+    assert [c.name for c in build_collectors(settings)] == ["infiniband", "host"]
