@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from clusterwatch.v1 import node_pb2
@@ -13,15 +13,17 @@ M = TypeVar("M")
 def counter_rate(
     previous: node_pb2.NodeReport | None,
     current: node_pb2.NodeReport | None,
-    items: Callable[[node_pb2.NodeReport], Iterable[M]],
+    items: Callable[[node_pb2.NodeReport], Sequence[M]],
     value: Callable[[M], int],
 ) -> float | None:
     """Per-second increase of a summed counter between two reports; None if unknown.
 
+    A node without such devices (no InfiniBand, say) gives None, not 0.
+
     A counter that went down (device reset, agent restarted) gives None
     rather than a negative or inflated rate.
     """
-    if previous is None or current is None:
+    if previous is None or current is None or not items(current) or not items(previous):
         return None
     elapsed_s = current.timestamp_unix_seconds - previous.timestamp_unix_seconds
     if elapsed_s <= 0:
@@ -37,7 +39,7 @@ def network_rates(
 ) -> tuple[float | None, float | None]:
     """(receive, transmit) bytes per second over all NICs."""
 
-    def nics(r: node_pb2.NodeReport) -> Iterable[node_pb2.NicSample]:
+    def nics(r: node_pb2.NodeReport) -> Sequence[node_pb2.NicSample]:
         return r.nics
 
     return (
@@ -51,7 +53,7 @@ def infiniband_rates(
 ) -> tuple[float | None, float | None]:
     """(receive, transmit) bytes per second over all InfiniBand ports."""
 
-    def ports(r: node_pb2.NodeReport) -> Iterable[node_pb2.IbPortSample]:
+    def ports(r: node_pb2.NodeReport) -> Sequence[node_pb2.IbPortSample]:
         return r.ib_ports
 
     return (

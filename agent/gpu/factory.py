@@ -8,6 +8,7 @@ GPUs with one log line). Values are never simulated unless asked for.
 from __future__ import annotations
 
 import logging
+import zlib
 from types import ModuleType
 from typing import Any
 
@@ -45,7 +46,8 @@ def open_gpu_backend(
         logger.info("GPU backend: none (reporting no GPUs)")
         return None
     if kind == "sim":
-        backend = SimulatedBackend(sim_gpus, node_id=node_id)
+        # Seeded by node so simulated nodes differ from each other, yet each is reproducible.
+        backend = SimulatedBackend(sim_gpus, seed=zlib.crc32(node_id.encode()), node_id=node_id)
         logger.warning(
             "GPU backend: sim. The %d GPUs reported are SIMULATED, not read from hardware", sim_gpus
         )
