@@ -1,1 +1,1 @@
-"""x"""
+"""The node agent: collectors, the report buffer and the uplink to the coordinator."""

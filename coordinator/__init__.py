@@ -1,1 +1,1 @@
-"""x"""
+"""The coordinator: cluster state, event history, the gRPC API and /metrics."""

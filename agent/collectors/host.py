@@ -25,15 +25,15 @@ kernel's makes ``cpu_times`` fail, which leaves the CPU fields unset.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
+from clusterwatch.agent.collectors.roots import psutil_procfs
 from clusterwatch.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class HostCollector:
             ("swap", _fill_swap),
             ("boot time", _fill_boot_time),
         )
-        with _psutil_procfs(self.proc_root):
+        with psutil_procfs(self.proc_root):
             for source_name, fill in sources:
                 try:
                     fill(host)
@@ -164,14 +164,3 @@ def _count_processes(proc_root: Path) -> int:
     """Numeric directories under the proc root (one per process, threads excluded)."""
     with os.scandir(proc_root) as entries:
         return sum(1 for entry in entries if entry.name.isascii() and entry.name.isdigit() and entry.is_dir())
-
-
-@contextlib.contextmanager
-def _psutil_procfs(proc_root: Path) -> Iterator[None]:
-    """Point psutil at ``proc_root`` for the duration of the block."""
-    previous = psutil.PROCFS_PATH
-    psutil.PROCFS_PATH = str(proc_root)
-    try:
-        yield
-    finally:
-        psutil.PROCFS_PATH = previous

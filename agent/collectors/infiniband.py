@@ -26,13 +26,13 @@ import os
 import re
 from pathlib import Path
 
+from clusterwatch.agent.collectors.roots import read_attr
 from clusterwatch.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
 
 _WORD_BYTES = 4
 _UINT64_MAX = 2**64 - 1
-_ATTR_READ_BYTES = 4096  # a sysfs attribute is at most one page
 
 # (file under counters/, IbPortSample field, multiplier to base units)
 _PORT_COUNTERS: tuple[tuple[str, str, int], ...] = (
@@ -118,10 +118,10 @@ def _read_port(device: str, port: int, port_dir: str) -> node_pb2.IbPortSample:
             logger.debug("%s %s/%d out of range: %d", file_name, device, port, value)
             continue
         setattr(sample, field, value)
-    sample.state = _after_colon(_read_attr(os.path.join(port_dir, "state")))
-    sample.physical_state = _after_colon(_read_attr(os.path.join(port_dir, "phys_state")))
-    sample.link_layer = _read_attr(os.path.join(port_dir, "link_layer")) or ""
-    rate_bytes_per_second = _parse_rate(_read_attr(os.path.join(port_dir, "rate")))
+    sample.state = _after_colon(read_attr(os.path.join(port_dir, "state")))
+    sample.physical_state = _after_colon(read_attr(os.path.join(port_dir, "phys_state")))
+    sample.link_layer = read_attr(os.path.join(port_dir, "link_layer")) or ""
+    rate_bytes_per_second = _parse_rate(read_attr(os.path.join(port_dir, "rate")))
     if rate_bytes_per_second is not None:
         sample.rate_bytes_per_second = rate_bytes_per_second
     _read_hw_counters(os.path.join(port_dir, "hw_counters"), sample)
@@ -164,7 +164,7 @@ def _parse_rate(text: str | None) -> float | None:
 
 def _read_uint(path: str) -> int | None:
     """An unsigned integer attribute; None when missing, unreadable or malformed."""
-    text = _read_attr(path)
+    text = read_attr(path)
     if text is None:
         return None
     try:
@@ -176,21 +176,3 @@ def _read_uint(path: str) -> int | None:
         logger.debug("out of range in %s: %d", path, value)
         return None
     return value
-
-
-def _read_attr(path: str) -> str | None:
-    """One sysfs attribute, stripped, with one open and one read; None if unreadable.
-
-    Unsupported counters on some HCAs fail to read with EINVAL or EOPNOTSUPP;
-    that is expected and logged at debug level only.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            data = os.read(fd, _ATTR_READ_BYTES)
-        finally:
-            os.close(fd)
-        return data.decode("ascii").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        logger.debug("cannot read %s: %r", path, exc)
-        return None

@@ -13,14 +13,12 @@ Link state and speed come from ``<sys_root>/class/net/<dev>/operstate`` and
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 
+from clusterwatch.agent.collectors.roots import psutil_procfs, read_attr
 from clusterwatch.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
@@ -40,8 +38,6 @@ _OPERSTATE_UP: dict[str, bool] = {
 # Values drivers write to ``speed`` when they do not know it: SPEED_UNKNOWN
 # (-1) and, from older drivers, the same value through u16/u32 casts.
 _UNKNOWN_SPEEDS_MBIT_S = frozenset({-1, 0xFFFF, 0xFFFFFFFF})
-
-_ATTR_READ_BYTES = 4096  # a sysfs attribute is at most one page
 
 
 class NetworkCollector:
@@ -79,7 +75,7 @@ class NetworkCollector:
             ValueError: ``net/dev`` is malformed (psutil's parser may also
                 raise AssertionError for a line without a colon).
         """
-        with _psutil_procfs(self.proc_root):
+        with psutil_procfs(self.proc_root):
             counters = psutil.net_io_counters(pernic=True, nowrap=False)
         net_dir = self.sys_root / "class" / "net"
         for device in sorted(counters):
@@ -98,10 +94,10 @@ class NetworkCollector:
                 transmit_drops_total=io.dropout,
             )
             device_dir = net_dir / device
-            up = _parse_operstate(_read_attr(device_dir / "operstate"))
+            up = _parse_operstate(read_attr(device_dir / "operstate"))
             if up is not None:
                 nic.up = up
-            speed_bytes_per_second = _parse_speed(_read_attr(device_dir / "speed"))
+            speed_bytes_per_second = _parse_speed(read_attr(device_dir / "speed"))
             if speed_bytes_per_second is not None:
                 nic.speed_bytes_per_second = speed_bytes_per_second
 
@@ -127,28 +123,3 @@ def _parse_speed(text: str | None) -> float | None:
     if speed_mbit_s <= 0 or speed_mbit_s in _UNKNOWN_SPEEDS_MBIT_S:
         return None
     return speed_mbit_s * 1e6 / 8
-
-
-def _read_attr(path: Path) -> str | None:
-    """One sysfs attribute, stripped, with one open and one read; None if unreadable."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            data = os.read(fd, _ATTR_READ_BYTES)
-        finally:
-            os.close(fd)
-        return data.decode("ascii").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        logger.debug("cannot read %s: %r", path, exc)
-        return None
-
-
-@contextlib.contextmanager
-def _psutil_procfs(proc_root: Path) -> Iterator[None]:
-    """Point psutil at ``proc_root`` for the duration of the block."""
-    previous = psutil.PROCFS_PATH
-    psutil.PROCFS_PATH = str(proc_root)
-    try:
-        yield
-    finally:
-        psutil.PROCFS_PATH = previous

@@ -1,1 +1,1 @@
-"""x"""
+"""GPU backends: real NVML (pynvml) and a clearly marked simulator."""
