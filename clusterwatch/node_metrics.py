@@ -17,6 +17,9 @@ from clusterwatch.gpu_reasons import CLOCK_EVENT_REASONS
 from clusterwatch.promtext import Exposition, Family, counter, escape, format_value, gauge
 from clusterwatch.v1 import node_pb2
 
+NODE_INFO = gauge("clusterwatch_node_info", "Node identity and agent version; value 1.")
+NODE_UP = gauge("clusterwatch_node_up", "1 while the node reports on time, 0 when unreachable or gone.")
+
 # --- GPU -------------------------------------------------------------------
 GPU_INFO = gauge(
     "clusterwatch_gpu_info",
@@ -334,15 +337,7 @@ def _write_fields(
     prefix = f"{family.name}{{"
     for msg, lbl in zip(messages, label_texts, strict=True):
         if msg.HasField(attr):
-            text = repr(getattr(msg, attr))
-            if text[-1] in "nf":  # nan, inf, -inf: Prometheus spells them NaN, +Inf, -Inf
-                text = format_value(float(text))
-            lines.append(f"{prefix}{lbl}}} {text}")
-
-
-def _has(message: Message, field: str) -> bool:
-    """HasField for a field name held in a variable (the stubs type it as a literal)."""
-    return message.HasField(field)
+            lines.append(f"{prefix}{lbl}}} {format_value(getattr(msg, attr))}")
 
 
 def _write_host(exp: Exposition, node: str, host: node_pb2.HostSample) -> None:
@@ -383,10 +378,6 @@ def _write_ib(exp: Exposition, node: str, ports: Sequence[node_pb2.IbPortSample]
         exp.add(IB_UP, lbl, 1 if port.state == "ACTIVE" else 0)
         for name, value in sorted(port.hw_counters.items()):
             exp.add(IB_HW_COUNTER, f'{lbl},counter="{escape(name)}"', value)
-
-
-NODE_INFO = gauge("clusterwatch_node_info", "Node identity and agent version; value 1.")
-NODE_UP = gauge("clusterwatch_node_up", "1 while the node reports on time, 0 when unreachable or gone.")
 
 
 def write_node_info(

@@ -50,9 +50,7 @@ def labels(**pairs: object) -> str:
 
 def format_value(value: float) -> str:
     """Format a sample value; integers stay exact, NaN/Inf use Prometheus spelling."""
-    if isinstance(value, int):
-        return str(value)
-    text = repr(float(value))
+    text = repr(value)  # int: exact digits; float: shortest round-trip form
     return _SPECIAL_FLOATS.get(text, text)
 
 

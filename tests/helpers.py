@@ -108,6 +108,13 @@ class Process:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def logged_metrics_port(self) -> int | None:
+        """The /metrics port an agent started with --metrics-listen HOST:0 logged, once it has."""
+        for line in self.log().splitlines():
+            if "serving /metrics on port" in line:
+                return int(line.rsplit(" ", 1)[1])
+        return None
+
 
 @dataclass
 class Coordinator(Process):

@@ -175,7 +175,7 @@ def test_agent_serves_its_own_metrics(cluster: Cluster) -> None:
     coordinator = cluster.coordinator()
     agent = cluster.agent(coordinator, "solo", "--gpu-backend", "sim", "--sim-gpus", "1",
                           "--metrics-listen", "127.0.0.1:0")  # fmt: skip
-    port = wait_for(lambda: _logged_port(agent.log()), 30, "the agent's metrics port in its log")
+    port = wait_for(agent.logged_metrics_port, 30, "the agent's metrics port in its log")
     samples = wait_for(
         lambda: (s := scrape(f"http://127.0.0.1:{port}/metrics")) and samples_named(
             s, "clusterwatch_gpu_utilization_ratio") and s,
@@ -189,10 +189,3 @@ def test_agent_serves_its_own_metrics(cluster: Cluster) -> None:
         30, "the agent to report itself connected",
     )  # fmt: skip
     assert connected
-
-
-def _logged_port(log: str) -> int | None:
-    for line in log.splitlines():
-        if "serving /metrics on port" in line:
-            return int(line.rsplit(" ", 1)[1])
-    return None

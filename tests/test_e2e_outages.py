@@ -6,7 +6,7 @@ import signal
 import sqlite3
 
 import pytest
-from helpers import Cluster, Process, samples_named, scrape, wait_for
+from helpers import Cluster, samples_named, scrape, wait_for
 
 from clusterwatch.v1 import cluster_pb2
 
@@ -23,13 +23,6 @@ def _agent_metric(port: int, name: str, node: str) -> float:
     return sample.value
 
 
-def _metrics_port(agent: Process) -> int | None:
-    for line in agent.log().splitlines():
-        if "serving /metrics on port" in line:
-            return int(line.rsplit(" ", 1)[1])
-    return None
-
-
 def test_coordinator_sigkill_and_restart_loses_no_report(cluster: Cluster) -> None:
     first = cluster.coordinator()
     agents = {
@@ -38,9 +31,7 @@ def test_coordinator_sigkill_and_restart_loses_no_report(cluster: Cluster) -> No
         )
         for node in NODES
     }
-    ports = {
-        node: wait_for(lambda a=a: _metrics_port(a), 30, f"{node} metrics port") for node, a in agents.items()
-    }
+    ports = {node: wait_for(a.logged_metrics_port, 30, f"{node} metrics port") for node, a in agents.items()}
     wait_for(lambda: all((n := first.node(node)) and n.last_sequence >= 3 for node in NODES), 30, "reports")
 
     first.kill()  # SIGKILL: no goodbye, no flush

@@ -20,15 +20,13 @@ LOG_LEVEL_ENV = "CLUSTERWATCH_LOG_LEVEL"
 _FLAG_PREFIX = "setting__"
 
 
-def add_settings_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+def add_settings_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """One flag per field of a settings dataclass; values are parsed by config.load."""
     section = config.SECTIONS[cls]
     group = parser.add_argument_group(
         f"settings ([{section}] in the config file, or CLUSTERWATCH_{section.upper()}_*)"
     )
     for field in config.fields_of(cls):
-        if field.name in skip:
-            continue
         factory: Any = field.default_factory
         default = factory() if field.default is dataclasses.MISSING else field.default
         shown = ",".join(default) if isinstance(default, list) else default
