@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import grpc
 
-from clusterwatch.agent.backoff import Backoff
+from clusterwatch.backoff import Backoff
 from clusterwatch.agent.commands import CommandHandler
 from clusterwatch.agent.report_buffer import ReportBuffer
 from clusterwatch.grpc_options import CHANNEL_OPTIONS

@@ -73,6 +73,13 @@ class AgentSettings:
     sys_root: Path = setting(Path("/sys"), "sysfs root")
     buffer_s: float = setting(600.0, "seconds of reports kept for replay while disconnected", positive=True)
     reconnect_max_s: float = setting(30.0, "cap of the reconnect backoff, seconds", positive=True)
+    socket: str = setting(
+        "/run/clusterwatch/agent.sock",
+        "Unix socket for training hooks, mode 0660 (empty: off); hooks read CLUSTERWATCH_AGENT_SOCKET",
+    )
+    max_steps_per_report: int = setting(
+        512, "per rank, at most this many step summaries in one node report (newest kept)", positive=True
+    )
 
     @property
     def resolved_node_id(self) -> str:

@@ -180,6 +180,33 @@ class PingCommand(_message.Message):
 Global___PingCommand: _TypeAlias = PingCommand  # noqa: Y015
 
 @_typing.final
+class CheckpointCommand(_message.Message):
+    """Relay to every local rank of `job`: save at the end of `step`. The agent
+    answers OK once it has relayed the request; each rank's outcome travels up
+    in the node reports (RankReport.checkpoint_results).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    step: _builtins.int
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointCommand: _TypeAlias = CheckpointCommand  # noqa: Y015
+
+@_typing.final
 class Command(_message.Message):
     """A command for one agent. command_id is an idempotency key: an agent carries
     out a given id at most once. Later capabilities add members to `action`.
@@ -191,11 +218,14 @@ class Command(_message.Message):
     ISSUED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     DEADLINE_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     PING_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
     issued_unix_seconds: _builtins.float
     deadline_unix_seconds: _builtins.float
     @_builtins.property
     def ping(self) -> Global___PingCommand: ...
+    @_builtins.property
+    def checkpoint(self) -> Global___CheckpointCommand: ...
     def __init__(
         self,
         *,
@@ -203,16 +233,62 @@ class Command(_message.Message):
         issued_unix_seconds: _builtins.float = ...,
         deadline_unix_seconds: _builtins.float = ...,
         ping: Global___PingCommand | None = ...,
+        checkpoint: Global___CheckpointCommand | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "ping", b"ping"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "ping", b"ping"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "command_id", b"command_id", "deadline_unix_seconds", b"deadline_unix_seconds", "issued_unix_seconds", b"issued_unix_seconds", "ping", b"ping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "command_id", b"command_id", "deadline_unix_seconds", b"deadline_unix_seconds", "issued_unix_seconds", b"issued_unix_seconds", "ping", b"ping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["ping"]  # noqa: Y015
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["ping", "checkpoint"]  # noqa: Y015
     _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
 
 Global___Command: _TypeAlias = Command  # noqa: Y015
+
+@_typing.final
+class JobCheckpoints(_message.Message):
+    """The newest complete checkpoint (acknowledged by every rank) of every job
+    that has one. Sent when a stream opens and whenever it changes; a job not
+    listed has no complete checkpoint.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class Entry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        JOB_FIELD_NUMBER: _builtins.int
+        STEP_FIELD_NUMBER: _builtins.int
+        job: _builtins.str
+        step: _builtins.int
+        def __init__(
+            self,
+            *,
+            job: _builtins.str = ...,
+            step: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "step", b"step"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    JOBS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobCheckpoints.Entry]: ...
+    def __init__(
+        self,
+        *,
+        jobs: _abc.Iterable[Global___JobCheckpoints.Entry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobCheckpoints: _TypeAlias = JobCheckpoints  # noqa: Y015
 
 @_typing.final
 class CoordinatorMessage(_message.Message):
@@ -220,21 +296,25 @@ class CoordinatorMessage(_message.Message):
 
     ACK_FIELD_NUMBER: _builtins.int
     COMMAND_FIELD_NUMBER: _builtins.int
+    CHECKPOINTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ack(self) -> Global___Ack: ...
     @_builtins.property
     def command(self) -> Global___Command: ...
+    @_builtins.property
+    def checkpoints(self) -> Global___JobCheckpoints: ...
     def __init__(
         self,
         *,
         ack: Global___Ack | None = ...,
         command: Global___Command | None = ...,
+        checkpoints: Global___JobCheckpoints | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "command", b"command", "kind", b"kind"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "checkpoints", b"checkpoints", "command", b"command", "kind", b"kind"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "command", b"command", "kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "checkpoints", b"checkpoints", "command", b"command", "kind", b"kind"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["ack", "command"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["ack", "command", "checkpoints"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

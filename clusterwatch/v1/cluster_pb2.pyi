@@ -4,6 +4,7 @@ isort:skip_file
 The read/act API used by `clusterwatch status`, `clusterwatch top` and tools."""
 
 from clusterwatch.v1 import node_pb2 as _node_pb2
+from clusterwatch.v1 import training_pb2 as _training_pb2
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -125,26 +126,151 @@ class NodeStatus(_message.Message):
 Global___NodeStatus: _TypeAlias = NodeStatus  # noqa: Y015
 
 @_typing.final
+class OpBandwidth(_message.Message):
+    """Bus bandwidth of one op over the rank's latest report interval."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OP_FIELD_NUMBER: _builtins.int
+    BUS_BANDWIDTH_BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    op: _builtins.str
+    bus_bandwidth_bytes_per_second: _builtins.float
+    def __init__(
+        self,
+        *,
+        op: _builtins.str = ...,
+        bus_bandwidth_bytes_per_second: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bus_bandwidth_bytes_per_second", b"bus_bandwidth_bytes_per_second", "op", b"op"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpBandwidth: _TypeAlias = OpBandwidth  # noqa: Y015
+
+@_typing.final
+class RankStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDENTITY_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    LAST_STEP_FIELD_NUMBER: _builtins.int
+    LAST_PROGRESS_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    BANDWIDTH_FIELD_NUMBER: _builtins.int
+    EXIT_FIELD_NUMBER: _builtins.int
+    COLLECTIVES_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    state: _training_pb2.RankState.ValueType
+    last_progress_unix_seconds: _builtins.float
+    """Wall clock when the coordinator learned of the latest finished step."""
+    @_builtins.property
+    def identity(self) -> _training_pb2.RankIdentity: ...
+    @_builtins.property
+    def heartbeat(self) -> _training_pb2.Heartbeat:
+        """Latest heartbeat; unset before the first."""
+
+    @_builtins.property
+    def last_step(self) -> _training_pb2.StepSummary:
+        """Latest finished step (without its collectives); unset before the first."""
+
+    @_builtins.property
+    def bandwidth(self) -> _containers.RepeatedCompositeFieldContainer[Global___OpBandwidth]: ...
+    @_builtins.property
+    def exit(self) -> _training_pb2.RankExit: ...
+    @_builtins.property
+    def collectives(self) -> _containers.RepeatedCompositeFieldContainer[_training_pb2.CollectiveSummary]:
+        """The collectives of the rank's latest node report, merged (see RankReport)."""
+
+    def __init__(
+        self,
+        *,
+        identity: _training_pb2.RankIdentity | None = ...,
+        node_id: _builtins.str = ...,
+        state: _training_pb2.RankState.ValueType = ...,
+        heartbeat: _training_pb2.Heartbeat | None = ...,
+        last_step: _training_pb2.StepSummary | None = ...,
+        last_progress_unix_seconds: _builtins.float = ...,
+        bandwidth: _abc.Iterable[Global___OpBandwidth] | None = ...,
+        exit: _training_pb2.RankExit | None = ...,
+        collectives: _abc.Iterable[_training_pb2.CollectiveSummary] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "last_step", b"last_step"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bandwidth", b"bandwidth", "collectives", b"collectives", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "last_progress_unix_seconds", b"last_progress_unix_seconds", "last_step", b"last_step", "node_id", b"node_id", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RankStatus: _TypeAlias = RankStatus  # noqa: Y015
+
+@_typing.final
+class JobStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    STEP_RATE_FIELD_NUMBER: _builtins.int
+    LATEST_COMPLETE_CHECKPOINT_STEP_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    world_size: _builtins.int
+    step_rate: _builtins.float
+    """Steps per second of the slowest rank over the recent window; unset until known."""
+    latest_complete_checkpoint_step: _builtins.int
+    """Newest checkpoint every rank completed; unset when none."""
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankStatus]: ...
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        world_size: _builtins.int = ...,
+        step_rate: _builtins.float | None = ...,
+        latest_complete_checkpoint_step: _builtins.int | None = ...,
+        ranks: _abc.Iterable[Global___RankStatus] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_latest_complete_checkpoint_step", b"_latest_complete_checkpoint_step", "_step_rate", b"_step_rate", "latest_complete_checkpoint_step", b"latest_complete_checkpoint_step", "step_rate", b"step_rate"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_latest_complete_checkpoint_step", b"_latest_complete_checkpoint_step", "_step_rate", b"_step_rate", "job", b"job", "latest_complete_checkpoint_step", b"latest_complete_checkpoint_step", "ranks", b"ranks", "step_rate", b"step_rate", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__latest_complete_checkpoint_step: _TypeAlias = _typing.Literal["latest_complete_checkpoint_step"]  # noqa: Y015
+    _WhichOneofArgType__latest_complete_checkpoint_step: _TypeAlias = _typing.Literal["_latest_complete_checkpoint_step", b"_latest_complete_checkpoint_step"]  # noqa: Y015
+    _WhichOneofReturnType__step_rate: _TypeAlias = _typing.Literal["step_rate"]  # noqa: Y015
+    _WhichOneofArgType__step_rate: _TypeAlias = _typing.Literal["_step_rate", b"_step_rate"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__latest_complete_checkpoint_step) -> _WhichOneofReturnType__latest_complete_checkpoint_step | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__step_rate) -> _WhichOneofReturnType__step_rate | None: ...
+
+Global___JobStatus: _TypeAlias = JobStatus  # noqa: Y015
+
+@_typing.final
 class ClusterSnapshot(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TIMESTAMP_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     COORDINATOR_VERSION_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
+    JOBS_FIELD_NUMBER: _builtins.int
     timestamp_unix_seconds: _builtins.float
     coordinator_version: _builtins.str
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeStatus]: ...
+    @_builtins.property
+    def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobStatus]: ...
     def __init__(
         self,
         *,
         timestamp_unix_seconds: _builtins.float = ...,
         coordinator_version: _builtins.str = ...,
         nodes: _abc.Iterable[Global___NodeStatus] | None = ...,
+        jobs: _abc.Iterable[Global___JobStatus] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_version", b"coordinator_version", "nodes", b"nodes", "timestamp_unix_seconds", b"timestamp_unix_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_version", b"coordinator_version", "jobs", b"jobs", "nodes", b"nodes", "timestamp_unix_seconds", b"timestamp_unix_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -347,9 +473,15 @@ class ActionRequest(_message.Message):
     ACTION_FIELD_NUMBER: _builtins.int
     EXCLUDE_NODES_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     action: _builtins.str
+    """"checkpoint" (this version); more with the recovery policy."""
     idempotency_key: _builtins.str
+    step: _builtins.int
+    """checkpoint: the step to save at; unset lets the coordinator pick one a
+    little ahead of the furthest rank.
+    """
     @_builtins.property
     def exclude_nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -359,12 +491,15 @@ class ActionRequest(_message.Message):
         action: _builtins.str = ...,
         exclude_nodes: _abc.Iterable[_builtins.str] | None = ...,
         idempotency_key: _builtins.str = ...,
+        step: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "exclude_nodes", b"exclude_nodes", "idempotency_key", b"idempotency_key", "job", b"job"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "action", b"action", "exclude_nodes", b"exclude_nodes", "idempotency_key", b"idempotency_key", "job", b"job", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__step: _TypeAlias = _typing.Literal["step"]  # noqa: Y015
+    _WhichOneofArgType__step: _TypeAlias = _typing.Literal["_step", b"_step"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__step) -> _WhichOneofReturnType__step | None: ...
 
 Global___ActionRequest: _TypeAlias = ActionRequest  # noqa: Y015
 
@@ -374,17 +509,21 @@ class ActionResponse(_message.Message):
 
     ACTION_ID_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
     action_id: _builtins.str
     message: _builtins.str
+    step: _builtins.int
+    """checkpoint: the step every rank was asked to save at."""
     def __init__(
         self,
         *,
         action_id: _builtins.str = ...,
         message: _builtins.str = ...,
+        step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_id", b"action_id", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action_id", b"action_id", "message", b"message", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -9,6 +9,7 @@ the source resets). A field the hardware cannot report is left unset
 (proto3 `optional`), never filled with a made-up zero.
 """
 
+from clusterwatch.v1 import training_pb2 as _training_pb2
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -723,6 +724,7 @@ class NodeReport(_message.Message):
     IB_PORTS_FIELD_NUMBER: _builtins.int
     COLLECTORS_FIELD_NUMBER: _builtins.int
     REPORTS_DROPPED_TOTAL_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """1, 2, 3... per agent instance; see Hello.instance_id."""
     timestamp_unix_seconds: _builtins.float
@@ -742,6 +744,12 @@ class NodeReport(_message.Message):
     def ib_ports(self) -> _containers.RepeatedCompositeFieldContainer[Global___IbPortSample]: ...
     @_builtins.property
     def collectors(self) -> _containers.RepeatedCompositeFieldContainer[Global___CollectorStatus]: ...
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedCompositeFieldContainer[_training_pb2.RankReport]:
+        """Training processes on this node that registered with the agent's hook
+        socket, including those that exited since the previous report.
+        """
+
     def __init__(
         self,
         *,
@@ -755,10 +763,11 @@ class NodeReport(_message.Message):
         ib_ports: _abc.Iterable[Global___IbPortSample] | None = ...,
         collectors: _abc.Iterable[Global___CollectorStatus] | None = ...,
         reports_dropped_total: _builtins.int = ...,
+        ranks: _abc.Iterable[_training_pb2.RankReport] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["gpu_inventory", b"gpu_inventory", "host", b"host"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["collectors", b"collectors", "gpu_inventory", b"gpu_inventory", "gpus", b"gpus", "host", b"host", "ib_ports", b"ib_ports", "interval_seconds", b"interval_seconds", "nics", b"nics", "reports_dropped_total", b"reports_dropped_total", "sequence", b"sequence", "timestamp_unix_seconds", b"timestamp_unix_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["collectors", b"collectors", "gpu_inventory", b"gpu_inventory", "gpus", b"gpus", "host", b"host", "ib_ports", b"ib_ports", "interval_seconds", b"interval_seconds", "nics", b"nics", "ranks", b"ranks", "reports_dropped_total", b"reports_dropped_total", "sequence", b"sequence", "timestamp_unix_seconds", b"timestamp_unix_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,4 +1,4 @@
-"""Exponential backoff with full jitter for reconnecting to the coordinator."""
+"""Exponential backoff with full jitter, for every reconnecting client (agent uplink, training hook)."""
 
 from __future__ import annotations
 
