@@ -9,28 +9,46 @@ import math
 import socket
 import time
 import uuid
+from pathlib import Path
 from types import ModuleType
 
 from clusterwatch import __version__
 from clusterwatch.agent.collectors.base import Collector, CollectorRunner
 from clusterwatch.agent.commands import CommandHandler
+from clusterwatch.agent.hook_links import HookLinks
+from clusterwatch.agent.hook_server import HookServer
+from clusterwatch.agent.proc_exit import ProcessExitWatcher
+from clusterwatch.agent.ranks import RankRegistry, RankState
 from clusterwatch.agent.report_buffer import ReportBuffer
 from clusterwatch.agent.uplink import Uplink
 from clusterwatch.config import AgentSettings
 from clusterwatch.http_server import MetricsHttpServer
 from clusterwatch.node_metrics import NODE_UP, register_node_families, write_node, write_node_info
-from clusterwatch.promtext import Exposition, counter, escape, gauge
+from clusterwatch.promtext import Exposition, counter, escape, gauge, labels
 from clusterwatch.v1 import agent_pb2, node_pb2
 
 logger = logging.getLogger(__name__)
 
 CAPABILITIES = ("report.v1", "command.ping")
+# Only with the hook socket on: without it there is nobody to relay a checkpoint to.
+HOOK_CAPABILITIES = ("hook.v1", "command.checkpoint")
 
 AGENT_CONNECTED = gauge(
     "clusterwatch_agent_connected", "1 while the agent's stream to the coordinator is up."
 )
 AGENT_BUFFERED = gauge("clusterwatch_agent_reports_buffered", "Reports waiting for the coordinator's ack.")
 AGENT_CONNECTIONS = counter("clusterwatch_agent_connections_total", "Streams the agent established.")
+AGENT_RANKS = gauge(
+    "clusterwatch_agent_ranks", "Training processes registered with this agent's hook socket, by state."
+)
+AGENT_EXIT_WATCHER = gauge(
+    "clusterwatch_agent_exit_watcher_info",
+    "How the agent learns of training process exits: netlink (with exit codes) or psutil (polling).",
+)
+AGENT_EXIT_OVERRUNS = counter(
+    "clusterwatch_agent_exit_watcher_overruns_total",
+    "Times the kernel dropped process events before the agent read them (exits then show as unknown).",
+)
 
 
 def build_collectors(settings: AgentSettings, nvml: ModuleType | None = None) -> list[Collector]:
@@ -66,21 +84,40 @@ class Agent:
     Args:
         settings: the agent's settings.
         collectors: what to run each interval (default: from settings).
+        exit_watcher: how training process exits are noticed (default: netlink, else psutil).
     """
 
-    def __init__(self, settings: AgentSettings, collectors: list[Collector] | None = None) -> None:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        collectors: list[Collector] | None = None,
+        exit_watcher: ProcessExitWatcher | None = None,
+    ) -> None:
         self.settings = settings
         self.node_id = settings.resolved_node_id
         self.hostname = socket.gethostname()
         self.instance_id = uuid.uuid4().hex
         self.buffer = ReportBuffer(max(1, math.ceil(settings.buffer_s / settings.interval_s)))
         self._runner = CollectorRunner(build_collectors(settings) if collectors is None else collectors)
+        self.exit_watcher = exit_watcher or ProcessExitWatcher()
+        self.ranks = RankRegistry(settings.max_steps_per_report, self.exit_watcher)
+        self.hook_links = HookLinks()
+        self.hook_server = (
+            HookServer(Path(settings.socket), self.ranks, self.hook_links) if settings.socket else None
+        )
         self.uplink = Uplink(
-            settings.coordinator, self._hello, self.buffer, CommandHandler(), settings.reconnect_max_s
+            settings.coordinator,
+            self._hello,
+            self.buffer,
+            CommandHandler(checkpoint_relay=self.hook_links if self.hook_server else None),
+            settings.reconnect_max_s,
+            on_checkpoints=self.hook_links.update_checkpoints,
         )
         self.latest: node_pb2.NodeReport | None = None
         self._sequence = 0
         self._http: MetricsHttpServer | None = None
+        # Swapped whole after each report, so the /metrics thread never iterates the registry.
+        self._rank_counts: dict[RankState, int] = dict.fromkeys(RankState, 0)
 
     @property
     def metrics_port(self) -> int | None:
@@ -92,7 +129,7 @@ class Agent:
             hostname=self.hostname,
             agent_version=__version__,
             instance_id=self.instance_id,
-            capabilities=CAPABILITIES,
+            capabilities=CAPABILITIES + (HOOK_CAPABILITIES if self.hook_server else ()),
             interval_seconds=self.settings.interval_s,
             last_acked_sequence=last_acked_sequence,
         )
@@ -104,8 +141,13 @@ class Agent:
         return report
 
     async def collect_once(self) -> node_pb2.NodeReport:
-        """Collect one report (off the event loop: NVML calls can block) and buffer it."""
+        """Collect one report (off the event loop: NVML calls can block) and buffer it.
+
+        The ranks are added on the loop, which owns the registry.
+        """
         report = await asyncio.to_thread(self._collect)
+        self.ranks.report_into(report.ranks)
+        self._rank_counts = self.ranks.count_by_state()
         self._sequence += 1
         report.sequence = self._sequence
         report.reports_dropped_total = self.buffer.dropped_total
@@ -114,7 +156,27 @@ class Agent:
         return report
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Run until ``stop`` is set, then close the stream and the collectors."""
+        """Run until ``stop`` is set, then close the stream and the collectors.
+
+        Raises:
+            HookSocketError: the hook socket is unusable or served by another agent
+                (raised before anything else starts).
+        """
+        if self.hook_server is not None:
+            self.exit_watcher.start()
+            try:
+                await self.hook_server.start()
+            except BaseException:
+                self.exit_watcher.close()
+                raise
+        try:
+            await self._report_until(stop)
+        finally:
+            if self.hook_server is not None:
+                await self.hook_server.stop()
+                self.exit_watcher.close()
+
+    async def _report_until(self, stop: asyncio.Event) -> None:
         if self.settings.metrics_listen:
             self._http = MetricsHttpServer(self.settings.metrics_listen, self.render_metrics, lambda: True)
             self._http.start()
@@ -159,4 +221,10 @@ class Agent:
         exp.add(AGENT_CONNECTED, node, int(self.uplink.connected))
         exp.add(AGENT_BUFFERED, node, len(self.buffer))
         exp.add(AGENT_CONNECTIONS, node, self.uplink.connections_total)
+        if self.hook_server is not None:
+            self.hook_server.stats.write(exp, node)
+            for state, count in self._rank_counts.items():
+                exp.add(AGENT_RANKS, f"{node},{labels(state=state.name.lower())}", count)
+            exp.add(AGENT_EXIT_WATCHER, f"{node},{labels(method=self.exit_watcher.method)}", 1)
+            exp.add(AGENT_EXIT_OVERRUNS, node, self.exit_watcher.overruns_total)
         return exp.render()

@@ -4,7 +4,8 @@ Connect, say hello, replay every unacknowledged report in order, then send
 each new report as it is collected; acknowledgements remove reports from the
 buffer. Any stream error closes the channel and reconnects after a jittered
 exponential backoff (capped, default 30 s). Commands arriving on the stream
-are carried out by the CommandHandler and their results sent back up.
+are carried out by the CommandHandler and their results sent back up; the
+coordinator's table of complete checkpoints goes to ``on_checkpoints``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from collections.abc import Callable
 
 import grpc
 
-from clusterwatch.backoff import Backoff
 from clusterwatch.agent.commands import CommandHandler
 from clusterwatch.agent.report_buffer import ReportBuffer
+from clusterwatch.backoff import Backoff
 from clusterwatch.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc
 
@@ -35,6 +36,7 @@ class Uplink:
         buffer: the reports waiting for acknowledgement.
         commands: runs commands sent by the coordinator.
         reconnect_max_s: the backoff cap.
+        on_checkpoints: called with each JobCheckpoints table the coordinator sends.
     """
 
     def __init__(
@@ -44,8 +46,11 @@ class Uplink:
         buffer: ReportBuffer,
         commands: CommandHandler,
         reconnect_max_s: float = 30.0,
+        *,
+        on_checkpoints: Callable[[agent_pb2.JobCheckpoints], None] | None = None,
     ) -> None:
         self.target = target
+        self._on_checkpoints = on_checkpoints
         self._make_hello = make_hello
         self._buffer = buffer
         self._commands = commands
@@ -111,6 +116,8 @@ class Uplink:
         elif kind == "command":
             self._outbox.append(await self._commands.handle(message.command))
             self._outbox_ready.set()
+        elif kind == "checkpoints" and self._on_checkpoints is not None:
+            self._on_checkpoints(message.checkpoints)
 
     async def _send(self, call: grpc.aio.StreamStreamCall, stop: asyncio.Event) -> None:  # type: ignore[type-arg]
         """The stream's only writer: replayed and new reports, then command results."""

@@ -46,7 +46,8 @@ def main() -> int:
             port = json.loads(ready.read_text())["grpc_port"]
             agent = subprocess.Popen([*cw, "agent", "--coordinator", f"127.0.0.1:{port}", "--node-id", "bench",
                                       "--gpu-backend", "sim", "--sim-gpus", str(args.gpus),
-                                      "--interval", str(args.interval), "--log-level", "warning"])  # fmt: skip
+                                      "--interval", str(args.interval), "--socket", f"{tmp}/agent.sock",
+                                      "--log-level", "warning"])  # fmt: skip
             process = psutil.Process(agent.pid)
             time.sleep(WARMUP_S)
             cpu0, wall0, rss0 = sum(process.cpu_times()[:2]), time.monotonic(), process.memory_info().rss

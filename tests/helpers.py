@@ -71,12 +71,20 @@ class Process:
     argv: list[str]
     log_path: Path
     popen: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] | None = None
 
     def start(self) -> Process:
         log = self.log_path.open("ab")
-        self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.popen = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
+        )
         log.close()
         return self
+
+    def wait(self, timeout_s: float) -> int:
+        """Wait for the process to exit by itself; its exit code."""
+        assert self.popen is not None
+        return self.popen.wait(timeout=timeout_s)
 
     @property
     def pid(self) -> int:
@@ -180,14 +188,35 @@ class Cluster:
         self.coordinators.append(coordinator)
         return coordinator.start()
 
+    def socket_path(self, node_id: str) -> Path:
+        """The hook socket of this test's agent for ``node_id`` (short: AF_UNIX paths max 107 bytes)."""
+        return self.tmp_path / f"{node_id}.sock"
+
     def agent(self, coordinator: Coordinator, node_id: str, *extra: str, interval_s: float = 0.2) -> Process:
         argv = clusterwatch_cmd(
             "agent", "--coordinator", coordinator.address, "--node-id", node_id,
-            "--interval", str(interval_s), "--reconnect-max-s", "0.5", "--log-level", "debug", *extra,
+            "--interval", str(interval_s), "--reconnect-max-s", "0.5", "--log-level", "debug",
+            "--socket", str(self.socket_path(node_id)), *extra,
         )  # fmt: skip
         agent = Process(argv, self.tmp_path / f"agent-{node_id}-{len(self.processes)}.log")
         self.processes.append(agent)
         return agent.start()
+
+    def torchrun(
+        self, script: Path, *args: str, nproc: int, socket: Path | None, env: dict[str, str] | None = None
+    ) -> Process:
+        """A real ``torchrun --standalone`` job of ``nproc`` gloo workers, hooked to ``socket``."""
+        argv = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", "--max-restarts=0", str(script), *args,
+        ]  # fmt: skip
+        job_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        job_env.pop("CLUSTERWATCH_AGENT_SOCKET", None)
+        if socket is not None:
+            job_env["CLUSTERWATCH_AGENT_SOCKET"] = str(socket)
+        job = Process(argv, self.tmp_path / f"torchrun-{len(self.processes)}.log", env=job_env)
+        self.processes.append(job)
+        return job.start()
 
     def close(self) -> None:
         for process in reversed(self.processes):
@@ -195,3 +224,31 @@ class Cluster:
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.log_path.name}\n{p.log()[-4000:]}" for p in self.processes)
+
+
+def start_node(cluster: Cluster, node_id: str = "node-a") -> tuple[Coordinator, Path]:
+    """A coordinator and one agent; returns the coordinator and the agent's hook socket."""
+    coordinator = cluster.coordinator()
+    cluster.agent(coordinator, node_id)
+    socket = cluster.socket_path(node_id)
+    wait_for(socket.exists, 30, "the agent's hook socket")
+    return coordinator, socket
+
+
+def job_status(coordinator: Coordinator, job: str) -> cluster_pb2.JobStatus | None:
+    for status in coordinator.snapshot().jobs:
+        if status.job == job:
+            return status
+    return None
+
+
+def ranks_of(coordinator: Coordinator, job: str) -> dict[int, cluster_pb2.RankStatus]:
+    status = job_status(coordinator, job)
+    return {} if status is None else {r.identity.rank: r for r in status.ranks}
+
+
+def latest_complete_checkpoint(coordinator: Coordinator, job: str) -> int | None:
+    status = job_status(coordinator, job)
+    if status is None or not status.HasField("latest_complete_checkpoint_step"):
+        return None
+    return status.latest_complete_checkpoint_step

@@ -34,7 +34,7 @@ async def server(tmp_path: Path) -> AsyncIterator[CoordinatorServer]:
 def agent_settings(srv: CoordinatorServer, node_id: str) -> AgentSettings:
     return AgentSettings(
         coordinator=f"127.0.0.1:{srv.grpc_port}", node_id=node_id, interval_s=0.1, gpu_backend="sim",
-        sim_gpus=1, collectors=["gpu", "host"], reconnect_max_s=0.5,
+        sim_gpus=1, collectors=["gpu", "host"], reconnect_max_s=0.5, socket="",
     )  # fmt: skip
 
 

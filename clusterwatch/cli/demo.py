@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
             for node in DEMO_NODES:
                 processes.append(_start(
                     ["agent", "--coordinator", address, "--node-id", node, "--gpu-backend", "sim",
-                     "--sim-gpus", str(args.sim_gpus), "--interval", str(args.interval)],
+                     "--sim-gpus", str(args.sim_gpus), "--interval", str(args.interval),
+                     "--socket", str(Path(tmp) / f"{node}.sock")],
                     child_log,
                 ))  # fmt: skip
             print(

@@ -1,0 +1,103 @@
+"""The agent -> hook direction: which hook streams are open, and what to send down them.
+
+Checkpoint requests from the coordinator are relayed to every open stream of
+the job; the coordinator's table of complete checkpoints becomes one
+CheckpointState per stream, sent when the stream says hello (once a table is
+known), when the table first arrives, and whenever the stream's job's value
+changes. Runs on the agent's event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from clusterwatch.v1 import agent_pb2, hook_pb2, training_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class HookLink:
+    """The sending side of one open hook stream.
+
+    Attributes:
+        instance_id, job, rank: whom the stream belongs to (identity updates refresh them).
+        outbox: commands for the stream's writer; None tells the writer the stream was superseded.
+    """
+
+    __slots__ = ("instance_id", "job", "last_state", "outbox", "rank")
+
+    def __init__(self, identity: training_pb2.RankIdentity) -> None:
+        self.instance_id = identity.instance_id
+        self.job = identity.job
+        self.rank = identity.rank
+        self.outbox: asyncio.Queue[hook_pb2.HookCommand | None] = asyncio.Queue()
+        self.last_state: hook_pb2.CheckpointState | None = None
+
+
+class HookLinks:
+    """The open hook streams, plus the coordinator's checkpoint table."""
+
+    def __init__(self) -> None:
+        self._links: dict[str, HookLink] = {}
+        self._complete_step_by_job: dict[str, int] | None = None  # None: no table received yet
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+    def open(self, identity: training_pb2.RankIdentity) -> HookLink:
+        """Register a stream after its hello; an older stream of the same instance is superseded."""
+        previous = self._links.get(identity.instance_id)
+        if previous is not None:
+            previous.outbox.put_nowait(None)
+        link = self._links[identity.instance_id] = HookLink(identity)
+        self._push_state(link)
+        return link
+
+    def close(self, link: HookLink) -> None:
+        if self._links.get(link.instance_id) is link:
+            del self._links[link.instance_id]
+
+    def identity_changed(self, link: HookLink, identity: training_pb2.RankIdentity) -> None:
+        link.rank = identity.rank
+        if identity.job != link.job:
+            link.job = identity.job
+            self._push_state(link)
+
+    def relay_checkpoint(self, job: str, command_id: str, step: int) -> list[int]:
+        """Ask every open stream of ``job`` to checkpoint at the end of ``step``.
+
+        Returns:
+            The ranks asked, ascending (empty: no hook of that job is connected).
+        """
+        command = hook_pb2.HookCommand(
+            checkpoint=hook_pb2.CheckpointRequest(command_id=command_id, step=step)
+        )
+        ranks: set[int] = set()
+        for link in self._links.values():
+            if link.job == job:
+                link.outbox.put_nowait(command)
+                ranks.add(link.rank)
+        return sorted(ranks)
+
+    def update_checkpoints(self, table: agent_pb2.JobCheckpoints) -> None:
+        """Remember the coordinator's table and tell every stream whose job's value changed."""
+        self._complete_step_by_job = {entry.job: entry.step for entry in table.jobs}
+        for link in self._links.values():
+            self._push_state(link)
+
+    def state_for(self, job: str) -> hook_pb2.CheckpointState | None:
+        """The CheckpointState of ``job``, or None before any table arrived."""
+        if self._complete_step_by_job is None:
+            return None
+        step = self._complete_step_by_job.get(job)
+        if step is None:
+            return hook_pb2.CheckpointState(has_complete_checkpoint=False)
+        return hook_pb2.CheckpointState(has_complete_checkpoint=True, latest_complete_step=step)
+
+    def _push_state(self, link: HookLink) -> None:
+        state = self.state_for(link.job)
+        if state is None or state == link.last_state:
+            return
+        link.last_state = state
+        link.outbox.put_nowait(hook_pb2.HookCommand(checkpoint_state=state))

@@ -1,0 +1,244 @@
+"""HookService on the agent's Unix socket: the thin gRPC face of the rank registry.
+
+One Connect stream per training process. The first message must be a hello;
+after it, each message goes to the RankRegistry, and commands queued by
+HookLinks go down the stream. A message the registry refuses ends the stream
+with INVALID_ARGUMENT naming the field (what the hook sent before is kept).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from clusterwatch.agent.hook_links import HookLink, HookLinks
+from clusterwatch.agent.hook_socket import HookSocketError, SocketClaim
+from clusterwatch.agent.hook_validation import InvalidHookMessageError, RankGoneError
+from clusterwatch.agent.ranks import RankRegistry
+from clusterwatch.errors import ClusterwatchError
+from clusterwatch.grpc_options import SERVER_OPTIONS
+from clusterwatch.promtext import Exposition, counter, gauge, labels
+from clusterwatch.v1 import hook_pb2, hook_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+Context = grpc.aio.ServicerContext[hook_pb2.HookMessage, hook_pb2.HookCommand]
+
+# grpc.aio's end-of-stream marker (missing from grpc-stubs).
+EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]
+
+SHUTDOWN_GRACE_S = 1.0
+
+# The one place hook-side errors become status codes.
+STATUS_BY_ERROR: tuple[tuple[type[ClusterwatchError], grpc.StatusCode], ...] = (
+    (InvalidHookMessageError, grpc.StatusCode.INVALID_ARGUMENT),
+    (RankGoneError, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+HOOK_STREAMS = gauge("clusterwatch_agent_hook_streams", "Training hooks connected to this agent's socket.")
+HOOK_MESSAGES = counter(
+    "clusterwatch_agent_hook_messages_total", "Messages received from training hooks, by kind."
+)
+HOOK_INVALID = counter(
+    "clusterwatch_agent_hook_invalid_messages_total",
+    "Hook streams ended because a message broke the protocol or carried impossible values.",
+)
+
+# Message kinds as labels: the oneof members, plus "empty" for a message with none.
+MESSAGE_KINDS = (*(f.name for f in hook_pb2.HookMessage.DESCRIPTOR.oneofs_by_name["kind"].fields), "empty")
+
+
+class HookStats:
+    """Counters for /metrics; written on the event loop, read from the HTTP thread.
+
+    The dict's keys are fixed up front so a concurrent read never sees it resize.
+    """
+
+    def __init__(self) -> None:
+        self.messages_total: dict[str, int] = dict.fromkeys(MESSAGE_KINDS, 0)
+        self.invalid_total = 0
+        self.streams = 0
+
+    def write(self, exp: Exposition, node_label: str) -> None:
+        exp.add(HOOK_STREAMS, node_label, self.streams)
+        for kind, count in list(self.messages_total.items()):
+            exp.add(HOOK_MESSAGES, f"{node_label},{labels(kind=kind)}", count)
+        exp.add(HOOK_INVALID, node_label, self.invalid_total)
+
+
+def status_for(exc: ClusterwatchError) -> grpc.StatusCode:
+    for error_type, code in STATUS_BY_ERROR:
+        if isinstance(exc, error_type):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+class Superseded(Exception):  # noqa: N818 - a signal between two tasks, not an error report
+    """A newer stream of the same training process took over."""
+
+
+class HookServicer(hook_pb2_grpc.HookServiceServicer):
+    """Feeds each hook stream into the registry and drains its HookLink's commands into it.
+
+    Args:
+        registry: where what hooks report is kept until the next node report.
+        links: the open streams' outboxes.
+        stats: counters for /metrics.
+    """
+
+    def __init__(self, registry: RankRegistry, links: HookLinks, stats: HookStats) -> None:
+        self._registry = registry
+        self._links = links
+        self._stats = stats
+        # Log each distinct refusal once at warning: a broken hook reconnects and repeats itself.
+        self._warned: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    # Driven with context.read()/write() so commands can be written while
+    # messages are read; the generated base class only types the generator style.
+    async def Connect(  # type: ignore[override]  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[hook_pb2.HookMessage], context: Context
+    ) -> None:
+        try:
+            await self._serve(context)
+        except ClusterwatchError as exc:
+            if isinstance(exc, InvalidHookMessageError):
+                self._stats.invalid_total += 1
+            self._log_refusal(exc)
+            await context.abort(status_for(exc), str(exc))
+        except Superseded:
+            await context.abort(grpc.StatusCode.ABORTED, "superseded by a newer stream of the same process")
+
+    async def _serve(self, context: Context) -> None:
+        first = await context.read()
+        if first is EOF:
+            return
+        assert isinstance(first, hook_pb2.HookMessage)  # noqa: S101 - narrowing for mypy
+        kind = self._count(first)
+        if kind != "hello":
+            raise InvalidHookMessageError(
+                "hello", f"the first message on a hook stream must be a hello, got {kind}"
+            )
+        identity = first.hello
+        stream = self._registry.hello(identity)
+        link = self._links.open(identity)
+        self._stats.streams = len(self._links)
+        reader = asyncio.create_task(self._read(link, context), name=f"hook-read-{identity.rank}")
+        writer = asyncio.create_task(self._write(link, context), name=f"hook-write-{identity.rank}")
+        try:
+            done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            if reader in done:
+                reader.result()  # raises what the reader raised
+            else:
+                writer.result()
+                raise Superseded
+        finally:
+            for task in (reader, writer):
+                task.cancel()
+            # Let both finish; their outcome was taken above (wait() raises nothing).
+            await asyncio.wait({reader, writer})
+            self._links.close(link)
+            self._stats.streams = len(self._links)
+            self._registry.disconnect(identity.instance_id, stream)
+
+    async def _read(self, link: HookLink, context: Context) -> None:
+        """Apply messages until the hook half-closes; raise on the first bad one."""
+        instance_id = link.instance_id
+        registry = self._registry
+        while True:
+            message: Any = await context.read()
+            if message is EOF:
+                return
+            kind = self._count(message)
+            if kind == "steps":
+                registry.add_steps(instance_id, message.steps.steps)
+            elif kind == "heartbeat":
+                registry.heartbeat(instance_id, message.heartbeat)
+            elif kind == "checkpoint_result":
+                registry.checkpoint_result(instance_id, message.checkpoint_result)
+            elif kind == "identity":
+                registry.update_identity(instance_id, message.identity)
+                self._links.identity_changed(link, message.identity)
+            elif kind == "goodbye":
+                registry.goodbye(instance_id)
+            elif kind == "hello":
+                raise InvalidHookMessageError("hello", "sent twice on one stream; send identity to update it")
+            else:
+                raise InvalidHookMessageError("kind", "empty message")
+
+    @staticmethod
+    async def _write(link: HookLink, context: Context) -> None:
+        """The stream's only writer; returns when a newer stream supersedes this one."""
+        while True:
+            command = await link.outbox.get()
+            if command is None:
+                return
+            await context.write(command)
+
+    def _count(self, message: hook_pb2.HookMessage) -> str:
+        kind = message.WhichOneof("kind") or "empty"
+        self._stats.messages_total[kind] += 1
+        return kind
+
+    def _log_refusal(self, exc: ClusterwatchError) -> None:
+        key = str(exc)
+        if key in self._warned:
+            logger.debug("hook stream refused: %s", exc)
+            return
+        self._warned[key] = None
+        if len(self._warned) > 256:
+            self._warned.popitem(last=False)
+        logger.warning("hook stream refused: %s", exc)
+
+
+class HookServer:
+    """Serves HookService on a Unix socket in the agent's event loop.
+
+    Args:
+        socket_path: where to listen (mode 0660; the directory is created if missing).
+        registry: the rank registry hook messages go to.
+        links: the open streams, for commands going down.
+    """
+
+    def __init__(self, socket_path: Path, registry: RankRegistry, links: HookLinks) -> None:
+        self.socket_path = socket_path
+        self.stats = HookStats()
+        self._servicer = HookServicer(registry, links, self.stats)
+        self._claim = SocketClaim(socket_path)
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> None:
+        """Claim the path, bind and start serving.
+
+        Raises:
+            HookSocketError: the path is unusable or another agent serves it.
+        """
+        self._claim.claim()
+        try:
+            # gRPC's aio objects bind to the running loop: create the server here.
+            server = grpc.aio.server(options=SERVER_OPTIONS)
+            hook_pb2_grpc.add_HookServiceServicer_to_server(self._servicer, server)
+            try:
+                server.add_insecure_port(f"unix:{self.socket_path}")
+            except RuntimeError as exc:
+                raise HookSocketError(f"cannot listen on {self.socket_path}: {exc}") from None
+            # The socket exists from add_insecure_port on; narrow its mode before serving.
+            self._claim.bound()
+            await server.start()
+        except BaseException:
+            self._claim.release()
+            raise
+        self._server = server
+        logger.info("serving training hooks on unix socket %s", self.socket_path)
+
+    async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        """Stop serving (open streams end after ``grace_s``) and remove the socket."""
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+        self._claim.release()
