@@ -1,7 +1,7 @@
 """Coordinator ingest: synthetic agents stream full reports to a coordinator process.
 
 Usage:
-    python -m bench.ingest [--agents 200] [--seconds 20] [--rate 0]
+    python -m bench.ingest [--agents 200] [--seconds 20] [--rate 0] [--ranks 8 --steps 50]
 
 The coordinator runs as its own process (`clusterwatch coordinator`); the
 load generator, in this process, keeps one real Connect stream per synthetic
@@ -9,6 +9,12 @@ agent open and writes pre-serialised reports (8 GPUs, 4 NICs, 2 IB ports),
 at most --window reports ahead of the coordinator's acks. The coordinator's
 CPU time (from /proc, via psutil) divided by the reports it applied (from its
 own counters) is the cost per report.
+
+With --ranks, every report also carries that many training ranks (one job
+across all agents), each with --steps finished steps whose collectives (two
+kinds per step, bench/synthetic.py STEP_COLLECTIVES) come merged per op, as
+the agent sends them. The same steps are re-sent in every report: the coordinator's
+cost does not depend on step numbers.
 """
 
 from __future__ import annotations
@@ -25,10 +31,10 @@ from pathlib import Path
 import grpc
 import psutil
 
-from bench.synthetic import PreSerialized, hello, node_report
+from bench.synthetic import PreSerialized, hello, node_report, rank_reports
 from clusterwatch.client import ClusterClient
 from clusterwatch.grpc_options import CHANNEL_OPTIONS
-from clusterwatch.v1 import agent_pb2
+from clusterwatch.v1 import agent_pb2, node_pb2
 
 CONNECT = "/clusterwatch.v1.AgentService/Connect"
 
@@ -82,6 +88,8 @@ def main() -> int:
         "--rate", type=float, default=0.0, help="reports/s per agent (0: as fast as acks allow)"
     )
     parser.add_argument("--window", type=int, default=8, help="max unacknowledged reports per agent")
+    parser.add_argument("--ranks", type=int, default=0, help="training ranks per report (0: none)")
+    parser.add_argument("--steps", type=int, default=50, help="finished steps per rank per report")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,14 +114,23 @@ def main() -> int:
 
 
 async def measure(address: str, pid: int, args: argparse.Namespace) -> dict[str, float]:
-    payload = PreSerialized(node_report("bench-node"))
+    base = node_report("bench-node")
+    payloads = [PreSerialized(base)]
+    if args.ranks:
+        world_size = args.ranks * args.agents
+        payloads = []
+        for i in range(args.agents):
+            report = node_pb2.NodeReport()
+            report.CopyFrom(base)
+            report.ranks.extend(rank_reports(i, args.ranks, args.steps, world_size=world_size))
+            payloads.append(PreSerialized(report))
     stop = asyncio.Event()
     channels = [
         grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in range(max(1, args.agents // 50))
     ]
     interval_s = 1 / args.rate if args.rate else 0.0
     tasks = [
-        asyncio.create_task(synthetic_agent(channels[i % len(channels)], f"bench-{i:05d}", payload,
+        asyncio.create_task(synthetic_agent(channels[i % len(channels)], f"bench-{i:05d}", payloads[i % len(payloads)],
                                             window=args.window, interval_s=interval_s, stop=stop))
         for i in range(args.agents)
     ]  # fmt: skip
@@ -137,7 +154,9 @@ async def measure(address: str, pid: int, args: argparse.Namespace) -> dict[str,
     reports = count1 - count0
     return {
         "agents": args.agents,
-        "report_bytes": len(payload.message(1)),
+        "report_bytes": len(payloads[0].message(1)),
+        "ranks_per_report": args.ranks,
+        "steps_per_rank": args.steps if args.ranks else 0,
         "seconds": round(wall1 - wall0, 2),
         "reports": reports,
         "reports_per_second": round(reports / (wall1 - wall0), 1),

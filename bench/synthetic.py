@@ -1,9 +1,11 @@
-"""Realistic node reports for benchmarks: 8 simulated GPUs, 4 NICs, 2 InfiniBand ports."""
+"""Realistic node reports for benchmarks: 8 simulated GPUs, 4 NICs, 2 InfiniBand ports,
+and optionally the training ranks on the node with their steps and collectives."""
 
 from __future__ import annotations
 
 from clusterwatch.agent.gpu.sim_backend import SimulatedBackend
-from clusterwatch.v1 import agent_pb2, node_pb2
+from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S, duration_bucket_index
+from clusterwatch.v1 import agent_pb2, node_pb2, training_pb2
 
 GPUS_PER_NODE = 8
 NICS_PER_NODE = 4
@@ -41,6 +43,48 @@ def node_report(node_id: str, sequence: int = 1, gpus: int = GPUS_PER_NODE) -> n
         report.collectors.add(name=name, success=True, duration_seconds=0.001)
     backend.close()
     return report
+
+
+# Per step, what a DDP step typically runs: the gradient buckets' all-reduce
+# and a small all-reduce (loss, metrics): (op, calls, bytes per call, seconds per call).
+STEP_COLLECTIVES = (("ddp_all_reduce", 4, 25 << 20, 0.004), ("all_reduce", 1, 4096, 0.0002))
+
+
+def rank_reports(
+    node_index: int, ranks: int, steps: int, *, job: str = "bench", world_size: int = 0, first_step: int = 1
+) -> list[training_pb2.RankReport]:
+    """The rank reports of node ``node_index``: ranks node_index*ranks .. +ranks-1,
+    each with ``steps`` finished steps and their STEP_COLLECTIVES merged per op,
+    as the agent sends them."""
+    world_size = world_size or ranks * (node_index + 1)
+    out = []
+    for local_rank in range(ranks):
+        rank = node_index * ranks + local_rank
+        report = training_pb2.RankReport(state=training_pb2.RankState.RANK_STATE_RUNNING)
+        report.identity.job, report.identity.rank, report.identity.local_rank = job, rank, local_rank
+        report.identity.world_size, report.identity.pid = world_size, 10_000 + local_rank
+        report.identity.instance_id, report.identity.gpu_uuid = f"bench-{rank}", f"GPU-{rank:08d}"
+        report.identity.hostname, report.identity.backend = f"node-{node_index}", "nccl"
+        heartbeat = report.heartbeat
+        heartbeat.timestamp_unix_seconds, heartbeat.step = 1.8e9 + steps, first_step + steps
+        heartbeat.flight_recorder.add(group_name="0", last_enqueued_collective=7, last_started_collective=7,
+                                      last_completed_collective=7)  # fmt: skip
+        for i in range(steps):
+            report.steps.add(
+                step=first_step + i, start_unix_seconds=1.8e9 + i * 0.02, step_seconds=0.02,
+                communication_seconds=0.005, compute_seconds=0.015,
+            )  # fmt: skip
+        for op, per_step_calls, size, seconds in STEP_COLLECTIVES if steps else ():
+            calls = per_step_calls * steps
+            buckets = [0] * (len(COLLECTIVE_DURATION_BUCKETS_S) + 1)
+            buckets[duration_bucket_index(seconds)] = calls
+            report.collectives.add(
+                op=op, group_name="0", group_size=world_size, dtype="bfloat16", size_bucket_bytes=size,
+                count=calls, bytes_total=calls * size, duration_seconds_total=calls * seconds,
+                duration_seconds_max=seconds, last_sequence=calls, duration_bucket_counts=buckets,
+            )  # fmt: skip
+        out.append(report)
+    return out
 
 
 def hello(node_id: str, instance_id: str = "bench") -> agent_pb2.Hello:

@@ -33,6 +33,32 @@ class ClusterClient:
         response = self._stub.ListEvents(request, timeout=self.timeout_s, wait_for_ready=True)
         return list(response.events)
 
+    def request_checkpoint(
+        self, job: str, step: int | None = None, idempotency_key: str = ""
+    ) -> cluster_pb2.ActionResponse:
+        """Ask every rank of ``job`` to checkpoint at the end of ``step``.
+
+        Args:
+            job: the job's name.
+            step: the step to save at; None lets the coordinator pick one a
+                little ahead of the furthest rank.
+            idempotency_key: makes retries safe: the same key gets the same
+                action and step.
+
+        Returns:
+            The action id, the step every rank was asked to save at, and which
+            nodes relayed the request. Completion shows later as the job's
+            ``latest_complete_checkpoint_step``.
+
+        Raises:
+            grpc.RpcError: NOT_FOUND (unknown job), INVALID_ARGUMENT (bad
+                step), FAILED_PRECONDITION (no running rank reachable).
+        """
+        request = cluster_pb2.ActionRequest(job=job, action="checkpoint", idempotency_key=idempotency_key)
+        if step is not None:
+            request.step = step
+        return self._stub.RequestAction(request, timeout=self.timeout_s, wait_for_ready=True)
+
     def close(self) -> None:
         self._channel.close()
 

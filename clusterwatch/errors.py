@@ -29,3 +29,19 @@ class ConfigError(ClusterwatchError):
 
 class InvalidReportError(ClusterwatchError):
     """A message from an agent breaks the protocol (maps to INVALID_ARGUMENT)."""
+
+
+class InvalidRequestError(ClusterwatchError):
+    """A client's request is malformed or out of range (maps to INVALID_ARGUMENT)."""
+
+
+class NotFoundError(ClusterwatchError):
+    """A request names something the coordinator does not know, e.g. a job (maps to NOT_FOUND)."""
+
+
+class FailedPreconditionError(ClusterwatchError):
+    """A valid request the cluster cannot carry out in its current state (maps to FAILED_PRECONDITION)."""
+
+
+class UnimplementedError(ClusterwatchError):
+    """A request this version does not support yet (maps to UNIMPLEMENTED)."""

@@ -10,6 +10,7 @@ prometheus_client's parser reads the output (the tests parse every scrape).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -22,7 +23,7 @@ class Family:
     """One metric family: full sample name, TYPE and HELP."""
 
     name: str
-    kind: str  # "gauge" or "counter"
+    kind: str  # "gauge", "counter" or "histogram"
     help: str
 
 
@@ -34,6 +35,13 @@ def counter(name: str, help: str) -> Family:
     if not name.endswith("_total"):
         raise ValueError(f"counter {name} must end in _total")
     return Family(name, "counter", help)
+
+
+def histogram(name: str, help: str) -> Family:
+    """A histogram; write its series with Exposition.add_histogram()."""
+    if name.endswith(("_bucket", "_sum", "_count", "_total")):
+        raise ValueError(f"histogram {name} must be named without a sample suffix")
+    return Family(name, "histogram", help)
 
 
 def escape(value: str) -> str:
@@ -73,6 +81,35 @@ class Exposition:
             self.lines(family).append(f"{family.name}{{{label_text}}} {format_value(value)}")
         else:
             self.lines(family).append(f"{family.name} {format_value(value)}")
+
+    def add_histogram(
+        self,
+        family: Family,
+        label_text: str,
+        bounds: Sequence[float],
+        bucket_counts: Sequence[int],
+        sum_value: float,
+    ) -> None:
+        """Add one histogram series: ``_bucket`` per bound and +Inf, ``_sum`` and ``_count``.
+
+        Args:
+            bounds: upper bounds, ascending, without +Inf.
+            bucket_counts: per bucket, *not* cumulative; one more than
+                ``bounds`` (the last is the +Inf bucket).
+        """
+        if len(bucket_counts) != len(bounds) + 1:
+            raise ValueError(f"{family.name}: {len(bucket_counts)} counts for {len(bounds)} bounds + Inf")
+        lines = self.lines(family)
+        bucket = f"{family.name}_bucket{{{label_text}," if label_text else f"{family.name}_bucket{{"
+        cumulative = 0
+        for bound, count in zip(bounds, bucket_counts, strict=False):
+            cumulative += count
+            lines.append(f'{bucket}le="{format_value(bound)}"}} {cumulative}')
+        cumulative += bucket_counts[-1]
+        lines.append(f'{bucket}le="+Inf"}} {cumulative}')
+        series = f"{{{label_text}}}" if label_text else ""
+        lines.append(f"{family.name}_sum{series} {format_value(sum_value)}")
+        lines.append(f"{family.name}_count{series} {cumulative}")
 
     def render(self) -> bytes:
         """The whole page; families with no samples still get HELP and TYPE."""

@@ -69,12 +69,15 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 raise InvalidReportError(f"unexpected {kind or 'empty'} message after the hello")
 
     async def _write(self, session: AgentSession, context: Context) -> None:
-        """The stream's only writer: periodic cumulative acks and queued commands."""
+        """The stream's only writer: periodic cumulative acks, checkpoint state and queued commands."""
         while True:
             await session.wake.wait()
             session.wake.clear()
             sequence = session.take_ack()
             if sequence is not None:
                 await context.write(agent_pb2.CoordinatorMessage(ack=agent_pb2.Ack(sequence=sequence)))
+            checkpoints = session.take_checkpoints()
+            if checkpoints is not None:
+                await context.write(agent_pb2.CoordinatorMessage(checkpoints=checkpoints))
             while session.outbox:
                 await context.write(agent_pb2.CoordinatorMessage(command=session.outbox.popleft()))

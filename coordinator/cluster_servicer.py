@@ -1,4 +1,4 @@
-"""ClusterService: snapshots, the Watch stream and the event history, over Coordinator."""
+"""ClusterService: snapshots, the Watch stream, the event history and actions, over Coordinator."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from typing import Any
 import grpc
 
 from clusterwatch import __version__
+from clusterwatch.coordinator.actions import Actions
 from clusterwatch.coordinator.core import Coordinator
+from clusterwatch.coordinator.job_views import job_status, training_view
 from clusterwatch.coordinator.views import node_status, node_views
 from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
 
@@ -22,12 +24,17 @@ DEFAULT_EVENT_LIMIT = 1000
 class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
     def __init__(self, coordinator: Coordinator) -> None:
         self._core = coordinator
+        self._actions = Actions(coordinator)
 
     def snapshot(self, summary_only: bool = False) -> cluster_pb2.ClusterSnapshot:
+        """Nodes and jobs now; jobs are small, so summaries keep them whole."""
+        core = self._core
+        training = training_view(core.jobs, core.checkpoints, core.now()[0])
         return cluster_pb2.ClusterSnapshot(
             timestamp_unix_seconds=time.time(),
             coordinator_version=__version__,
-            nodes=[node_status(v, summary_only) for v in node_views(self._core.state)],
+            nodes=[node_status(v, summary_only) for v in node_views(core.state)],
+            jobs=[job_status(job) for job in training.jobs],
         )
 
     async def GetSnapshot(  # noqa: N802 - gRPC method name
@@ -71,5 +78,4 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
     async def RequestAction(  # noqa: N802
         self, request: cluster_pb2.ActionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.ActionResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "actions are not in this version yet")
-        raise AssertionError("unreachable")
+        return await self._actions.request(request, context.time_remaining())

@@ -1,4 +1,4 @@
-"""The coordinator's domain object: state, history, sessions and liveness together.
+"""The coordinator's domain object: state, jobs, checkpoints, history, sessions and liveness together.
 
 Servicers call into it; it owns no network code. Every method runs on the
 event loop's thread.
@@ -11,12 +11,21 @@ import logging
 import time
 from collections.abc import Callable
 
+from clusterwatch.coordinator.checkpoints import CheckpointTracker, CompletedCheckpoint
 from clusterwatch.coordinator.event_log import EventLog
+from clusterwatch.coordinator.jobs import JobStore, Rejection
+from clusterwatch.coordinator.rank_reports import RejectReason
 from clusterwatch.coordinator.sessions import ACK_INTERVAL_S, AgentSession
 from clusterwatch.coordinator.state import ClusterState, Event, EventKind
-from clusterwatch.v1 import agent_pb2, node_pb2
+from clusterwatch.v1 import agent_pb2, node_pb2, training_pb2
 
 logger = logging.getLogger(__name__)
+
+# Jobs whose newest complete checkpoint is older than this are not loaded at
+# start (they stay in the database), so the set announced to agents stays bounded.
+CHECKPOINT_RETENTION_S = 30 * 86400.0
+# How often finished and silent jobs are looked for (JobStore.expire).
+JOB_EXPIRY_PERIOD_S = 5.0
 
 
 class Coordinator:
@@ -26,6 +35,7 @@ class Coordinator:
         event_log: where events and the node registry persist.
         unreachable_after_intervals: missed intervals before a node is unreachable.
         clock / wall_clock: injectable monotonic and wall clocks.
+        jobs: the job store (defaults to JobStore()).
     """
 
     def __init__(
@@ -34,6 +44,7 @@ class Coordinator:
         unreachable_after_intervals: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        jobs: JobStore | None = None,
     ) -> None:
         self.state = ClusterState(unreachable_after_intervals)
         self.event_log = event_log
@@ -41,11 +52,21 @@ class Coordinator:
         self._clock = clock
         self._wall = wall_clock
         self.started_unix_s = wall_clock()
+        self.jobs = jobs if jobs is not None else JobStore()
+        self.checkpoints = CheckpointTracker(
+            event_log.latest_checkpoints(self.started_unix_s - CHECKPOINT_RETENTION_S)
+        )
+        # (node, reason) pairs already logged at warning level: one line each, then debug.
+        self._rejections_logged: set[tuple[str, str]] = set()
         for node in event_log.nodes():
             self.state.restore(node.node_id, node.hostname, node.interval_s, clock())
         self._record(
             [Event(EventKind.COORDINATOR_STARTED, "", self.started_unix_s, f"{len(self.state.nodes)} known")]
         )
+
+    def now(self) -> tuple[float, float]:
+        """(monotonic, wall clock) seconds from the coordinator's clocks."""
+        return self._clock(), self._wall()
 
     def open_stream(self, hello: agent_pb2.Hello) -> AgentSession:
         """Register a new agent stream; a newer stream for the same node supersedes the old."""
@@ -57,6 +78,9 @@ class Coordinator:
             previous.fail_pending("superseded by a newer stream")
         session = self.sessions[hello.node_id] = AgentSession(hello.node_id, stream_id)
         session.applied_sequence = self.state.nodes[hello.node_id].last_sequence
+        # Always, even empty: "no job has a complete checkpoint" is an answer a
+        # resuming hook waits for (written after the first ack, see agent_servicer).
+        session.send_checkpoints(self.checkpoints.message())
         logger.info("node %s connected (agent %s, stream %d)", hello.node_id, hello.agent_version, stream_id)
         return session
 
@@ -64,8 +88,62 @@ class Coordinator:
         return self.state.is_current_stream(session.node_id, session.stream_id)
 
     def ingest(self, session: AgentSession, report: node_pb2.NodeReport) -> None:
-        self._record(self.state.ingest(session.node_id, report, self._clock(), self._wall()))
-        session.applied(self.state.nodes[session.node_id].last_sequence)
+        """Apply one node report: node state, then its ranks (unless it is a replay)."""
+        ranks: list[training_pb2.RankReport] = []
+        if report.ranks:
+            ranks, report = _split_ranks(report)
+        now_mono, now_unix = self._clock(), self._wall()
+        self._record(self.state.ingest(session.node_id, report, now_mono, now_unix))
+        record = self.state.nodes[session.node_id]
+        session.applied(record.last_sequence)
+        if ranks and record.report is report:  # stored, so applied for the first time
+            try:
+                self._ingest_ranks(session.node_id, ranks, now_mono, now_unix)
+            except Exception:  # a bug here must not cut every agent's stream
+                logger.exception(
+                    "could not apply the ranks of node %s's report %d", session.node_id, report.sequence
+                )
+
+    def _ingest_ranks(
+        self, node_id: str, ranks: list[training_pb2.RankReport], now_mono: float, now_unix: float
+    ) -> None:
+        outcome = self.jobs.ingest(node_id, ranks, now_mono, now_unix)
+        for rejection in outcome.rejections:
+            self._log_rejection(rejection)
+        completed = False
+        for job, world_size, rank, result in outcome.checkpoint_results:
+            checkpoint = self.checkpoints.record(job, world_size, rank, result, now_unix)
+            if checkpoint is not None:
+                self._persist_checkpoint(checkpoint)
+                completed = True
+        if completed:
+            message = self.checkpoints.message()
+            for session in self.sessions.values():
+                session.send_checkpoints(message)
+
+    def _persist_checkpoint(self, checkpoint: CompletedCheckpoint) -> None:
+        logger.info(
+            "checkpoint complete: job %s step %d (%d ranks, slowest %.1f s)",
+            checkpoint.job, checkpoint.step, len(checkpoint.paths), checkpoint.max_duration_s,
+        )  # fmt: skip
+        try:
+            self.event_log.add_checkpoint(checkpoint)
+        except Exception:  # agents still hear of it; only a restart would forget it
+            logger.exception("could not persist checkpoint %s step %d", checkpoint.job, checkpoint.step)
+
+    def _log_rejection(self, rejection: Rejection) -> None:
+        if rejection.reason == RejectReason.STALE_INSTANCE:
+            # Normal while torchrun restarts a worker group (the old process's exit arrives late).
+            logger.debug("ignored a rank report from node %s: %s", rejection.node_id, rejection.detail)
+            return
+        key = (rejection.node_id, rejection.reason.value)
+        first = key not in self._rejections_logged
+        self._rejections_logged.add(key)
+        logger.log(
+            logging.WARNING if first else logging.DEBUG,
+            "rejected a rank report from node %s (%s): %s%s", rejection.node_id, rejection.reason.value,
+            rejection.detail, "; further ones like it are logged at debug level" if first else "",
+        )  # fmt: skip
 
     def close_stream(self, session: AgentSession, graceful: bool) -> None:
         session.fail_pending("stream closed")
@@ -87,10 +165,23 @@ class Coordinator:
         return await asyncio.wait_for(asyncio.shield(session.send(command)), timeout_s)
 
     async def watch_liveness(self, period_s: float = 0.2) -> None:
-        """Mark silent nodes unreachable, forever (cancel to stop)."""
+        """Mark silent nodes unreachable and drop finished jobs, forever (cancel to stop)."""
+        next_expiry = self._clock()
         while True:
-            self._record(self.state.check_liveness(self._clock(), self._wall()))
+            now_mono = self._clock()
+            self._record(self.state.check_liveness(now_mono, self._wall()))
+            if now_mono >= next_expiry:
+                self.expire_jobs()
+                next_expiry = now_mono + JOB_EXPIRY_PERIOD_S
             await asyncio.sleep(period_s)
+
+    def expire_jobs(self) -> list[str]:
+        """Drop finished and long-silent jobs (see JobStore); return their names."""
+        dropped = self.jobs.expire(self._clock())
+        for job in dropped:
+            self.checkpoints.forget(job)
+            logger.info("job %s dropped: finished or silent", job)
+        return dropped
 
     async def tick_acks(self, period_s: float = ACK_INTERVAL_S) -> None:
         """Wake every stream with an ack due, forever (cancel to stop).
@@ -109,3 +200,18 @@ class Coordinator:
             self.event_log.append(events)
         except Exception:  # keep serving from memory; the log says what was lost
             logger.exception("could not persist %d events", len(events))
+
+
+def _split_ranks(report: node_pb2.NodeReport) -> tuple[list[training_pb2.RankReport], node_pb2.NodeReport]:
+    """The report's ranks, and a compact copy of the report without them.
+
+    The copy matters for memory: protobuf (upb) keeps a parsed message in one
+    arena, so storing the original, or any part of it, would keep every step
+    of every rank alive (~430 KB for 8 ranks x 50 steps, against ~20 KB for
+    the report without ranks). Rank data lives in the job store instead.
+    """
+    ranks = list(report.ranks)  # element references survive the clear below
+    report.ClearField("ranks")
+    compact = node_pb2.NodeReport()
+    compact.CopyFrom(report)
+    return ranks, compact

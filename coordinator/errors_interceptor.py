@@ -9,12 +9,23 @@ from typing import Any
 
 import grpc
 
-from clusterwatch.errors import ClusterwatchError, InvalidReportError
+from clusterwatch.errors import (
+    ClusterwatchError,
+    FailedPreconditionError,
+    InvalidReportError,
+    InvalidRequestError,
+    NotFoundError,
+    UnimplementedError,
+)
 
 logger = logging.getLogger(__name__)
 
 STATUS_BY_ERROR: tuple[tuple[type[ClusterwatchError], grpc.StatusCode], ...] = (
     (InvalidReportError, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (UnimplementedError, grpc.StatusCode.UNIMPLEMENTED),
 )
 
 

@@ -1,23 +1,27 @@
-"""Durable history: node events and the node registry, in SQLite (WAL).
+"""Durable history: node events, the node registry and complete checkpoints, in SQLite (WAL).
 
-Writes are small and rare (state transitions, not reports), so they run
-synchronously on the caller's thread in one transaction per batch.
+Writes are small and rare (state transitions and checkpoint completions, not
+reports), so they run synchronously on the caller's thread in one
+transaction per batch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import sqlite3
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from clusterwatch.coordinator.checkpoints import CompletedCheckpoint, LatestCheckpoint
 from clusterwatch.coordinator.state import Event
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+# 2: checkpoints table. Older databases gain it on open (CREATE IF NOT EXISTS).
+SCHEMA_VERSION = 2
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -32,6 +36,15 @@ CREATE TABLE IF NOT EXISTS nodes (
     hostname TEXT NOT NULL,
     interval_s REAL NOT NULL,
     first_seen_unix_s REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    completed_unix_s REAL NOT NULL,
+    max_duration_s REAL NOT NULL,
+    -- JSON array of every rank's path, index = rank.
+    paths_json TEXT NOT NULL,
+    PRIMARY KEY (job, step)
 );
 """
 
@@ -101,6 +114,34 @@ class EventLog:
         params.append(limit)
         rows = self._db.execute(query, params).fetchall()
         return [StoredEvent(*row) for row in reversed(rows)]
+
+    def add_checkpoint(self, checkpoint: CompletedCheckpoint) -> None:
+        with self._transaction():
+            self._db.execute(
+                "INSERT OR REPLACE INTO checkpoints (job, step, completed_unix_s, max_duration_s, paths_json) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (checkpoint.job, checkpoint.step, checkpoint.completed_unix_s, checkpoint.max_duration_s,
+                 json.dumps(checkpoint.paths)),
+            )  # fmt: skip
+
+    def latest_checkpoints(self, since_unix_s: float = 0.0) -> dict[str, LatestCheckpoint]:
+        """The newest complete checkpoint of every job that completed one since ``since_unix_s``."""
+        rows = self._db.execute(
+            "SELECT c.job, c.step, c.completed_unix_s FROM checkpoints c "
+            "JOIN (SELECT job, MAX(step) AS step FROM checkpoints GROUP BY job) newest "
+            "ON c.job = newest.job AND c.step = newest.step WHERE c.completed_unix_s >= ?",
+            (since_unix_s,),
+        ).fetchall()
+        return {job: LatestCheckpoint(step, completed) for job, step, completed in rows}
+
+    def checkpoint(self, job: str, step: int) -> CompletedCheckpoint | None:
+        row = self._db.execute(
+            "SELECT completed_unix_s, max_duration_s, paths_json FROM checkpoints WHERE job = ? AND step = ?",
+            (job, step),
+        ).fetchone()
+        if row is None:
+            return None
+        return CompletedCheckpoint(job, step, row[0], tuple(json.loads(row[2])), row[1])
 
     def close(self) -> None:
         self._db.close()

@@ -1,4 +1,4 @@
-"""The coordinator's /metrics page, rendered from NodeViews at scrape time."""
+"""The coordinator's /metrics page, rendered from NodeViews and job views at scrape time."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from clusterwatch import __version__
+from clusterwatch.coordinator.job_views import TrainingView
+from clusterwatch.coordinator.training_metrics import write_training
 from clusterwatch.coordinator.views import NodeView
 from clusterwatch.node_metrics import NODE_UP, register_node_families, write_node, write_node_info
 from clusterwatch.promtext import Exposition, counter, escape, gauge
@@ -27,9 +29,10 @@ LAST_SEEN = gauge(
 )
 
 
-def render(views: Sequence[NodeView]) -> bytes:
+def render(views: Sequence[NodeView], training: TrainingView | None = None) -> bytes:
     """The whole page. Hardware series come only from nodes that are up, so a
-    node that went silent does not keep exporting its last values."""
+    node that went silent does not keep exporting its last values; training
+    series follow them when ``training`` is given."""
     exp = Exposition()
     exp.add(COORDINATOR_INFO, f'version="{escape(__version__)}"', 1)
     states = Counter(v.state for v in views)
@@ -50,4 +53,6 @@ def render(views: Sequence[NodeView]) -> bytes:
     for v in views:
         if v.state == NodeState.NODE_STATE_UP and v.report is not None:
             write_node(exp, v.node_id, v.report)
+    if training is not None:
+        write_training(exp, training)
     return exp.render()

@@ -20,6 +20,7 @@ from clusterwatch.coordinator.cluster_servicer import ClusterServicer
 from clusterwatch.coordinator.core import Coordinator
 from clusterwatch.coordinator.errors_interceptor import ErrorMappingInterceptor
 from clusterwatch.coordinator.event_log import EventLog
+from clusterwatch.coordinator.job_views import TrainingView, training_view
 from clusterwatch.coordinator.metrics import render
 from clusterwatch.coordinator.views import NodeView, node_views
 from clusterwatch.grpc_options import SERVER_OPTIONS
@@ -90,11 +91,14 @@ class CoordinatorServer:
     def render_metrics(self) -> bytes:
         """Called from the HTTP thread: copy state on the loop, render here."""
         assert self._loop is not None  # noqa: S101 - start() ran
-        views = asyncio.run_coroutine_threadsafe(self._views(), self._loop).result(RENDER_SNAPSHOT_TIMEOUT_S)
-        return render(views)
+        views, training = asyncio.run_coroutine_threadsafe(self._views(), self._loop).result(
+            RENDER_SNAPSHOT_TIMEOUT_S
+        )
+        return render(views, training)
 
-    async def _views(self) -> list[NodeView]:
-        return node_views(self.core.state)
+    async def _views(self) -> tuple[list[NodeView], TrainingView]:
+        core = self.core
+        return node_views(core.state), training_view(core.jobs, core.checkpoints, core.now()[0])
 
     def _write_ready_file(self, path: Path) -> None:
         ready = {"grpc_port": self.grpc_port, "metrics_port": self.metrics_port, "pid": os.getpid()}

@@ -1,4 +1,4 @@
-"""Per-stream bookkeeping: what to acknowledge and which commands to send down."""
+"""Per-stream bookkeeping: what to acknowledge, which commands and checkpoint state to send down."""
 
 from __future__ import annotations
 
@@ -18,8 +18,12 @@ class AgentSession:
     coordinator's ack ticker (every ACK_INTERVAL_S, one timer for all
     streams) finds one due. Acks only bound the agent's replay buffer, so they need
     not be per report: writing one costs the coordinator as much CPU as
-    reading a report (measured with bench/ingest.py). Commands wake the
-    writer immediately.
+    reading a report (measured with bench/ingest.py). Commands and checkpoint
+    state wake the writer immediately.
+
+    Checkpoint state (``JobCheckpoints``) is a full picture, not a delta, so
+    only the newest one waits to be sent: an agent that is slow to read gets
+    one up-to-date message, not a backlog.
     """
 
     def __init__(self, node_id: str, stream_id: int) -> None:
@@ -30,6 +34,7 @@ class AgentSession:
         # starts True so a new stream is acknowledged at once.
         self.ack_due = True
         self.outbox: collections.deque[agent_pb2.Command] = collections.deque()
+        self._checkpoints: agent_pb2.JobCheckpoints | None = None
         self.wake = asyncio.Event()
         self.wake.set()
         self._waiting: dict[str, asyncio.Future[agent_pb2.CommandResult]] = {}
@@ -59,6 +64,16 @@ class AgentSession:
             self.outbox.append(command)
             self.wake.set()
         return future
+
+    def send_checkpoints(self, checkpoints: agent_pb2.JobCheckpoints) -> None:
+        """Queue the current checkpoint state, replacing any not yet sent."""
+        self._checkpoints = checkpoints
+        self.wake.set()
+
+    def take_checkpoints(self) -> agent_pb2.JobCheckpoints | None:
+        """The checkpoint state to send now, or None if nothing new."""
+        checkpoints, self._checkpoints = self._checkpoints, None
+        return checkpoints
 
     def resolve(self, result: agent_pb2.CommandResult) -> None:
         future = self._waiting.pop(result.command_id, None)

@@ -109,9 +109,11 @@ async def test_newer_stream_supersedes_the_older(server: CoordinatorServer) -> N
         old = stub.Connect()  # type: ignore[call-arg]
         await old.write(agent_pb2.AgentMessage(hello=hello))
         assert (await old.read()).ack.sequence == 0
+        assert (await old.read()).HasField("checkpoints")  # none complete: sent on every open
         new = stub.Connect()  # type: ignore[call-arg]
         await new.write(agent_pb2.AgentMessage(hello=hello))
         assert (await new.read()).ack.sequence == 0
+        assert (await new.read()).HasField("checkpoints")
         await old.write(agent_pb2.AgentMessage(report=node_pb2.NodeReport(sequence=1)))
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await old.read()

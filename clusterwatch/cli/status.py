@@ -1,4 +1,4 @@
-"""``clusterwatch status``: one row per node, or JSON."""
+"""``clusterwatch status``: one row per node, then each training job with a row per rank; or JSON."""
 
 from __future__ import annotations
 
@@ -9,22 +9,29 @@ import time
 from typing import Any
 
 import grpc
+from google.protobuf.json_format import MessageToDict
 
 from clusterwatch.cli.common import add_settings_flags, settings_from_args
 from clusterwatch.client import ClusterClient
 from clusterwatch.config import ClientSettings
-from clusterwatch.v1 import cluster_pb2
+from clusterwatch.v1 import cluster_pb2, training_pb2
 
 NodeState = cluster_pb2.NodeState
+RankState = training_pb2.RankState
+# Ops whose bus bandwidth the rank rows show (the gradient all-reduce).
+ALL_REDUCE_OPS = ("all_reduce", "ddp_all_reduce")
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "status",
-        help="show every node: state, GPUs, utilisation, memory, network, last seen",
-        description="Print one row per node from the coordinator's current snapshot.",
+        help="show every node and training job: state, GPUs, network, steps, checkpoints",
+        description="Print one row per node, then each training job with one row per rank, from the "
+        "coordinator's current snapshot.",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON (one object with a 'nodes' list)")
+    parser.add_argument(
+        "--json", action="store_true", help="print JSON (one object with 'nodes' and 'jobs' lists)"
+    )
     add_settings_flags(parser, ClientSettings)
     parser.set_defaults(run=run)
     return parser
@@ -97,9 +104,95 @@ def format_table(rows: list[dict[str, Any]], now: float) -> str:
             _bytes(r["infiniband_transmit_bytes_per_second"], "/s"),
             _ago(r["last_seen_unix_seconds"], now),
         ))  # fmt: skip
-    widths = [max(len(str(row[i])) for row in lines) for i in range(len(header))]
+    return _align(lines)
+
+
+def _align(lines: list[tuple[Any, ...]]) -> str:
+    widths = [max(len(str(row[i])) for row in lines) for i in range(len(lines[0]))]
     return "\n".join(
         "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in lines
+    )
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    return f"{seconds:.2f}s" if seconds < 100 else f"{seconds:.0f}s"
+
+
+def _bandwidth(bytes_per_s: float | None) -> str:
+    # Decimal units, as nccl-tests and link speeds are quoted.
+    if bytes_per_s is None:
+        return "-"
+    for unit, scale in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bytes_per_s >= scale:
+            value = bytes_per_s / scale
+            return f"{value:.1f}{unit}" if value < 100 else f"{value:.0f}{unit}"
+    return f"{bytes_per_s:.0f}B/s"
+
+
+def _rank_state(rank: cluster_pb2.RankStatus) -> str:
+    """The rank's state, with what matters about it: the collective it is in, or how it ended."""
+    if rank.state == RankState.RANK_STATE_EXITED:
+        return f"exited: {rank.exit.description}" if rank.exit.description else "exited"
+    if rank.state == RankState.RANK_STATE_DISCONNECTED:
+        return "hook disconnected"
+    if rank.state == RankState.RANK_STATE_RUNNING:
+        if rank.heartbeat.HasField("collective"):
+            c = rank.heartbeat.collective
+            return f"in {c.op} #{c.sequence} {_duration(c.elapsed_seconds)}"
+        return "running"
+    return "unknown"
+
+
+def format_jobs(jobs: list[cluster_pb2.JobStatus]) -> str:
+    """A header per job (world size, step rate, checkpoint) and a row per rank.
+
+    Times are the rank's newest finished step: TIME in all, COMP outside
+    collectives, COMM blocked in them. BUSBW is the all-reduce bus bandwidth.
+    """
+    blocks = []
+    for job in jobs:
+        rate = f"{job.step_rate:.2f} steps/s" if job.HasField("step_rate") else "rate unknown"
+        checkpoint = (
+            f"checkpoint step {job.latest_complete_checkpoint_step}"
+            if job.HasField("latest_complete_checkpoint_step")
+            else "no complete checkpoint"
+        )
+        lines: list[tuple[Any, ...]] = [("RANK", "NODE", "STEP", "TIME", "COMP", "COMM", "BUSBW", "STATE")]
+        for rank in job.ranks:
+            last = rank.last_step if rank.HasField("last_step") else None
+            busbw = [b.bus_bandwidth_bytes_per_second for b in rank.bandwidth if b.op in ALL_REDUCE_OPS]
+            lines.append((
+                rank.identity.rank,
+                rank.node_id,
+                "-" if last is None else last.step,
+                _duration(None if last is None else last.step_seconds),
+                _duration(None if last is None else last.compute_seconds),
+                _duration(None if last is None else last.communication_seconds),
+                _bandwidth(max(busbw) if busbw else None),
+                _rank_state(rank),
+            ))  # fmt: skip
+        blocks.append(f"JOB {job.job}  world size {job.world_size}  {rate}  {checkpoint}\n{_align(lines)}")
+    return "\n\n".join(blocks)
+
+
+def job_json(job: cluster_pb2.JobStatus) -> dict[str, Any]:
+    """The --json shape of a job: the API's JobStatus with proto field names, and each
+    rank's number also at the top of its entry (``rank``), for jq and scripts."""
+    document = _to_dict(job)
+    document["ranks"] = [{"rank": rank.identity.rank, **_to_dict(rank)} for rank in job.ranks]
+    return document
+
+
+def _to_dict(message: cluster_pb2.JobStatus | cluster_pb2.RankStatus) -> dict[str, Any]:
+    return MessageToDict(
+        message,
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,
+        unquote_int64_if_possible=True,
     )
 
 
@@ -115,11 +208,18 @@ def run(args: argparse.Namespace) -> int:
         return 1
     rows = [node_summary(n) for n in snapshot.nodes]
     if args.json:
-        print(
-            json.dumps({"timestamp_unix_seconds": snapshot.timestamp_unix_seconds, "nodes": rows}, indent=2)
-        )
-    elif not rows:
+        document = {
+            "timestamp_unix_seconds": snapshot.timestamp_unix_seconds,
+            "nodes": rows,
+            "jobs": [job_json(job) for job in snapshot.jobs],
+        }
+        print(json.dumps(document, indent=2))
+        return 0
+    if not rows:
         print(f"no nodes have reported to {settings.coordinator} yet")
     else:
         print(format_table(rows, snapshot.timestamp_unix_seconds or time.time()))
+    if snapshot.jobs:
+        print()
+        print(format_jobs(list(snapshot.jobs)))
     return 0

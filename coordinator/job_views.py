@@ -1,0 +1,130 @@
+"""Immutable copies of job state, taken on the event loop and read anywhere.
+
+The job store replaces (never mutates) the objects these views point at, so a
+view stays consistent while /metrics renders it in another thread. The API's
+JobStatus messages are built from the same views.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from clusterwatch.coordinator.checkpoints import CheckpointTracker, LatestCheckpoint
+from clusterwatch.coordinator.jobs import CollectiveTotals, JobStore, RankRecord
+from clusterwatch.coordinator.rank_reports import LastStep
+from clusterwatch.v1 import cluster_pb2, training_pb2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankView:
+    identity: training_pb2.RankIdentity
+    node_id: str
+    state: training_pb2.RankState.ValueType
+    heartbeat: training_pb2.Heartbeat | None
+    last_step: LastStep | None
+    last_progress_unix_s: float
+    bus_bandwidth_bytes_per_s: Mapping[str, float]
+    collectives: Sequence[training_pb2.CollectiveSummary]
+    steps_dropped_total: int
+    exit: training_pb2.RankExit | None
+
+    @property
+    def rank(self) -> int:
+        return self.identity.rank
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobView:
+    """One job.
+
+    Attributes:
+        step_rate: steps per second of the slowest running rank; None until known.
+        collectives: per op, cumulative since the coordinator started.
+        checkpoint_results_total: results received per outcome ("ok", "failed").
+    """
+
+    job: str
+    world_size: int
+    step_rate: float | None
+    latest_checkpoint: LatestCheckpoint | None
+    ranks: tuple[RankView, ...]
+    collectives: Mapping[str, CollectiveTotals]
+    checkpoint_results_total: Mapping[str, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrainingView:
+    """Every job, plus the rank reports the coordinator rejected, per (node, reason)."""
+
+    jobs: tuple[JobView, ...]
+    rank_reports_rejected_total: Mapping[tuple[str, str], int]
+
+
+def training_view(store: JobStore, checkpoints: CheckpointTracker, now_mono: float) -> TrainingView:
+    """Views of every job, sorted by name (ranks by rank). Call on the event loop."""
+    results: dict[str, dict[str, int]] = {}
+    for (job_name, outcome), count in checkpoints.results_total.items():
+        results.setdefault(job_name, {})[outcome] = count
+    jobs = []
+    for name in sorted(store.jobs):
+        job = store.jobs[name]
+        jobs.append(
+            JobView(
+                job=name,
+                world_size=job.world_size,
+                step_rate=store.job_step_rate(job, now_mono),
+                latest_checkpoint=checkpoints.latest.get(name),
+                ranks=tuple(_rank_view(r) for _, r in sorted(job.ranks.items())),
+                collectives={op: totals.copy() for op, totals in job.collectives.items()},
+                checkpoint_results_total=results.get(name, {}),
+            )
+        )
+    return TrainingView(tuple(jobs), dict(store.rejected_total))
+
+
+def _rank_view(r: RankRecord) -> RankView:
+    return RankView(
+        identity=r.identity,
+        node_id=r.node_id,
+        state=r.state,
+        heartbeat=r.heartbeat,
+        last_step=r.last_step,
+        last_progress_unix_s=r.last_progress_unix_s,
+        bus_bandwidth_bytes_per_s=r.bus_bandwidth_bytes_per_s,
+        collectives=r.last_collectives,
+        steps_dropped_total=r.steps_dropped_total,
+        exit=r.exit,
+    )
+
+
+def job_status(view: JobView) -> cluster_pb2.JobStatus:
+    """The API's JobStatus for one job."""
+    status = cluster_pb2.JobStatus(job=view.job, world_size=view.world_size)
+    if view.step_rate is not None:
+        status.step_rate = view.step_rate
+    if view.latest_checkpoint is not None:
+        status.latest_complete_checkpoint_step = view.latest_checkpoint.step
+    status.ranks.extend(_rank_status(r) for r in view.ranks)
+    return status
+
+
+def _rank_status(view: RankView) -> cluster_pb2.RankStatus:
+    status = cluster_pb2.RankStatus(
+        identity=view.identity,
+        node_id=view.node_id,
+        state=view.state,
+        last_progress_unix_seconds=view.last_progress_unix_s,
+        bandwidth=[
+            cluster_pb2.OpBandwidth(op=op, bus_bandwidth_bytes_per_second=busbw)
+            for op, busbw in sorted(view.bus_bandwidth_bytes_per_s.items())
+        ],
+        collectives=view.collectives,
+    )
+    if view.heartbeat is not None:
+        status.heartbeat.CopyFrom(view.heartbeat)
+    if view.last_step is not None:
+        status.last_step.CopyFrom(view.last_step.to_proto())
+    if view.exit is not None:
+        status.exit.CopyFrom(view.exit)
+    return status
