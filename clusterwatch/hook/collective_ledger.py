@@ -1,0 +1,368 @@
+"""The collective tracker's shared state: launches in flight, blocked time, aggregates.
+
+Everything that times a collective (``clusterwatch.hook.collective_calls`` for
+``torch.distributed`` calls, ``clusterwatch.hook.ddp_timing`` for DDP buckets)
+registers a ``_Launch`` here and, once it completes, counts it into the step's
+aggregates exactly once. The monitor reads the result: ``in_flight()``,
+``poll()`` and ``take_step()``.
+
+- **Blocked time** (``take_step()``): how long the training thread could not go
+  on because of collectives: the whole call of a synchronous collective, the
+  time spent inside ``Work.wait()`` of an async one, and DDP's wait at the end
+  of backward (see ``watch_ddp``). It is kept per thread, so a background
+  thread's collectives (an async checkpoint's) do not count against training.
+- **CUDA tensors**: CUDA events read later with ``query()``, never a
+  synchronisation (see ``clusterwatch.hook.cuda_timing``); ``poll()`` harvests
+  them.
+
+Sequence numbers are the hook's own, per process group: every instrumented
+collective launched on a group takes the next one, so for an SPMD program they
+agree across ranks and the rank with the lowest in-flight number is the one
+the others wait for. ``send``/``recv`` count separately (as the Flight Recorder's
+p2p sequence does), since only the two peers take part. A collective takes
+its number at launch, even if torch then rejects its arguments.
+
+One lock guards the shared state and is only held for dictionary updates.
+Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from clusterwatch.errors import ClusterwatchError
+from clusterwatch.hook.aggregate import CollectiveAggregate, StepAggregator
+from clusterwatch.hook.cuda_timing import CudaEvents, CudaEventSource, CudaTiming
+
+if TYPE_CHECKING:
+    import torch
+    from torch._C._distributed_c10d import ProcessGroup
+
+logger = logging.getLogger(__name__)
+
+_MAX_IN_FLIGHT = 10_000
+"""Collectives tracked at once; beyond this (a hang, or nobody polling CUDA
+events) new ones run untimed rather than grow memory without bound."""
+
+_DDP_BLOCKED_KEY = -1
+"""``_blocked_ns`` key of DDP's end-of-backward wait; the others are thread idents."""
+
+
+class CollectiveTimingError(ClusterwatchError):
+    """The hook could not time a collective or a DDP model; the collective itself ran normally."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """A collective this rank has launched and not seen complete.
+
+    Attributes:
+        op: Collective name ("all_reduce", "ddp_all_reduce", ...).
+        group_name: Process-group name ("0" is WORLD).
+        sequence: Hook sequence number within the group.
+        started_monotonic_s: Launch time on ``time.monotonic()``'s clock.
+        started_unix_s: Launch time as a Unix timestamp.
+        blocking: A thread is waiting in it (a synchronous call, or ``Work.wait()``).
+    """
+
+    op: str
+    group_name: str
+    sequence: int
+    started_monotonic_s: float
+    started_unix_s: float
+    blocking: bool
+
+
+class _GroupInfo:
+    """What the hook caches per process group: looked up once, not per collective."""
+
+    __slots__ = ("group_ref", "name", "p2p_sequence", "sequence", "size")
+
+    def __init__(self, group_ref: weakref.ref[Any], name: str, size: int) -> None:
+        self.group_ref = group_ref
+        self.name = name
+        self.size = size
+        # next() on itertools.count is atomic under the GIL: no lock per launch.
+        self.sequence = itertools.count(1)
+        self.p2p_sequence = itertools.count(1)
+
+
+class _Launch:
+    """One instrumented collective from launch until it is counted (or dropped)."""
+
+    __slots__ = (
+        "asynchronous",
+        "blocked_key",
+        "cuda",
+        "device",
+        "done",
+        "dtype",
+        "group",
+        "op",
+        "sequence",
+        "size_bytes",
+        "start_ns",
+        "waiting",
+        "work_key",
+    )
+
+    def __init__(
+        self,
+        op: str,
+        group: _GroupInfo,
+        sequence: int,
+        *,
+        start_ns: int,
+        blocked_key: int,
+        asynchronous: bool,
+    ) -> None:
+        self.op = op
+        self.group = group
+        self.sequence = sequence
+        self.start_ns = start_ns
+        self.blocked_key = blocked_key
+        self.asynchronous = asynchronous
+        # Threads inside the call or inside Work.wait() on it.
+        self.waiting = 0 if asynchronous else 1
+        self.done = False
+        self.dtype = ""
+        self.size_bytes = 0
+        self.cuda: CudaTiming | None = None
+        self.device: Any = None
+        self.work_key: int | None = None
+
+
+class _ThreadState(threading.local):
+    # True while this thread runs an instrumented collective (or a DDP hook):
+    # the collective's own Work.wait() and torch-internal nested collectives
+    # are part of what is already being timed.
+    inside = False
+
+
+class _Ledger:
+    """The state ``CollectiveTracker``'s parts share, and what the monitor reads from it.
+
+    Thread safety: launches are registered from any thread, completions arrive
+    on the backend's threads, ``in_flight()`` and ``poll()`` run on the
+    heartbeat thread; ``_lock``, held only for dictionary updates, guards the
+    shared state. No public method raises: failures go to ``on_error``.
+
+    Args:
+        on_error: See ``CollectiveTracker``.
+        cuda: See ``CollectiveTracker``.
+    """
+
+    def __init__(
+        self, on_error: Callable[[BaseException], None], *, cuda: CudaEventSource | None = None
+    ) -> None:
+        self._on_error = on_error
+        self._cuda: Any = cuda  # a CudaEventSource once _bind_torch() has run
+        self._lock = threading.Lock()
+        self._state = _ThreadState()
+        self._active = False  # installed: timing collectives, Work.wait and DDP buckets
+        self._aggregator = StepAggregator()
+        # An ordered set: dict order is launch order, so the first is the oldest.
+        self._in_flight: dict[_Launch, None] = {}
+        # id(work) -> (work, launch) of async collectives until they complete.
+        # Holding the Work keeps its id from being reused by another Work meanwhile.
+        self._works: dict[int, tuple[Any, _Launch]] = {}
+        self._blocked_ns: dict[int, int] = {}
+        self._groups: dict[int, _GroupInfo] = {}
+        self._dtype_names: dict[Any, str] = {}
+        self._overflow_logged = False
+        # torch objects, bound by install() or watch_ddp() so importing this module needs no torch.
+        self._torch: Any = None
+        self._c10d: Any = None
+
+    def _bind_torch(self) -> bool:
+        if self._torch is None:
+            import torch
+
+            if not torch.distributed.is_available():
+                logger.info("clusterwatch: torch.distributed is not available; collectives are not timed")
+                return False
+            from torch.distributed import distributed_c10d
+
+            self._c10d = distributed_c10d
+            self._torch = torch
+            if self._cuda is None:
+                self._cuda = CudaEvents()
+        return True
+
+    # -- what the monitor calls ----------------------------------------------------
+
+    def in_flight(self) -> InFlight | None:
+        """The oldest collective in flight, preferring one a thread is blocked in.
+
+        For collectives on CUDA tensors, call ``poll()`` first: they leave the
+        in-flight set only when their events are harvested.
+        """
+        try:
+            with self._lock:
+                chosen: _Launch | None = None
+                for launch in self._in_flight:
+                    if launch.waiting:
+                        chosen = launch
+                        break
+                    if chosen is None:
+                        chosen = launch
+                if chosen is None:
+                    return None
+                blocking = chosen.waiting > 0
+            now_ns = time.monotonic_ns()
+            return InFlight(
+                op=chosen.op,
+                group_name=chosen.group.name,
+                sequence=chosen.sequence,
+                started_monotonic_s=chosen.start_ns / 1e9,
+                started_unix_s=time.time() - (now_ns - chosen.start_ns) / 1e9,
+                blocking=blocking,
+            )
+        except Exception as exc:
+            self._report(exc)
+            return None
+
+    def poll(self) -> None:
+        """Count the CUDA collectives whose events have completed (``query()`` only; never waits)."""
+        try:
+            with self._lock:
+                pending = [
+                    (launch, launch.cuda) for launch in self._in_flight if launch.cuda and not launch.waiting
+                ]
+            finished = []
+            for launch, timing in pending:
+                stall_start = timing.stall_start
+                try:
+                    result = timing.result()
+                except Exception as exc:  # one bad event must not stall the others for ever
+                    self._report(exc)
+                    self._forget(launch)
+                    continue
+                if result is not None:
+                    finished.append((launch, stall_start, result))
+            if not finished:
+                return
+            with self._lock:
+                for launch, stall_start, (duration_s, stall_s) in finished:
+                    # A Work.wait() may have started on it since the query: then it is not finished.
+                    if (
+                        launch.done
+                        or launch.waiting
+                        or launch.cuda is None
+                        or launch.cuda.stall_start is not stall_start
+                    ):
+                        continue
+                    if stall_s > 0:
+                        self._add_blocked(launch.blocked_key, int(stall_s * 1e9))
+                    self._count(launch, duration_s)
+        except Exception as exc:
+            self._report(exc)
+
+    def take_step(self) -> tuple[float, list[CollectiveAggregate]]:
+        """What happened since the previous call; call it from the training thread at the end of a step.
+
+        Returns:
+            ``(blocked_s, aggregates)``: the seconds the calling thread was blocked
+            in collectives (plus DDP's end-of-backward wait), and the collectives
+            that completed, aggregated. On CUDA both arrive once the events are
+            harvested, usually within the next step.
+        """
+        self.poll()
+        try:
+            with self._lock:
+                blocked_ns = self._blocked_ns.pop(threading.get_ident(), 0)
+                blocked_ns += self._blocked_ns.pop(_DDP_BLOCKED_KEY, 0)
+                aggregates = self._aggregator.take()
+            return blocked_ns / 1e9, aggregates
+        except Exception as exc:
+            self._report(exc)
+            return 0.0, []
+
+    # -- shared bookkeeping ----------------------------------------------------------
+
+    def _group_info(self, group: ProcessGroup) -> _GroupInfo | None:
+        """Name, size and sequence counters of ``group``; None if it is not a ProcessGroup."""
+        key = id(group)
+        info = self._groups.get(key)
+        if info is not None and info.group_ref() is group:
+            return info
+        if not isinstance(group, self._c10d.ProcessGroup):  # NON_GROUP_MEMBER and the like
+            return None
+        groups = self._groups
+
+        def forget_group(ref: weakref.ref[Any]) -> None:
+            # Runs when the group dies (a weak reference: destroyed groups are freed as
+            # without the hook); a new group at the same id may have replaced it already.
+            if (entry := groups.get(key)) is not None and entry.group_ref is ref:
+                groups.pop(key, None)
+
+        with self._lock:  # two threads meeting a new group at once must share one counter
+            info = groups.get(key)
+            if info is None or info.group_ref() is not group:
+                name = self._c10d._get_process_group_name(group)
+                info = groups[key] = _GroupInfo(weakref.ref(group, forget_group), name, group.size())
+        return info
+
+    def _dtype_name(self, dtype: torch.dtype) -> str:
+        name = self._dtype_names.get(dtype)
+        if name is None:
+            name = self._dtype_names[dtype] = str(dtype).removeprefix("torch.")
+        return name
+
+    def _too_many_in_flight(self) -> bool:
+        """Whether new collectives must go untimed to bound memory; logs it once."""
+        if len(self._in_flight) < _MAX_IN_FLIGHT:
+            return False
+        if not self._overflow_logged:
+            self._overflow_logged = True
+            logger.warning(
+                "clusterwatch: %d collectives in flight; timing no more until they complete", _MAX_IN_FLIGHT
+            )
+        return True
+
+    def _add_blocked(self, key: int, blocked_ns: int) -> None:
+        # Caller holds the lock.
+        self._blocked_ns[key] = self._blocked_ns.get(key, 0) + max(0, blocked_ns)
+
+    def _count(self, launch: _Launch, duration_s: float) -> None:
+        """The collective completed: aggregate it once (first completion wins). Caller holds the lock."""
+        if launch.done:
+            return
+        self._drop(launch)
+        info = launch.group
+        self._aggregator.add(
+            op=launch.op,
+            group_name=info.name,
+            group_size=info.size,
+            dtype=launch.dtype,
+            size_bytes=launch.size_bytes,
+            duration_s=max(0.0, duration_s),
+            sequence=launch.sequence,
+        )
+
+    def _drop(self, launch: _Launch) -> None:
+        # Caller holds the lock.
+        launch.done = True
+        self._in_flight.pop(launch, None)
+        if launch.work_key is not None:
+            entry = self._works.get(launch.work_key)
+            if entry is not None and entry[1] is launch:
+                del self._works[launch.work_key]
+
+    def _forget(self, launch: _Launch) -> None:
+        """Stop tracking a launch without counting it."""
+        with self._lock:
+            self._drop(launch)
+
+    def _report(self, exc: BaseException) -> None:
+        try:
+            self._on_error(exc)
+        except Exception:
+            logger.debug("clusterwatch: on_error raised", exc_info=True)

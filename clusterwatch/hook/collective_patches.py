@@ -1,0 +1,203 @@
+"""Patches ``torch.distributed``'s collectives and ``Work.wait`` process-wide, so they are timed.
+
+- **Collective functions** (``_OP_SPECS``): ``install()`` replaces the attributes of the
+  ``torch.distributed`` module with thin wrappers, so ``dist.all_reduce(...)`` is
+  timed however it is called. A reference taken before ``install()``
+  (``from torch.distributed import all_reduce``), calls made through
+  ``torch.distributed.distributed_c10d`` (torch's own ``all_gather_object`` and
+  friends), functional collectives (``torch.distributed._functional_collectives``,
+  DTensor) and ``isend``/``irecv``/``batch_isend_irecv`` are not seen. The last
+  are left alone on purpose: ``P2POp`` and ``batch_isend_irecv`` compare ``op``
+  with ``isend``/``irecv`` by identity, so wrapping them would break user code.
+  Collectives queued inside a ``_coalescing_manager`` are issued later as one
+  coalesced op by torch itself and are not timed either, nor is anything inside
+  a ``torch.compile``d region (Dynamo rewrites collectives into functional ones
+  there). torch 2.13's ``all_gather_single``/``reduce_scatter_single`` report
+  under the names the proto lists, ``all_gather_into_tensor``/``reduce_scatter_tensor``.
+- **Work.wait** (the blocked time of async collectives): waiting through
+  ``work.get_future().wait()`` or ``torch.futures.wait_all`` is not seen.
+  ``Work.wait`` is patched on the class (``torch.distributed.Work``), not
+  wrapped in a proxy: user code keeps the very Work object torch returned, so
+  ``isinstance`` checks, C++ consumers and Python subclasses of Work behave as
+  before; the patch only adds timing around the original method. Python
+  subclasses that override ``wait`` without calling ``super().wait()`` are not seen.
+
+What the wrappers record is ``clusterwatch.hook.collective_calls``'s job; they
+run the user's call exactly as it would run without them, raising its own
+exceptions and returning its own values. Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from clusterwatch.hook.collective_calls import _CallTiming
+from clusterwatch.hook.collective_ledger import CollectiveTimingError
+from clusterwatch.hook.collective_ops import _OP_SPECS, _OpArguments, _OpSpec
+from clusterwatch.hook.cuda_timing import CudaEventSource
+
+logger = logging.getLogger(__name__)
+
+
+class _ModuleRef:
+    """Pickles as ``importlib.import_module(name)``: lets a patched function pickle as its original."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> tuple[Callable[[str], Any], tuple[str]]:
+        return importlib.import_module, (self.name,)
+
+
+class _PatchedCollective(_OpArguments):
+    """Stands in for one ``torch.distributed`` collective function.
+
+    A callable object rather than a closure so that it compares equal to (and
+    hashes like) the function it wraps: Dynamo and ``torch.export`` test
+    ``fn in (dist.all_reduce, dist.reduce_scatter_tensor, ...)`` when they
+    rewrite collectives into functional ones, and must keep finding them. Under
+    ``torch.compile`` it calls the original at once, so Dynamo traces straight
+    into torch's own function.
+    """
+
+    def __init__(
+        self,
+        tracker: _CallTiming,
+        spec: _OpSpec,
+        original: Callable[..., Any],
+        is_compiling: Callable[[], bool],
+    ) -> None:
+        functools.update_wrapper(self, original)  # __name__, __doc__, __wrapped__ (so inspect.signature)
+        self._tracker = tracker
+        self._original = original
+        # torch.compiler.is_compiling: Dynamo folds it to True and traces only the original.
+        self._is_compiling = is_compiling
+        # Where the arguments the hook reads sit, from torch's own signature.
+        super().__init__(spec, original)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._is_compiling():
+            return self._original(*args, **kwargs)
+        tracker = self._tracker
+        launch = tracker._begin(self, args, kwargs)
+        if launch is None:
+            return self._original(*args, **kwargs)
+        state = tracker._state
+        state.inside = True
+        try:
+            result = self._original(*args, **kwargs)
+        except BaseException:
+            state.inside = False
+            tracker._failed(launch)
+            raise
+        state.inside = False
+        tracker._launched(self, launch, args, kwargs, result)
+        return result
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or other is self._original
+
+    def __hash__(self) -> int:
+        return hash(self._original)
+
+    def __repr__(self) -> str:
+        return f"<clusterwatch-timed {self._original!r}>"
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        # Pickle as torch's own function, looked up where torch defines it.
+        return getattr, (_ModuleRef(self._original.__module__), self._original.__name__)
+
+
+class _ProcessPatches(_CallTiming):
+    """``install()`` and ``uninstall()`` of the patches; the timing they add is ``_CallTiming``'s."""
+
+    def __init__(
+        self, on_error: Callable[[BaseException], None], *, cuda: CudaEventSource | None = None
+    ) -> None:
+        super().__init__(on_error, cuda=cuda)
+        self._patches: list[tuple[Any, str, Any, Any, bool]] = []
+
+    def install(self) -> None:
+        """Patch ``torch.distributed``'s collectives and ``Work.wait`` (process-wide).
+
+        Idempotent; safe before ``init_process_group``. If another tracker is
+        installed, this one reports a ``CollectiveTimingError`` and stays out.
+        """
+        try:
+            if self._active or not self._bind_torch():
+                return
+            import torch.distributed as dist
+
+            current = getattr(dist, "all_reduce", None)
+            if isinstance(current, _PatchedCollective):
+                raise CollectiveTimingError("another CollectiveTracker is installed; this one stays out")
+            patches: list[tuple[Any, str, Any, Any, bool]] = []
+            for spec in _OP_SPECS:
+                original = getattr(dist, spec.attribute, None)
+                if original is None:  # an older torch without this name
+                    continue
+                try:
+                    patched = _PatchedCollective(self, spec, original, self._torch.compiler.is_compiling)
+                except ValueError as exc:  # a torch whose signature lacks a parameter we read
+                    self._report(CollectiveTimingError(f"dist.{spec.attribute} is not timed: {exc}"))
+                    continue
+                patches.append((dist, spec.attribute, original, patched, True))
+            work_class = dist.Work
+            own_wait = "wait" in vars(work_class)
+            original_wait = vars(work_class)["wait"] if own_wait else work_class.wait
+            patches.append((work_class, "wait", original_wait, self._make_wait(original_wait), own_wait))
+            applied: list[tuple[Any, str, Any, Any, bool]] = []
+            try:
+                for patch in patches:
+                    setattr(patch[0], patch[1], patch[3])
+                    applied.append(patch)
+            except BaseException:
+                self._restore(applied)
+                raise
+            self._patches = patches
+            self._active = True
+        except Exception as exc:
+            self._report(exc)
+
+    def uninstall(self) -> None:
+        """Put back the original functions and ``Work.wait``; timing stops (DDP hooks pass through)."""
+        try:
+            self._active = False
+            self._restore(self._patches)
+            self._patches = []
+        except Exception as exc:
+            self._report(exc)
+
+    def _restore(self, patches: list[tuple[Any, str, Any, Any, bool]]) -> None:
+        for owner, name, original, replacement, was_own in reversed(patches):
+            if vars(owner).get(name) is not replacement:
+                # Someone patched over us: leave theirs (ours passes through once inactive).
+                logger.warning(
+                    "clusterwatch: %s.%s was replaced after install; leaving it", owner.__name__, name
+                )
+            elif was_own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+
+    def _make_wait(self, original_wait: Callable[..., Any]) -> Callable[..., Any]:
+        tracker = self
+
+        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            token = tracker._wait_started(work)
+            if token is None:
+                return original_wait(work, *args, **kwargs)
+            try:
+                result = original_wait(work, *args, **kwargs)
+            except BaseException:
+                tracker._wait_finished(token, completed=False)
+                raise
+            tracker._wait_finished(token, completed=True)
+            return result
+
+        wait.__doc__ = original_wait.__doc__
+        return wait

@@ -1,0 +1,100 @@
+"""Who this training process is: from torchrun's environment, then torch itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import uuid
+from collections.abc import Mapping
+
+from clusterwatch import __version__
+from clusterwatch.v1 import training_pb2
+
+DEFAULT_SOCKET = "/run/clusterwatch/agent.sock"
+SOCKET_ENV = "CLUSTERWATCH_AGENT_SOCKET"
+JOB_ENV = "CLUSTERWATCH_JOB"
+
+
+def _int_env(environ: Mapping[str, str], name: str, default: int) -> int:
+    try:
+        return int(environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def job_name(explicit: str | None, environ: Mapping[str, str]) -> str:
+    """The job's name: explicit, else CLUSTERWATCH_JOB, else torchrun's run id, else "default".
+
+    torchrun's ``TORCHELASTIC_RUN_ID`` is "none" when no ``--rdzv-id`` was given.
+    """
+    if explicit:
+        return explicit
+    if environ.get(JOB_ENV):
+        return environ[JOB_ENV]
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "")
+    return run_id if run_id and run_id != "none" else "default"
+
+
+@dataclasses.dataclass
+class RankInfo:
+    """The rank's identity; ``refresh()`` fills what torch learns after start-up."""
+
+    job: str
+    rank: int
+    local_rank: int
+    world_size: int
+    restart_count: int
+    pid: int = dataclasses.field(default_factory=os.getpid)
+    hostname: str = dataclasses.field(default_factory=socket.gethostname)
+    instance_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    backend: str = ""
+    gpu_uuid: str = ""
+
+    @classmethod
+    def from_environ(cls, job: str | None, environ: Mapping[str, str]) -> RankInfo:
+        return cls(
+            job=job_name(job, environ),
+            rank=_int_env(environ, "RANK", 0),
+            local_rank=_int_env(environ, "LOCAL_RANK", 0),
+            world_size=max(1, _int_env(environ, "WORLD_SIZE", 1)),
+            restart_count=_int_env(environ, "TORCHELASTIC_RESTART_COUNT", 0),
+        )
+
+    def refresh(self) -> bool:
+        """Pick up rank, backend and CUDA device once torch knows them; True if anything changed.
+
+        Never initialises CUDA or torch.distributed itself: it only reads what
+        the training code has already set up.
+        """
+        import torch
+        import torch.distributed as dist
+
+        before = dataclasses.astuple(self)
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank()
+            self.world_size = dist.get_world_size()
+            self.backend = str(dist.get_backend())
+        if not self.gpu_uuid and torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+            self.gpu_uuid = f"GPU-{properties.uuid}"  # NVML's spelling of the same UUID
+        return dataclasses.astuple(self) != before
+
+    def to_proto(self) -> training_pb2.RankIdentity:
+        return training_pb2.RankIdentity(
+            job=self.job,
+            rank=self.rank,
+            local_rank=self.local_rank,
+            world_size=self.world_size,
+            pid=self.pid,
+            hostname=self.hostname,
+            restart_count=self.restart_count,
+            gpu_uuid=self.gpu_uuid,
+            hook_version=__version__,
+            instance_id=self.instance_id,
+            backend=self.backend,
+        )
+
+
+def resolve_socket_path(explicit: str | None, environ: Mapping[str, str]) -> str:
+    return explicit or environ.get(SOCKET_ENV) or DEFAULT_SOCKET

@@ -1,0 +1,398 @@
+"""TrainingMonitor: the hook a plain PyTorch training loop uses.
+
+Usage::
+
+    monitor = TrainingMonitor(job="llama-7b")   # before init_process_group
+    dist.init_process_group("nccl")
+    model = monitor.watch(DistributedDataParallel(model))
+    monitor.on_checkpoint(lambda step: save(model, step))   # returns the path
+    for step in range(monitor.resume_step(), steps):
+        with monitor.step(step):
+            ...
+
+Create the monitor before ``init_process_group``: it turns the Flight
+Recorder on (``TORCH_FR_BUFFER_SIZE``) for the process groups created after
+it, unless the launcher already set that variable.
+
+Its first duty is to do no harm: nothing it does raises into the training
+loop (its own failures are counted and reported in each heartbeat), the
+training thread never waits on it (it only appends to a bounded queue), it
+adds no CUDA synchronisation, and without an agent it logs one warning and
+retries quietly in the background.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, MutableMapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from clusterwatch.hook import flight_recorder
+from clusterwatch.hook.checkpoint import CheckpointBook
+from clusterwatch.hook.health import HookHealth
+from clusterwatch.hook.identity import RankInfo, resolve_socket_path
+from clusterwatch.hook.transport import AgentLink
+from clusterwatch.v1 import hook_pb2, training_pb2
+
+if TYPE_CHECKING:
+    from clusterwatch.hook.aggregate import CollectiveAggregate
+    from clusterwatch.hook.collectives import CollectiveTracker
+
+logger = logging.getLogger("clusterwatch.hook")
+
+ModelT = TypeVar("ModelT")
+SaveFn = Callable[[int], Any]
+
+
+@dataclasses.dataclass(slots=True)
+class _StepRecord:
+    """One finished step, turned into a protobuf on the link's thread, not the training thread."""
+
+    step: int
+    start_unix_s: float
+    step_s: float
+    communication_s: float
+    samples: float | None
+    tokens: float | None
+    collectives: list[CollectiveAggregate]
+
+    def to_proto(self) -> training_pb2.StepSummary:
+        communication_s = min(self.communication_s, self.step_s)
+        summary = training_pb2.StepSummary(
+            step=self.step,
+            start_unix_seconds=self.start_unix_s,
+            step_seconds=self.step_s,
+            communication_seconds=communication_s,
+            compute_seconds=self.step_s - communication_s,
+            collectives=[c.to_proto() for c in self.collectives],
+        )
+        if self.samples is not None:
+            summary.samples = self.samples
+        if self.tokens is not None:
+            summary.tokens = self.tokens
+        return summary
+
+
+class _StepScope:
+    """``with monitor.step(n):`` — a class, not a generator, to keep the per-step cost down."""
+
+    __slots__ = ("_monitor", "_samples", "_step", "_tokens")
+
+    def __init__(self, monitor: TrainingMonitor, step: int, samples: float | None, tokens: float | None):
+        self._monitor = monitor
+        self._step = step
+        self._samples = samples
+        self._tokens = tokens
+
+    def __enter__(self) -> None:
+        self._monitor.begin_step(self._step)
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self._monitor.end_step(samples=self._samples, tokens=self._tokens)
+        else:  # the step failed; the training code's exception goes on unchanged
+            self._monitor.abandon_step()
+
+
+class TrainingMonitor:
+    """Times steps and collectives, heartbeats, and checkpoints on request.
+
+    Args:
+        job: the job's name (default: CLUSTERWATCH_JOB, else torchrun's
+            TORCHELASTIC_RUN_ID, else "default").
+        socket_path: the agent's socket (default: CLUSTERWATCH_AGENT_SOCKET,
+            else /run/clusterwatch/agent.sock).
+        heartbeat_interval_s: seconds between heartbeats.
+        queue_size: step summaries kept while the agent is slow or away.
+        instrument_collectives: time torch.distributed collectives.
+        environ: the environment to read (and to set TORCH_FR_BUFFER_SIZE in).
+    """
+
+    def __init__(
+        self,
+        job: str | None = None,
+        *,
+        socket_path: str | None = None,
+        heartbeat_interval_s: float = 1.0,
+        queue_size: int = 1024,
+        instrument_collectives: bool = True,
+        environ: MutableMapping[str, str] | None = None,
+    ) -> None:
+        environ = os.environ if environ is None else environ
+        self.health = HookHealth()
+        self.identity = RankInfo.from_environ(job, environ)
+        self._lock = threading.Lock()
+        self._step: int | None = None
+        self._in_step = False
+        self._step_started_s = 0.0
+        self._step_started_unix_s = 0.0
+        self.steps_completed_total = 0
+        self._save_fn: SaveFn | None = None
+        self._save_deferred = False
+        self._deferred: dict[int, tuple[list[str], float]] = {}
+        self._checkpoints = CheckpointBook()
+        self._tracker: CollectiveTracker | None = None
+        self._closed = False
+        self.flight_recorder_enabled = False
+        with self.health.guard("flight recorder"):
+            self.flight_recorder_enabled = flight_recorder.enable(environ)
+        if instrument_collectives:
+            with self.health.guard("collective timing"):
+                from clusterwatch.hook.collectives import CollectiveTracker
+
+                tracker = CollectiveTracker(on_error=lambda exc: self.health.record("collective timing", exc))
+                tracker.install()
+                self._tracker = tracker
+        self._link = AgentLink(
+            resolve_socket_path(socket_path, environ),
+            self._hello,
+            self._heartbeat,
+            self._on_command,
+            self.health,
+            heartbeat_interval_s=heartbeat_interval_s,
+            queue_size=queue_size,
+            before_flush=self._refresh_identity,
+        )
+        self._link.start()
+        atexit.register(self.close)
+
+    # -- the training loop's API -------------------------------------------------
+
+    def step(self, step: int, *, samples: float | None = None, tokens: float | None = None) -> _StepScope:
+        """Context manager around one training step; ``samples``/``tokens`` feed throughput."""
+        return _StepScope(self, step, samples, tokens)
+
+    def begin_step(self, step: int) -> None:
+        """Start timing ``step`` (for frameworks whose callbacks split begin and end)."""
+        now_s = time.monotonic()
+        try:
+            # Collectives between steps (async ones finishing late, logging
+            # syncs) count towards the next step's summary.
+            with self._lock:
+                self._step = step
+                self._in_step = True
+                self._step_started_s = now_s
+                self._step_started_unix_s = time.time()
+        except Exception as exc:
+            self.health.record("begin_step", exc)
+
+    def end_step(self, *, samples: float | None = None, tokens: float | None = None) -> None:
+        """Finish the current step: queue its summary, then save if a checkpoint is due now."""
+        now_s = time.monotonic()
+        try:
+            with self._lock:
+                if not self._in_step or self._step is None:
+                    return
+                self._in_step = False
+                step = self._step
+                self.steps_completed_total += 1
+            communication_s, collectives = (
+                self._tracker.take_step() if self._tracker is not None else (0.0, [])
+            )
+            record = _StepRecord(
+                step=step,
+                start_unix_s=self._step_started_unix_s,
+                step_s=now_s - self._step_started_s,
+                communication_s=communication_s,
+                samples=samples,
+                tokens=tokens,
+                collectives=collectives,
+            )
+            self._link.send_step(record.to_proto)
+            due, skipped = self._checkpoints.due(step)
+        except Exception as exc:
+            self.health.record("end_step", exc)
+            return
+        for result in skipped:
+            self._send_result(result)
+        if due:
+            self._save(step, due)
+
+    def abandon_step(self) -> None:
+        """The step raised: stop timing it without reporting it."""
+        with self._lock:
+            self._in_step = False
+
+    def on_checkpoint(self, save_fn: SaveFn, *, deferred: bool = False) -> None:
+        """Register ``save_fn(step) -> path``, run at the end of a step when a checkpoint is requested.
+
+        Args:
+            save_fn: saves this rank's state after ``step`` and returns where.
+            deferred: for frameworks that save later in their own loop (the
+                Hugging Face Trainer): ``save_fn(step)`` only arranges the save,
+                and the framework reports the outcome with ``checkpoint_saved``
+                or ``checkpoint_failed``.
+        """
+        self._save_fn = save_fn
+        self._save_deferred = deferred
+
+    def checkpoint_saved(self, step: int, path: str) -> None:
+        """A deferred checkpoint of ``step`` is on disk at ``path``."""
+        self._finish_deferred(step, path, "")
+
+    def checkpoint_failed(self, step: int, error: str) -> None:
+        """A deferred checkpoint of ``step`` could not be saved."""
+        self._finish_deferred(step, "", error)
+
+    def watch(self, model: ModelT) -> ModelT:
+        """Time a DistributedDataParallel model's gradient buckets; returns the model."""
+        with self.health.guard("watch"):
+            from torch.nn.parallel import DistributedDataParallel
+
+            if self._tracker is not None and isinstance(model, DistributedDataParallel):
+                self._tracker.watch_ddp(model)
+        return model
+
+    def latest_checkpoint_step(self, timeout_s: float = 10.0) -> int | None:
+        """The step of the newest checkpoint every rank completed; None if there is none.
+
+        Asks the agent (which learns it from the coordinator) and waits up to
+        ``timeout_s`` for the answer. Without an agent it answers None at once
+        and logs why: a job started without clusterwatch starts from scratch.
+        """
+        try:
+            self._link.first_attempt_done.wait(timeout_s)
+            if not self._link.connected and not os.path.exists(self._link.socket_path):
+                # Info, not warning: the link already warned once that there is no agent.
+                logger.info("clusterwatch: agent socket missing, so no complete checkpoint is known")
+                return None
+            state = self._checkpoints.wait_state(timeout_s)
+            if state is None:
+                logger.warning(
+                    "clusterwatch: the agent did not say within %.0f s which checkpoint is complete",
+                    timeout_s,
+                )
+                return None
+            return state.latest_complete_step
+        except Exception as exc:
+            self.health.record("latest_checkpoint_step", exc)
+            return None
+
+    def resume_step(self, timeout_s: float = 10.0) -> int:
+        """The first step to run: one past the newest complete checkpoint, or 0 if none."""
+        latest = self.latest_checkpoint_step(timeout_s)
+        return 0 if latest is None else latest + 1
+
+    def close(self) -> None:
+        """Flush, say goodbye to the agent and restore torch.distributed (also runs at exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        with self.health.guard("close"):
+            atexit.unregister(self.close)
+            if self._tracker is not None:
+                self._tracker.uninstall()
+            self._link.close(goodbye="exit")
+
+    @property
+    def connected(self) -> bool:
+        """True while the stream to the agent is up."""
+        return self._link.connected
+
+    # -- the link's callbacks (hook threads) -------------------------------------
+
+    def _hello(self) -> training_pb2.RankIdentity:
+        with self.health.guard("identity"):
+            self.identity.refresh()
+        return self.identity.to_proto()
+
+    def _heartbeat(self) -> training_pb2.Heartbeat:
+        now_s = time.monotonic()
+        beat = training_pb2.Heartbeat(
+            timestamp_unix_seconds=time.time(), flight_recorder_enabled=self.flight_recorder_enabled
+        )
+        with self._lock:
+            if self._step is not None:
+                beat.step = self._step
+            beat.in_step = self._in_step
+            if self._in_step:
+                beat.step_elapsed_seconds = now_s - self._step_started_s
+            beat.steps_completed_total = self.steps_completed_total
+        self._refresh_identity()
+        if self._tracker is not None:
+            with self.health.guard("collective timing"):
+                self._tracker.poll()
+                in_flight = self._tracker.in_flight()
+                if in_flight is not None:
+                    beat.collective.CopyFrom(
+                        training_pb2.CollectiveInFlight(
+                            op=in_flight.op,
+                            group_name=in_flight.group_name,
+                            sequence=in_flight.sequence,
+                            started_unix_seconds=in_flight.started_unix_s,
+                            elapsed_seconds=now_s - in_flight.started_monotonic_s,
+                            blocking=in_flight.blocking,
+                        )
+                    )
+        if self.flight_recorder_enabled:
+            with self.health.guard("flight recorder"):
+                beat.flight_recorder.extend(flight_recorder.read_status())
+        beat.health.CopyFrom(self.health.to_proto())
+        return beat
+
+    def _refresh_identity(self) -> None:
+        """Tell the agent once torch knows more (backend, rank, GPU) than at the hello."""
+        with self.health.guard("identity"):
+            if self.identity.refresh():
+                self._link.send(hook_pb2.HookMessage(identity=self.identity.to_proto()))
+
+    def _on_command(self, command: hook_pb2.HookCommand) -> None:
+        kind = command.WhichOneof("kind")
+        if kind == "checkpoint":
+            with self._lock:
+                earliest = None if self._step is None else self._step + (0 if self._in_step else 1)
+            answer = self._checkpoints.request(command.checkpoint, earliest)
+            if answer is not None:
+                self._send_result(answer)
+        elif kind == "checkpoint_state":
+            self._checkpoints.set_state(command.checkpoint_state)
+
+    # -- checkpoints --------------------------------------------------------------
+
+    def _save(self, step: int, command_ids: list[str]) -> None:
+        """Run the user's save function once for every request for ``step``."""
+        started_s = time.monotonic()
+        path, error = "", ""
+        if self._save_fn is None:
+            error = "no checkpoint function registered (TrainingMonitor.on_checkpoint)"
+        else:
+            try:
+                path = str(self._save_fn(step) or "")
+            except Exception as exc:  # the user's save failed: report it, training goes on
+                error = f"{type(exc).__name__}: {exc}"
+                logger.exception("clusterwatch: checkpoint at step %d failed", step)
+            else:
+                if self._save_deferred:
+                    self._deferred[step] = (command_ids, started_s)
+                    return
+        self._report_saved(step, command_ids, path, error, time.monotonic() - started_s)
+
+    def _finish_deferred(self, step: int, path: str, error: str) -> None:
+        with self.health.guard("checkpoint"):
+            command_ids, started_s = self._deferred.pop(step, ([], 0.0))
+            if command_ids:
+                self._report_saved(step, command_ids, path, error, time.monotonic() - started_s)
+
+    def _report_saved(
+        self, step: int, command_ids: list[str], path: str, error: str, duration_s: float
+    ) -> None:
+        for command_id in command_ids:
+            self._send_result(
+                training_pb2.CheckpointResult(
+                    command_id=command_id, step=step, ok=not error, path=path,
+                    duration_seconds=duration_s, error=error,
+                )
+            )  # fmt: skip
+        if not error:
+            logger.info("clusterwatch: checkpoint at step %d saved to %s in %.2f s", step, path, duration_s)
+
+    def _send_result(self, result: training_pb2.CheckpointResult) -> None:
+        self._link.send(hook_pb2.HookMessage(checkpoint_result=result))

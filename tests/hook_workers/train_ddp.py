@@ -1,0 +1,123 @@
+"""A small DDP training job on gloo, for tests and benchmarks, run under torchrun.
+
+Each step: a forward/backward through a tiny DDP model (gradient buckets),
+``--compute-ms`` of simulated compute, and one explicit all-reduce of
+``--allreduce-bytes``. Each rank writes ``{out_dir}/rank{N}.json`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from clusterwatch.hook import TrainingMonitor
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--job", default="test-job")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--until-file", type=Path, help="keep stepping until this file exists")
+    parser.add_argument("--compute-ms", type=float, default=5.0)
+    parser.add_argument("--allreduce-bytes", type=int, default=1 << 20)
+    parser.add_argument("--stall-rank", type=int, default=-1, help="this rank stalls before an all-reduce")
+    parser.add_argument("--stall-step", type=int, default=-1)
+    parser.add_argument("--stall-until-file", type=Path, help="the stall lasts until this file exists")
+    parser.add_argument("--break-hook", action="store_true", help="make the hook's own step code fail")
+    parser.add_argument("--checkpoint-dir", type=Path)
+    parser.add_argument("--no-monitor", action="store_true")
+    parser.add_argument("--heartbeat-s", type=float, default=0.2, help="short, so tests see beats soon")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    monitor = (
+        None if args.no_monitor else TrainingMonitor(job=args.job, heartbeat_interval_s=args.heartbeat_s)
+    )
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    payload = torch.ones(args.allreduce_bytes // 4, dtype=torch.float32)
+    saved: list[int] = []
+    start = 0
+    if monitor is not None:
+        model = monitor.watch(model)
+        if args.checkpoint_dir is not None:
+            checkpoint_dir = args.checkpoint_dir
+
+            def save(step: int) -> str:
+                path = checkpoint_dir / f"step{step}-rank{rank}.pt"
+                checkpoint_dir.mkdir(parents=True, exist_ok=True)
+                torch.save({"model": model.state_dict(), "step": step}, path)
+                saved.append(step)
+                return str(path)
+
+            monitor.on_checkpoint(save)
+            start = monitor.resume_step()
+        if args.break_hook:
+            tracker = monitor._tracker  # break the hook's own code on purpose
+
+            def broken_take_step() -> tuple[float, list[object]]:
+                raise RuntimeError("injected failure inside the hook")
+
+            assert tracker is not None
+            tracker.take_step = broken_take_step  # type: ignore[method-assign,assignment]
+
+    def train_step(step: int) -> None:
+        loss = model(torch.randn(32, 64)).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        time.sleep(args.compute_ms / 1000)
+        if rank == args.stall_rank and step == args.stall_step:
+            while args.stall_until_file is not None and not args.stall_until_file.exists():
+                time.sleep(0.05)
+        dist.all_reduce(payload)
+        payload.fill_(1.0)
+
+    step = start
+    step_times_s: list[float] = []
+    cpu_started_s = time.process_time()
+    while (args.until_file is None and step < start + args.steps) or (
+        args.until_file is not None and not args.until_file.exists()
+    ):
+        started_s = time.perf_counter()
+        with monitor.step(step, samples=32) if monitor is not None else contextlib.nullcontext():
+            train_step(step)
+        step_times_s.append(time.perf_counter() - started_s)
+        step += 1
+    cpu_s = time.process_time() - cpu_started_s
+
+    dist.barrier()
+    result = {
+        "rank": rank,
+        "start_step": start,
+        "end_step": step,
+        "saved_steps": saved,
+        "hook_errors_total": monitor.health.errors_total if monitor else 0,
+        "connected": monitor.connected if monitor else False,
+        "pid": os.getpid(),
+        "step_time_median_s": statistics.median(step_times_s) if step_times_s else 0.0,
+        "steps_timed": len(step_times_s),
+        "cpu_s": cpu_s,
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The Lightning and Hugging Face callbacks, in real 2-process jobs on CPU (gloo) under torchrun."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import Cluster, latest_complete_checkpoint, ranks_of, start_node, wait_for
+
+WORKERS = Path(__file__).parent / "hook_workers"
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+
+def test_lightning_ddp_steps_and_buckets_reach_the_coordinator(cluster: Cluster, tmp_path: Path) -> None:
+    coordinator, socket = start_node(cluster)
+    out = tmp_path / "out"
+    until = tmp_path / "stop"
+    job = cluster.torchrun(
+        WORKERS / "train_lightning.py", "--out-dir", str(out), "--max-steps", "100000", "--until-file", str(until),
+        nproc=2, socket=socket,
+    )  # fmt: skip
+
+    def stepped() -> bool:
+        ranks = ranks_of(coordinator, "lightning-job")
+        return len(ranks) == 2 and all(r.last_step.step >= 5 for r in ranks.values())
+
+    wait_for(stepped, 180, "both Lightning ranks past step 5")
+    ranks = ranks_of(coordinator, "lightning-job")
+    for status in ranks.values():
+        assert status.identity.world_size == 2
+        assert status.identity.backend == "gloo"
+        assert "ddp_all_reduce" in {b.op for b in status.bandwidth}
+
+    # A checkpoint on request goes through trainer.save_checkpoint on both ranks.
+    with coordinator.client() as client:
+        target = client.request_checkpoint("lightning-job").step
+
+    checkpoint = wait_for(
+        lambda: latest_complete_checkpoint(coordinator, "lightning-job"), 90, "the checkpoint"
+    )
+    assert checkpoint == target
+    assert (out / "checkpoints" / f"clusterwatch-step={target}.ckpt").exists()
+    until.touch()
+    assert job.wait(120) == 0, job.log()
+    assert all(json.loads((out / f"rank{r}.json").read_text())["global_step"] > 5 for r in range(2))
+
+
+def test_hugging_face_trainer_steps_and_checkpoints(cluster: Cluster, tmp_path: Path) -> None:
+    coordinator, socket = start_node(cluster)
+    out = tmp_path / "out"
+    until = tmp_path / "stop"
+    job = cluster.torchrun(
+        WORKERS / "train_hf.py", "--out-dir", str(out), "--max-steps", "100000", "--until-file", str(until),
+        nproc=2, socket=socket,
+    )  # fmt: skip
+
+    def stepped() -> bool:
+        ranks = ranks_of(coordinator, "hf-job")
+        return len(ranks) == 2 and all(r.last_step.step >= 3 for r in ranks.values())
+
+    wait_for(stepped, 180, "both HF ranks past step 3")
+    with coordinator.client() as client:
+        target = client.request_checkpoint("hf-job").step
+
+    checkpoint = wait_for(lambda: latest_complete_checkpoint(coordinator, "hf-job"), 90, "the checkpoint")
+    assert checkpoint == target
+    # The Trainer saved it its own way: checkpoint-{global_step} after step `target`.
+    assert (out / "hf" / f"checkpoint-{target + 1}" / "trainer_state.json").exists()
+    until.touch()
+    assert job.wait(120) == 0, job.log()
