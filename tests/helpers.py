@@ -247,6 +247,29 @@ def ranks_of(coordinator: Coordinator, job: str) -> dict[int, cluster_pb2.RankSt
     return {} if status is None else {r.identity.rank: r for r in status.ranks}
 
 
+def wait_for_ranks_past(
+    coordinator: Coordinator, job: str, world_size: int, step: int, timeout_s: float
+) -> None:
+    """Until every rank of ``job`` has reported a finished step >= ``step``."""
+
+    def past() -> bool:
+        ranks = ranks_of(coordinator, job)
+        return len(ranks) == world_size and all(r.last_step.step >= step for r in ranks.values())
+
+    wait_for(past, timeout_s, f"{world_size} ranks of {job} past step {step}")
+
+
+def checkpoint_and_wait(coordinator: Coordinator, job: str, timeout_s: float) -> int:
+    """Ask for a checkpoint of ``job`` (step chosen by the coordinator); its step, once complete."""
+    with coordinator.client() as client:
+        target = client.request_checkpoint(job).step
+    complete = wait_for(
+        lambda: latest_complete_checkpoint(coordinator, job) == target, timeout_s, f"{job}@{target}"
+    )
+    assert complete
+    return target
+
+
 def latest_complete_checkpoint(coordinator: Coordinator, job: str) -> int | None:
     status = job_status(coordinator, job)
     if status is None or not status.HasField("latest_complete_checkpoint_step"):

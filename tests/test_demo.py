@@ -12,7 +12,7 @@ from helpers import clusterwatch_cmd, run_cli, wait_for
 from clusterwatch.client import ClusterClient
 from clusterwatch.v1 import cluster_pb2
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(150)
 
 
 def test_demo_runs_two_simulated_nodes_until_ctrl_c(tmp_path: Path) -> None:
@@ -35,11 +35,19 @@ def test_demo_runs_two_simulated_nodes_until_ctrl_c(tmp_path: Path) -> None:
                 30, "both demo nodes up",
             )  # fmt: skip
             gpus = [n.report.gpu_inventory for n in client.snapshot().nodes]
+            # The demo's training job reports through demo-node-0's agent.
+            job = wait_for(
+                lambda: next((j for j in client.snapshot().jobs if j.job == "demo-train" and len(j.ranks) == 2
+                              and all(r.last_step.step > 0 for r in j.ranks)), None),
+                60, "the demo training job's two ranks",
+            )  # fmt: skip
         assert all(inv.simulated and inv.backend == "sim" for inv in gpus)
+        assert {r.node_id for r in job.ranks} == {"demo-node-0"}
         status = run_cli("status", "--coordinator", address)
         assert status.returncode == 0
         assert "demo-node-0" in status.stdout
         assert "(sim)" in status.stdout
+        assert "demo-train" in status.stdout
         demo.send_signal(signal.SIGINT)
         assert demo.wait(timeout=30) == 0
     finally:
@@ -51,6 +59,8 @@ def test_demo_runs_two_simulated_nodes_until_ctrl_c(tmp_path: Path) -> None:
 
 
 def test_demo_stops_by_itself_after_duration() -> None:
-    result = run_cli("demo", "--grpc-port", "0", "--metrics-port", "0", "--duration", "2", timeout_s=60)
+    result = run_cli(
+        "demo", "--grpc-port", "0", "--metrics-port", "0", "--duration", "2", "--no-train", timeout_s=60
+    )
     assert result.returncode == 0, result.stderr
     assert "stopped" in result.stdout

@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 from helpers import (
     Cluster,
-    latest_complete_checkpoint,
+    checkpoint_and_wait,
     ranks_of,
     run_cli,
     samples_named,
     scrape,
     start_node,
     wait_for,
+    wait_for_ranks_past,
 )
 
 from clusterwatch.v1 import cluster_pb2, training_pb2
@@ -233,12 +234,8 @@ def test_checkpoint_on_request_then_resume_from_it(cluster: Cluster, tmp_path: P
         nproc=2,
         socket=socket,
     )
-    wait_for(lambda: len(ranks_of(coordinator, "ckpt")) == 2, 120, "both ranks")
-    with coordinator.client() as client:
-        response = client.request_checkpoint("ckpt")
-    target = response.step
-
-    assert wait_for(lambda: latest_complete_checkpoint(coordinator, "ckpt"), 60, "the checkpoint") == target
+    wait_for_ranks_past(coordinator, "ckpt", 2, step=0, timeout_s=120)
+    target = checkpoint_and_wait(coordinator, "ckpt", 60)
     until.touch()
     assert job.wait(120) == 0, job.log()
     assert sorted(p.name for p in checkpoints.iterdir()) == [

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import Cluster, latest_complete_checkpoint, ranks_of, start_node, wait_for
+from helpers import Cluster, checkpoint_and_wait, ranks_of, start_node, wait_for_ranks_past
 
 WORKERS = Path(__file__).parent / "hook_workers"
 
@@ -22,11 +22,7 @@ def test_lightning_ddp_steps_and_buckets_reach_the_coordinator(cluster: Cluster,
         nproc=2, socket=socket,
     )  # fmt: skip
 
-    def stepped() -> bool:
-        ranks = ranks_of(coordinator, "lightning-job")
-        return len(ranks) == 2 and all(r.last_step.step >= 5 for r in ranks.values())
-
-    wait_for(stepped, 180, "both Lightning ranks past step 5")
+    wait_for_ranks_past(coordinator, "lightning-job", 2, step=5, timeout_s=180)
     ranks = ranks_of(coordinator, "lightning-job")
     for status in ranks.values():
         assert status.identity.world_size == 2
@@ -34,13 +30,7 @@ def test_lightning_ddp_steps_and_buckets_reach_the_coordinator(cluster: Cluster,
         assert "ddp_all_reduce" in {b.op for b in status.bandwidth}
 
     # A checkpoint on request goes through trainer.save_checkpoint on both ranks.
-    with coordinator.client() as client:
-        target = client.request_checkpoint("lightning-job").step
-
-    checkpoint = wait_for(
-        lambda: latest_complete_checkpoint(coordinator, "lightning-job"), 90, "the checkpoint"
-    )
-    assert checkpoint == target
+    target = checkpoint_and_wait(coordinator, "lightning-job", 90)
     assert (out / "checkpoints" / f"clusterwatch-step={target}.ckpt").exists()
     until.touch()
     assert job.wait(120) == 0, job.log()
@@ -56,16 +46,8 @@ def test_hugging_face_trainer_steps_and_checkpoints(cluster: Cluster, tmp_path: 
         nproc=2, socket=socket,
     )  # fmt: skip
 
-    def stepped() -> bool:
-        ranks = ranks_of(coordinator, "hf-job")
-        return len(ranks) == 2 and all(r.last_step.step >= 3 for r in ranks.values())
-
-    wait_for(stepped, 180, "both HF ranks past step 3")
-    with coordinator.client() as client:
-        target = client.request_checkpoint("hf-job").step
-
-    checkpoint = wait_for(lambda: latest_complete_checkpoint(coordinator, "hf-job"), 90, "the checkpoint")
-    assert checkpoint == target
+    wait_for_ranks_past(coordinator, "hf-job", 2, step=3, timeout_s=180)
+    target = checkpoint_and_wait(coordinator, "hf-job", 90)
     # The Trainer saved it its own way: checkpoint-{global_step} after step `target`.
     assert (out / "hf" / f"checkpoint-{target + 1}" / "trainer_state.json").exists()
     until.touch()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -33,12 +35,39 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--state-dir", type=Path, default=None, help="coordinator state (default: a temp dir)"
     )
+    parser.add_argument(
+        "--train",
+        action=argparse.BooleanOptionalAction,
+        default=importlib.util.find_spec("torch") is not None,
+        help="also run a 2-rank gloo training job with the clusterwatch hook on demo-node-0 "
+        "(default: when torch is installed)",
+    )
     parser.set_defaults(run=run)
     return parser
 
 
 def _start(argv: list[str], log_level: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "clusterwatch", *argv, "--log-level", log_level])
+
+
+def _start_training(tmp: Path, socket: Path) -> subprocess.Popen[bytes]:
+    """torchrun with two gloo ranks of clusterwatch.cli.demo_training, hooked to ``socket``.
+
+    Its output goes to ``tmp/demo-train.log``, shown if the job dies.
+    """
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not socket.exists() and time.monotonic() < deadline:  # else the hooks start unconnected
+        time.sleep(0.05)
+    env = {
+        **os.environ, "CLUSTERWATCH_AGENT_SOCKET": str(socket), "OMP_NUM_THREADS": "1",
+        "CLUSTERWATCH_DEMO_CHECKPOINTS": str(tmp),
+    }  # fmt: skip
+    with (tmp / "demo-train.log").open("wb") as log:  # the child keeps its own copy
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+             "--module", "clusterwatch.cli.demo_training"],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
 
 
 def _wait_ready(ready_file: Path, process: subprocess.Popen[bytes]) -> dict[str, int]:
@@ -88,8 +117,12 @@ def run(args: argparse.Namespace) -> int:
                      "--socket", str(Path(tmp) / f"{node}.sock")],
                     child_log,
                 ))  # fmt: skip
+            if args.train:
+                processes.append(_start_training(Path(tmp), Path(tmp) / f"{DEMO_NODES[0]}.sock"))
             print(
-                f"clusterwatch demo: coordinator and {len(DEMO_NODES)} agents with simulated GPUs are running.\n"
+                f"clusterwatch demo: coordinator and {len(DEMO_NODES)} agents with simulated GPUs are running"
+                + (", and a 2-rank training job (demo-train) on demo-node-0.\n" if args.train else ".\n")
+                +
                 f"  API (gRPC):  {address}\n"
                 f"  metrics:     http://127.0.0.1:{ports['metrics_port']}/metrics\n"
                 f"  try:         clusterwatch status --coordinator {address}\n"
@@ -103,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
                         print(
                             f"clusterwatch demo: a process exited with code {p.returncode}", file=sys.stderr
                         )
+                        training_log = Path(tmp) / "demo-train.log"
+                        if training_log.exists():
+                            print(training_log.read_text(errors="replace")[-3000:], file=sys.stderr)
                         return 1
                 time.sleep(0.2)
         except KeyboardInterrupt:

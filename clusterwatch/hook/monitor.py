@@ -314,7 +314,7 @@ class TrainingMonitor:
                 beat.step = self._step
             beat.in_step = self._in_step
             if self._in_step:
-                beat.step_elapsed_seconds = now_s - self._step_started_s
+                beat.step_elapsed_seconds = max(0.0, now_s - self._step_started_s)  # now_s predates the lock
             beat.steps_completed_total = self.steps_completed_total
         self._refresh_identity()
         if self._tracker is not None:
@@ -328,7 +328,9 @@ class TrainingMonitor:
                             group_name=in_flight.group_name,
                             sequence=in_flight.sequence,
                             started_unix_seconds=in_flight.started_unix_s,
-                            elapsed_seconds=now_s - in_flight.started_monotonic_s,
+                            elapsed_seconds=max(
+                                0.0, now_s - in_flight.started_monotonic_s
+                            ),  # may start after now_s
                             blocking=in_flight.blocking,
                         )
                     )
