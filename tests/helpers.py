@@ -259,6 +259,18 @@ def wait_for_ranks_past(
     wait_for(past, timeout_s, f"{world_size} ranks of {job} past step {step}")
 
 
+def stop_framework_job(coordinator: Coordinator, job: str, stop_file: Path, margin_steps: int = 200) -> None:
+    """Tell a framework worker's ranks to stop after a step well ahead of all of them.
+
+    The ranks read the step from ``stop_file``; one common step, because a rank
+    that stops alone leaves its peers in a collective it never joins.
+    """
+    furthest = max(r.last_step.step for r in ranks_of(coordinator, job).values())
+    partial = stop_file.with_suffix(".partial")
+    partial.write_text(str(furthest + margin_steps))
+    partial.rename(stop_file)  # atomic: a rank never reads half a number
+
+
 def checkpoint_and_wait(coordinator: Coordinator, job: str, timeout_s: float) -> int:
     """Ask for a checkpoint of ``job`` (step chosen by the coordinator); its step, once complete."""
     with coordinator.client() as client:

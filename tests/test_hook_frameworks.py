@@ -6,7 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import Cluster, checkpoint_and_wait, ranks_of, start_node, wait_for_ranks_past
+from helpers import (
+    Cluster,
+    checkpoint_and_wait,
+    ranks_of,
+    start_node,
+    stop_framework_job,
+    wait_for_ranks_past,
+)
 
 WORKERS = Path(__file__).parent / "hook_workers"
 
@@ -32,7 +39,7 @@ def test_lightning_ddp_steps_and_buckets_reach_the_coordinator(cluster: Cluster,
     # A checkpoint on request goes through trainer.save_checkpoint on both ranks.
     target = checkpoint_and_wait(coordinator, "lightning-job", 90)
     assert (out / "checkpoints" / f"clusterwatch-step={target}.ckpt").exists()
-    until.touch()
+    stop_framework_job(coordinator, "lightning-job", until)
     assert job.wait(120) == 0, job.log()
     assert all(json.loads((out / f"rank{r}.json").read_text())["global_step"] > 5 for r in range(2))
 
@@ -50,5 +57,5 @@ def test_hugging_face_trainer_steps_and_checkpoints(cluster: Cluster, tmp_path: 
     target = checkpoint_and_wait(coordinator, "hf-job", 90)
     # The Trainer saved it its own way: checkpoint-{global_step} after step `target`.
     assert (out / "hf" / f"checkpoint-{target + 1}" / "trainer_state.json").exists()
-    until.touch()
+    stop_framework_job(coordinator, "hf-job", until)
     assert job.wait(120) == 0, job.log()

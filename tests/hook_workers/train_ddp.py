@@ -27,7 +27,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--job", default="test-job")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--until-file", type=Path, help="keep stepping until this file exists")
+    parser.add_argument(
+        "--until-file",
+        type=Path,
+        help="keep stepping until any rank sees this file (all stop at the same step)",
+    )
     parser.add_argument("--compute-ms", type=float, default=5.0)
     parser.add_argument("--allreduce-bytes", type=int, default=1 << 20)
     parser.add_argument("--stall-rank", type=int, default=-1, help="this rank stalls before an all-reduce")
@@ -76,7 +80,16 @@ def main() -> None:
             assert tracker is not None
             tracker.take_step = broken_take_step  # type: ignore[method-assign,assignment]
 
-    def train_step(step: int) -> None:
+    world_size = dist.get_world_size()
+
+    def train_step(step: int) -> bool:
+        """One step; True when every rank is to stop after it.
+
+        The stop decision rides in the step's all-reduce (payload[0] sums one
+        per rank, two from a rank that saw the file), so all ranks stop after
+        the same step: a rank that left the loop alone would leave its peers
+        waiting in a collective it never joins.
+        """
         loss = model(torch.randn(32, 64)).square().mean()
         optimizer.zero_grad()
         loss.backward()
@@ -85,20 +98,23 @@ def main() -> None:
         if rank == args.stall_rank and step == args.stall_step:
             while args.stall_until_file is not None and not args.stall_until_file.exists():
                 time.sleep(0.05)
+        payload[0] = 2.0 if args.until_file is not None and args.until_file.exists() else 1.0
         dist.all_reduce(payload)
+        stop = bool(payload[0].item() > world_size)
         payload.fill_(1.0)
+        return stop
 
     step = start
     step_times_s: list[float] = []
     cpu_started_s = time.process_time()
-    while (args.until_file is None and step < start + args.steps) or (
-        args.until_file is not None and not args.until_file.exists()
-    ):
+    stop = False
+    while not stop:
         started_s = time.perf_counter()
         with monitor.step(step, samples=32) if monitor is not None else contextlib.nullcontext():
-            train_step(step)
+            stop = train_step(step)
         step_times_s.append(time.perf_counter() - started_s)
         step += 1
+        stop = stop or (args.until_file is None and step >= start + args.steps)
     cpu_s = time.process_time() - cpu_started_s
 
     dist.barrier()

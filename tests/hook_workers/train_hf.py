@@ -31,12 +31,14 @@ class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         }
 
 
-class StopWhenFileExists(TrainerCallback):  # type: ignore[misc]
+class StopAtStepInFile(TrainerCallback):
+    """Stop after the step the test writes into ``path``: every rank at the same step."""
+
     def __init__(self, path: Path | None) -> None:
         self.path = path
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.path is not None and self.path.exists():
+        if self.path is not None and self.path.exists() and state.global_step >= int(self.path.read_text()):
             control.should_training_stop = True
 
 
@@ -61,7 +63,7 @@ def main() -> None:
         model=BertForSequenceClassification(config),
         args=training_args,
         train_dataset=RandomTokens(),
-        callbacks=[callback, StopWhenFileExists(args.until_file)],
+        callbacks=[callback, StopAtStepInFile(args.until_file)],
     )
     trainer.train(resume_from_checkpoint=callback.resume_checkpoint_path(output_dir))
     rank = trainer.args.process_index

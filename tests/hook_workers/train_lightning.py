@@ -27,12 +27,14 @@ class TinyModel(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-class StopWhenFileExists(pl.Callback):
+class StopAtStepInFile(pl.Callback):
+    """Stop after the step the test writes into ``path``: every rank at the same step."""
+
     def __init__(self, path: Path | None) -> None:
         self.path = path
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if self.path is not None and self.path.exists():
+        if self.path is not None and self.path.exists() and trainer.global_step >= int(self.path.read_text()):
             trainer.should_stop = True
 
 
@@ -47,7 +49,7 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=args.max_steps, max_epochs=-1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=str(args.out_dir), callbacks=[callback, StopWhenFileExists(args.until_file)],
+        default_root_dir=str(args.out_dir), callbacks=[callback, StopAtStepInFile(args.until_file)],
     )  # fmt: skip
     trainer.fit(TinyModel(), DataLoader(data, batch_size=16), ckpt_path=callback.resume_checkpoint_path())
     out = {"rank": trainer.global_rank, "global_step": trainer.global_step}
