@@ -102,6 +102,9 @@ class RankRecord:
         identity / heartbeat / exit: copies of the latest the agent sent.
         last_progress_unix_s: coordinator wall time when it learned of the
             newest finished step (0 before the first).
+        heartbeat_advanced_mono_s: coordinator monotonic time when a newer
+            heartbeat last arrived (the rank's own clock only orders them, so
+            clock skew between hosts does not matter).
         steps: the newest finished steps (see StepRing).
         collectives: per op, cumulative calls and bytes of this instance
             (updated in place).
@@ -119,6 +122,7 @@ class RankRecord:
     last_progress_unix_s: float = 0.0
     last_progress_mono_s: float = 0.0
     last_report_mono_s: float = 0.0
+    heartbeat_advanced_mono_s: float = 0.0
     collectives: dict[str, OpCounts] = dataclasses.field(default_factory=dict)
     bus_bandwidth_bytes_per_s: dict[str, float] = dataclasses.field(default_factory=dict)
     last_collectives: Sequence[training_pb2.CollectiveSummary] = ()
@@ -370,6 +374,9 @@ class JobStore:
         if record.identity != report.identity:  # backend or GPU learned after the hello
             record.identity = _copy_identity(report.identity)
         if report.HasField("heartbeat"):
+            previous = record.heartbeat
+            if previous is None or report.heartbeat.timestamp_unix_seconds > previous.timestamp_unix_seconds:
+                record.heartbeat_advanced_mono_s = now_mono
             # Copies, never references: a sub-message would keep the whole
             # node report (every step of every rank) alive.
             heartbeat = training_pb2.Heartbeat()

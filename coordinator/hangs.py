@@ -1,0 +1,198 @@
+"""Hang detection: a pure function of one job's state and the coordinator's clock.
+
+A job is hung when no rank has finished a step for longer than an adaptive
+timeout, ``max(floor_s, p99_factor x p99 of its recent step times)``: a job
+with 100 ms steps is hung after the floor (5 s), one with 10 s steps after
+30 s. PyTorch's own watchdog waits 10-30 minutes.
+
+The culprits, in the order a person would check them:
+
+1. ranks that exited (the agent saw the process end);
+2. ranks whose heartbeat stopped advancing (a frozen or stopped process: the
+   hook's heartbeat thread runs even while training is blocked in a
+   collective, so silence means the whole process is stuck);
+3. ranks whose Flight Recorder ``last_enqueued_collective`` is behind the rest
+   of their process group: they never joined the collective everyone else
+   waits in (DESIGN.md, "Signals").
+
+If none of these names anyone and every rank waits in the same collective
+(same group and sequence), the finding says so: the collective itself is
+stuck, and the fabric under it is the next suspect.
+
+Heartbeats are compared on the coordinator's monotonic clock (when a newer one
+last arrived), never on the ranks' wall clocks, so skew between hosts cannot
+fake a frozen rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+from clusterwatch.coordinator.jobs import JobRecord, RankRecord
+from clusterwatch.v1 import training_pb2
+
+EXITED = training_pb2.RANK_STATE_EXITED
+
+
+@dataclasses.dataclass(frozen=True)
+class HangSettings:
+    """Thresholds of the hang detector.
+
+    Attributes:
+        floor_s: never call a job hung sooner than this.
+        p99_factor: hung after this many times the p99 of recent step times.
+        heartbeat_stale_s: a rank whose heartbeat has not advanced for this
+            long is frozen (heartbeats come every second by default).
+    """
+
+    floor_s: float = 5.0
+    p99_factor: float = 3.0
+    heartbeat_stale_s: float = 5.0
+
+
+class CulpritReason(enum.StrEnum):
+    EXITED = "exited"
+    HEARTBEAT_STOPPED = "heartbeat_stopped"
+    BEHIND_IN_GROUP = "behind_in_group"
+
+
+@dataclasses.dataclass(frozen=True)
+class Culprit:
+    rank: int
+    node_id: str
+    reason: CulpritReason
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedCollective:
+    """Every rank waits in this one collective."""
+
+    op: str
+    group_name: str
+    sequence: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HangFinding:
+    job: str
+    stalled_s: float
+    timeout_s: float
+    last_step: int
+    culprits: tuple[Culprit, ...]
+    shared_collective: SharedCollective | None
+
+    @property
+    def summary(self) -> str:
+        head = f"job {self.job} made no progress for {self.stalled_s:.1f} s (timeout {self.timeout_s:.1f} s)"
+        if self.culprits:
+            named = "; ".join(f"rank {c.rank} on {c.node_id}: {c.detail}" for c in self.culprits)
+            return f"{head}; {named}"
+        if self.shared_collective is not None:
+            c = self.shared_collective
+            return f"{head}; every rank waits in {c.op} #{c.sequence} of group {c.group_name}"
+        return head
+
+
+def timeout_s(job: JobRecord, settings: HangSettings) -> float:
+    """The job's hang timeout: the floor, or p99_factor x the p99 of its recent step times."""
+    times = sorted(t for rank in job.ranks.values() for t in rank.steps.step_s)
+    if not times:
+        return settings.floor_s
+    p99 = times[min(len(times) - 1, math.ceil(0.99 * len(times)) - 1)]
+    return max(settings.floor_s, settings.p99_factor * p99)
+
+
+def detect_hang(job: JobRecord, now_mono_s: float, settings: HangSettings) -> HangFinding | None:
+    """A finding if ``job`` is hung at ``now_mono_s`` (coordinator monotonic clock), else None.
+
+    A job none of whose ranks has finished a step yet is not judged: start-up
+    (imports, rendezvous, data loading) has no step time to scale with.
+    """
+    ranks = list(job.ranks.values())
+    progressed = [r.last_progress_mono_s for r in ranks if r.last_step is not None]
+    if not progressed:
+        return None
+    stalled_s = now_mono_s - max(progressed)
+    limit_s = timeout_s(job, settings)
+    if stalled_s <= limit_s:
+        return None
+    culprits = [
+        *_exited(ranks),
+        *_frozen(ranks, now_mono_s, settings.heartbeat_stale_s),
+        *_behind_in_group(ranks),
+    ]
+    first_reason: dict[int, Culprit] = {}  # a rank is named once, for its strongest reason
+    for culprit in culprits:
+        first_reason.setdefault(culprit.rank, culprit)
+    unique = tuple(first_reason.values())
+    return HangFinding(
+        job=job.job,
+        stalled_s=stalled_s,
+        timeout_s=limit_s,
+        last_step=max(r.last_step.step for r in ranks if r.last_step is not None),
+        culprits=unique,
+        shared_collective=None if unique else _shared_collective(ranks),
+    )
+
+
+def _exited(ranks: list[RankRecord]) -> list[Culprit]:
+    return [
+        Culprit(r.rank, r.node_id, CulpritReason.EXITED, r.exit.description if r.exit else "exited")
+        for r in ranks
+        if r.state == EXITED
+    ]
+
+
+def _frozen(ranks: list[RankRecord], now_mono_s: float, stale_s: float) -> list[Culprit]:
+    return [
+        Culprit(
+            r.rank,
+            r.node_id,
+            CulpritReason.HEARTBEAT_STOPPED,
+            f"no heartbeat for {now_mono_s - r.heartbeat_advanced_mono_s:.1f} s",
+        )
+        for r in ranks
+        if r.state != EXITED
+        and r.heartbeat is not None
+        and now_mono_s - r.heartbeat_advanced_mono_s > stale_s
+    ]
+
+
+def _behind_in_group(ranks: list[RankRecord]) -> list[Culprit]:
+    """Ranks whose Flight Recorder enqueued fewer collectives than the rest of a group."""
+    by_group: dict[str, list[tuple[RankRecord, int]]] = {}
+    for rank in ranks:
+        if rank.state == EXITED or rank.heartbeat is None:
+            continue
+        for group in rank.heartbeat.flight_recorder:
+            by_group.setdefault(group.group_name, []).append((rank, group.last_enqueued_collective))
+    culprits: list[Culprit] = []
+    for name, members in sorted(by_group.items()):
+        ahead = max(enqueued for _, enqueued in members)
+        culprits.extend(
+            Culprit(
+                rank.rank,
+                rank.node_id,
+                CulpritReason.BEHIND_IN_GROUP,
+                f"enqueued collective {enqueued} of group {name} while its peers reached {ahead}",
+            )
+            for rank, enqueued in members
+            if enqueued < ahead
+        )
+    return culprits
+
+
+def _shared_collective(ranks: list[RankRecord]) -> SharedCollective | None:
+    waiting = {
+        (b.collective.op, b.collective.group_name, b.collective.sequence)
+        for r in ranks
+        if (b := r.heartbeat) is not None and b.HasField("collective")
+    }
+    in_collective = sum(1 for r in ranks if r.heartbeat is not None and r.heartbeat.HasField("collective"))
+    if len(waiting) != 1 or in_collective != len(ranks):
+        return None
+    op, group, sequence = waiting.pop()
+    return SharedCollective(op, group, sequence)
