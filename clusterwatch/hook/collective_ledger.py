@@ -69,6 +69,8 @@ class InFlight:
         sequence: Hook sequence number within the group.
         started_monotonic_s: Launch time on ``time.monotonic()``'s clock.
         started_unix_s: Launch time as a Unix timestamp.
+        elapsed_s: Time since launch when ``in_flight()`` answered (from integer
+            nanoseconds read after the launch, so never negative).
         blocking: A thread is waiting in it (a synchronous call, or ``Work.wait()``).
     """
 
@@ -77,6 +79,7 @@ class InFlight:
     sequence: int
     started_monotonic_s: float
     started_unix_s: float
+    elapsed_s: float
     blocking: bool
 
 
@@ -216,13 +219,14 @@ class _Ledger:
                 if chosen is None:
                     return None
                 blocking = chosen.waiting > 0
-            now_ns = time.monotonic_ns()
+            elapsed_s = (time.monotonic_ns() - chosen.start_ns) / 1e9
             return InFlight(
                 op=chosen.op,
                 group_name=chosen.group.name,
                 sequence=chosen.sequence,
                 started_monotonic_s=chosen.start_ns / 1e9,
-                started_unix_s=time.time() - (now_ns - chosen.start_ns) / 1e9,
+                started_unix_s=time.time() - elapsed_s,
+                elapsed_s=elapsed_s,
                 blocking=blocking,
             )
         except Exception as exc:

@@ -305,7 +305,6 @@ class TrainingMonitor:
         return self.identity.to_proto()
 
     def _heartbeat(self) -> training_pb2.Heartbeat:
-        now_s = time.monotonic()
         beat = training_pb2.Heartbeat(
             timestamp_unix_seconds=time.time(), flight_recorder_enabled=self.flight_recorder_enabled
         )
@@ -314,7 +313,8 @@ class TrainingMonitor:
                 beat.step = self._step
             beat.in_step = self._in_step
             if self._in_step:
-                beat.step_elapsed_seconds = max(0.0, now_s - self._step_started_s)  # now_s predates the lock
+                # The clock is read under the lock, after begin_step set the start: never negative.
+                beat.step_elapsed_seconds = time.monotonic() - self._step_started_s
             beat.steps_completed_total = self.steps_completed_total
         self._refresh_identity()
         if self._tracker is not None:
@@ -328,9 +328,7 @@ class TrainingMonitor:
                             group_name=in_flight.group_name,
                             sequence=in_flight.sequence,
                             started_unix_seconds=in_flight.started_unix_s,
-                            elapsed_seconds=max(
-                                0.0, now_s - in_flight.started_monotonic_s
-                            ),  # may start after now_s
+                            elapsed_seconds=in_flight.elapsed_s,
                             blocking=in_flight.blocking,
                         )
                     )

@@ -84,7 +84,6 @@ class AgentLink:
         self._backoff = Backoff(base_s=0.2, cap_s=reconnect_max_s)
         self._thread = threading.Thread(target=self._run, name="clusterwatch-hook", daemon=True)
         self.connected = False
-        self.connections_total = 0
         # Set after the first connection attempt, whatever its outcome.
         self.first_attempt_done = threading.Event()
 
@@ -144,7 +143,6 @@ class AgentLink:
             ended = threading.Event()
             call = stub.Connect(self._requests(ended))
             self.connected = True
-            self.connections_total += 1
             self._backoff.reset()
             self.first_attempt_done.set()
             logger.info("clusterwatch: connected to agent at %s", self.socket_path)
