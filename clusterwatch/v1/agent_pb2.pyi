@@ -4,6 +4,7 @@ isort:skip_file
 The agent <-> coordinator stream."""
 
 from clusterwatch.v1 import node_pb2 as _node_pb2
+from clusterwatch.v1 import training_pb2 as _training_pb2
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -89,10 +90,15 @@ class CommandResult(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     DURATION_SECONDS_FIELD_NUMBER: _builtins.int
+    DIAGNOSES_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
     status: Global___CommandResult.Status.ValueType
     message: _builtins.str
     duration_seconds: _builtins.float
+    @_builtins.property
+    def diagnoses(self) -> _containers.RepeatedCompositeFieldContainer[_training_pb2.ProcessDiagnosis]:
+        """diagnose: one entry per rank asked about that this node hosts."""
+
     def __init__(
         self,
         *,
@@ -100,10 +106,11 @@ class CommandResult(_message.Message):
         status: Global___CommandResult.Status.ValueType = ...,
         message: _builtins.str = ...,
         duration_seconds: _builtins.float = ...,
+        diagnoses: _abc.Iterable[_training_pb2.ProcessDiagnosis] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_id", b"command_id", "duration_seconds", b"duration_seconds", "message", b"message", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_id", b"command_id", "diagnoses", b"diagnoses", "duration_seconds", b"duration_seconds", "message", b"message", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -207,6 +214,44 @@ class CheckpointCommand(_message.Message):
 Global___CheckpointCommand: _TypeAlias = CheckpointCommand  # noqa: Y015
 
 @_typing.final
+class DiagnoseCommand(_message.Message):
+    """Read the process state (and, with stack_dump, a py-spy dump) of the
+    listed local ranks of `job`. Only processes registered on the agent's hook
+    socket can be named, so the coordinator cannot point py-spy at anything
+    else. The agent answers OK with one diagnosis per rank it hosts.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    STACK_DUMP_FIELD_NUMBER: _builtins.int
+    HEALTHY_RANKS_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    stack_dump: _builtins.bool
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def healthy_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Ranks asked about for contrast (healthy ones), reported with healthy=true."""
+
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        ranks: _abc.Iterable[_builtins.int] | None = ...,
+        stack_dump: _builtins.bool = ...,
+        healthy_ranks: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["healthy_ranks", b"healthy_ranks", "job", b"job", "ranks", b"ranks", "stack_dump", b"stack_dump"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DiagnoseCommand: _TypeAlias = DiagnoseCommand  # noqa: Y015
+
+@_typing.final
 class Command(_message.Message):
     """A command for one agent. command_id is an idempotency key: an agent carries
     out a given id at most once. Later capabilities add members to `action`.
@@ -219,6 +264,7 @@ class Command(_message.Message):
     DEADLINE_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     PING_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
+    DIAGNOSE_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
     issued_unix_seconds: _builtins.float
     deadline_unix_seconds: _builtins.float
@@ -226,6 +272,8 @@ class Command(_message.Message):
     def ping(self) -> Global___PingCommand: ...
     @_builtins.property
     def checkpoint(self) -> Global___CheckpointCommand: ...
+    @_builtins.property
+    def diagnose(self) -> Global___DiagnoseCommand: ...
     def __init__(
         self,
         *,
@@ -234,12 +282,13 @@ class Command(_message.Message):
         deadline_unix_seconds: _builtins.float = ...,
         ping: Global___PingCommand | None = ...,
         checkpoint: Global___CheckpointCommand | None = ...,
+        diagnose: Global___DiagnoseCommand | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "ping", b"ping"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "diagnose", b"diagnose", "ping", b"ping"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "command_id", b"command_id", "deadline_unix_seconds", b"deadline_unix_seconds", "issued_unix_seconds", b"issued_unix_seconds", "ping", b"ping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "command_id", b"command_id", "deadline_unix_seconds", b"deadline_unix_seconds", "diagnose", b"diagnose", "issued_unix_seconds", b"issued_unix_seconds", "ping", b"ping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["ping", "checkpoint"]  # noqa: Y015
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["ping", "checkpoint", "diagnose"]  # noqa: Y015
     _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
 

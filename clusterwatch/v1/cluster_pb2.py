@@ -26,15 +26,23 @@ from clusterwatch.v1 import node_pb2 as clusterwatch_dot_v1_dot_node__pb2
 from clusterwatch.v1 import training_pb2 as clusterwatch_dot_v1_dot_training__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63lusterwatch/v1/cluster.proto\x12\x0f\x63lusterwatch.v1\x1a\x1a\x63lusterwatch/v1/node.proto\x1a\x1e\x63lusterwatch/v1/training.proto\"\xf3\x04\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.clusterwatch.v1.NodeState\x12\x15\n\ragent_version\x18\x04 \x01(\t\x12\x1e\n\x16last_seen_unix_seconds\x18\x05 \x01(\x01\x12\x15\n\rlast_sequence\x18\x06 \x01(\x04\x12\x1e\n\x16reports_received_total\x18\x07 \x01(\x04\x12\x1c\n\x14reports_missed_total\x18\x08 \x01(\x04\x12-\n network_receive_bytes_per_second\x18\t \x01(\x01H\x00\x88\x01\x01\x12.\n!network_transmit_bytes_per_second\x18\n \x01(\x01H\x01\x88\x01\x01\x12\x30\n#infiniband_receive_bytes_per_second\x18\x0b \x01(\x01H\x02\x88\x01\x01\x12\x31\n$infiniband_transmit_bytes_per_second\x18\x0c \x01(\x01H\x03\x88\x01\x01\x12+\n\x06report\x18\r \x01(\x0b\x32\x1b.clusterwatch.v1.NodeReportB#\n!_network_receive_bytes_per_secondB$\n\"_network_transmit_bytes_per_secondB&\n$_infiniband_receive_bytes_per_secondB\'\n%_infiniband_transmit_bytes_per_second\"A\n\x0bOpBandwidth\x12\n\n\x02op\x18\x01 \x01(\t\x12&\n\x1e\x62us_bandwidth_bytes_per_second\x18\x02 \x01(\x01\"\x90\x03\n\nRankStatus\x12/\n\x08identity\x18\x01 \x01(\x0b\x32\x1d.clusterwatch.v1.RankIdentity\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.clusterwatch.v1.RankState\x12-\n\theartbeat\x18\x04 \x01(\x0b\x32\x1a.clusterwatch.v1.Heartbeat\x12/\n\tlast_step\x18\x05 \x01(\x0b\x32\x1c.clusterwatch.v1.StepSummary\x12\"\n\x1alast_progress_unix_seconds\x18\x06 \x01(\x01\x12/\n\tbandwidth\x18\x07 \x03(\x0b\x32\x1c.clusterwatch.v1.OpBandwidth\x12\'\n\x04\x65xit\x18\x08 \x01(\x0b\x32\x19.clusterwatch.v1.RankExit\x12\x37\n\x0b\x63ollectives\x18\t \x03(\x0b\x32\".clusterwatch.v1.CollectiveSummary\"\xd0\x01\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x16\n\tstep_rate\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12,\n\x1flatest_complete_checkpoint_step\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12*\n\x05ranks\x18\x05 \x03(\x0b\x32\x1b.clusterwatch.v1.RankStatusB\x0c\n\n_step_rateB\"\n _latest_complete_checkpoint_step\"\xa4\x01\n\x0f\x43lusterSnapshot\x12\x1e\n\x16timestamp_unix_seconds\x18\x01 \x01(\x01\x12\x1b\n\x13\x63oordinator_version\x18\x02 \x01(\t\x12*\n\x05nodes\x18\x03 \x03(\x0b\x32\x1b.clusterwatch.v1.NodeStatus\x12(\n\x04jobs\x18\x04 \x03(\x0b\x32\x1a.clusterwatch.v1.JobStatus\"*\n\x12GetSnapshotRequest\x12\x14\n\x0csummary_only\x18\x01 \x01(\x08\">\n\x0cWatchRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\x12\x14\n\x0csummary_only\x18\x02 \x01(\x08\"b\n\x05\x45vent\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x1e\n\x16timestamp_unix_seconds\x18\x02 \x01(\x01\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\"E\n\x11ListEventsRequest\x12\x10\n\x08\x61\x66ter_id\x18\x01 \x01(\x03\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x0f\n\x07node_id\x18\x03 \x01(\t\"<\n\x12ListEventsResponse\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.clusterwatch.v1.Event\"0\n\x14ListIncidentsRequest\x12\x18\n\x10include_resolved\x18\x01 \x01(\x08\"G\n\x08Incident\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08severity\x18\x03 \x01(\t\x12\x0f\n\x07summary\x18\x04 \x01(\t\"E\n\x15ListIncidentsResponse\x12,\n\tincidents\x18\x01 \x03(\x0b\x32\x19.clusterwatch.v1.Incident\"x\n\rActionRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\x12\x15\n\rexclude_nodes\x18\x03 \x03(\t\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12\x11\n\x04step\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_step\"B\n\x0e\x41\x63tionResponse\x12\x11\n\taction_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04*\x83\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x11\n\rNODE_STATE_UP\x10\x01\x12\x1a\n\x16NODE_STATE_UNREACHABLE\x10\x02\x12\x13\n\x0fNODE_STATE_LEFT\x10\x03\x12\x16\n\x12NODE_STATE_UNKNOWN\x10\x04\x32\xbb\x03\n\x0e\x43lusterService\x12T\n\x0bGetSnapshot\x12#.clusterwatch.v1.GetSnapshotRequest\x1a .clusterwatch.v1.ClusterSnapshot\x12J\n\x05Watch\x12\x1d.clusterwatch.v1.WatchRequest\x1a .clusterwatch.v1.ClusterSnapshot0\x01\x12U\n\nListEvents\x12\".clusterwatch.v1.ListEventsRequest\x1a#.clusterwatch.v1.ListEventsResponse\x12^\n\rListIncidents\x12%.clusterwatch.v1.ListIncidentsRequest\x1a&.clusterwatch.v1.ListIncidentsResponse\x12P\n\rRequestAction\x12\x1e.clusterwatch.v1.ActionRequest\x1a\x1f.clusterwatch.v1.ActionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63lusterwatch/v1/cluster.proto\x12\x0f\x63lusterwatch.v1\x1a\x1a\x63lusterwatch/v1/node.proto\x1a\x1e\x63lusterwatch/v1/training.proto\"\xf3\x04\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.clusterwatch.v1.NodeState\x12\x15\n\ragent_version\x18\x04 \x01(\t\x12\x1e\n\x16last_seen_unix_seconds\x18\x05 \x01(\x01\x12\x15\n\rlast_sequence\x18\x06 \x01(\x04\x12\x1e\n\x16reports_received_total\x18\x07 \x01(\x04\x12\x1c\n\x14reports_missed_total\x18\x08 \x01(\x04\x12-\n network_receive_bytes_per_second\x18\t \x01(\x01H\x00\x88\x01\x01\x12.\n!network_transmit_bytes_per_second\x18\n \x01(\x01H\x01\x88\x01\x01\x12\x30\n#infiniband_receive_bytes_per_second\x18\x0b \x01(\x01H\x02\x88\x01\x01\x12\x31\n$infiniband_transmit_bytes_per_second\x18\x0c \x01(\x01H\x03\x88\x01\x01\x12+\n\x06report\x18\r \x01(\x0b\x32\x1b.clusterwatch.v1.NodeReportB#\n!_network_receive_bytes_per_secondB$\n\"_network_transmit_bytes_per_secondB&\n$_infiniband_receive_bytes_per_secondB\'\n%_infiniband_transmit_bytes_per_second\"A\n\x0bOpBandwidth\x12\n\n\x02op\x18\x01 \x01(\t\x12&\n\x1e\x62us_bandwidth_bytes_per_second\x18\x02 \x01(\x01\"\x90\x03\n\nRankStatus\x12/\n\x08identity\x18\x01 \x01(\x0b\x32\x1d.clusterwatch.v1.RankIdentity\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.clusterwatch.v1.RankState\x12-\n\theartbeat\x18\x04 \x01(\x0b\x32\x1a.clusterwatch.v1.Heartbeat\x12/\n\tlast_step\x18\x05 \x01(\x0b\x32\x1c.clusterwatch.v1.StepSummary\x12\"\n\x1alast_progress_unix_seconds\x18\x06 \x01(\x01\x12/\n\tbandwidth\x18\x07 \x03(\x0b\x32\x1c.clusterwatch.v1.OpBandwidth\x12\'\n\x04\x65xit\x18\x08 \x01(\x0b\x32\x19.clusterwatch.v1.RankExit\x12\x37\n\x0b\x63ollectives\x18\t \x03(\x0b\x32\".clusterwatch.v1.CollectiveSummary\"\xd0\x01\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x16\n\tstep_rate\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12,\n\x1flatest_complete_checkpoint_step\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12*\n\x05ranks\x18\x05 \x03(\x0b\x32\x1b.clusterwatch.v1.RankStatusB\x0c\n\n_step_rateB\"\n _latest_complete_checkpoint_step\"\xd2\x01\n\x0f\x43lusterSnapshot\x12\x1e\n\x16timestamp_unix_seconds\x18\x01 \x01(\x01\x12\x1b\n\x13\x63oordinator_version\x18\x02 \x01(\t\x12*\n\x05nodes\x18\x03 \x03(\x0b\x32\x1b.clusterwatch.v1.NodeStatus\x12(\n\x04jobs\x18\x04 \x03(\x0b\x32\x1a.clusterwatch.v1.JobStatus\x12,\n\tincidents\x18\x05 \x03(\x0b\x32\x19.clusterwatch.v1.Incident\"*\n\x12GetSnapshotRequest\x12\x14\n\x0csummary_only\x18\x01 \x01(\x08\">\n\x0cWatchRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\x12\x14\n\x0csummary_only\x18\x02 \x01(\x08\"b\n\x05\x45vent\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x1e\n\x16timestamp_unix_seconds\x18\x02 \x01(\x01\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\"E\n\x11ListEventsRequest\x12\x10\n\x08\x61\x66ter_id\x18\x01 \x01(\x03\x12\r\n\x05limit\x18\x02 \x01(\r\x12\x0f\n\x07node_id\x18\x03 \x01(\t\"<\n\x12ListEventsResponse\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.clusterwatch.v1.Event\"L\n\x14ListIncidentsRequest\x12\x18\n\x10include_resolved\x18\x01 \x01(\x08\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\r\n\x05limit\x18\x03 \x01(\r\"\xba\x03\n\x08Incident\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08severity\x18\x03 \x01(\t\x12\x0f\n\x07summary\x18\x04 \x01(\t\x12-\n\x05state\x18\x05 \x01(\x0e\x32\x1e.clusterwatch.v1.IncidentState\x12\x0b\n\x03job\x18\x06 \x01(\t\x12\r\n\x05ranks\x18\x07 \x03(\r\x12\r\n\x05nodes\x18\x08 \x03(\t\x12\x0c\n\x04gpus\x18\t \x03(\t\x12\r\n\x05\x63\x61use\x18\n \x01(\t\x12\x39\n\x08\x65vidence\x18\x0b \x03(\x0b\x32\'.clusterwatch.v1.Incident.EvidenceEntry\x12\x34\n\tdiagnoses\x18\x0c \x03(\x0b\x32!.clusterwatch.v1.ProcessDiagnosis\x12\x1b\n\x13opened_unix_seconds\x18\r \x01(\x01\x12\x1c\n\x14updated_unix_seconds\x18\x0e \x01(\x01\x12\x1d\n\x15resolved_unix_seconds\x18\x0f \x01(\x01\x1a/\n\rEvidenceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"E\n\x15ListIncidentsResponse\x12,\n\tincidents\x18\x01 \x03(\x0b\x32\x19.clusterwatch.v1.Incident\"R\n\x15UpdateIncidentRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12-\n\x05state\x18\x02 \x01(\x0e\x32\x1e.clusterwatch.v1.IncidentState\"\x82\x01\n\x11\x44\x65tectionSettings\x12>\n\x06values\x18\x01 \x03(\x0b\x32..clusterwatch.v1.DetectionSettings.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1d\n\x1bGetDetectionSettingsRequest\"\x9c\x01\n\x1eUpdateDetectionSettingsRequest\x12K\n\x06values\x18\x01 \x03(\x0b\x32;.clusterwatch.v1.UpdateDetectionSettingsRequest.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"x\n\rActionRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\x12\x15\n\rexclude_nodes\x18\x03 \x03(\t\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\x12\x11\n\x04step\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_step\"B\n\x0e\x41\x63tionResponse\x12\x11\n\taction_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04*\x83\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x11\n\rNODE_STATE_UP\x10\x01\x12\x1a\n\x16NODE_STATE_UNREACHABLE\x10\x02\x12\x13\n\x0fNODE_STATE_LEFT\x10\x03\x12\x16\n\x12NODE_STATE_UNKNOWN\x10\x04*\xa1\x01\n\rIncidentState\x12\x1e\n\x1aINCIDENT_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13INCIDENT_STATE_OPEN\x10\x01\x12\x1f\n\x1bINCIDENT_STATE_ACKNOWLEDGED\x10\x02\x12\x19\n\x15INCIDENT_STATE_ACTING\x10\x03\x12\x1b\n\x17INCIDENT_STATE_RESOLVED\x10\x04\x32\xea\x05\n\x0e\x43lusterService\x12T\n\x0bGetSnapshot\x12#.clusterwatch.v1.GetSnapshotRequest\x1a .clusterwatch.v1.ClusterSnapshot\x12J\n\x05Watch\x12\x1d.clusterwatch.v1.WatchRequest\x1a .clusterwatch.v1.ClusterSnapshot0\x01\x12U\n\nListEvents\x12\".clusterwatch.v1.ListEventsRequest\x1a#.clusterwatch.v1.ListEventsResponse\x12^\n\rListIncidents\x12%.clusterwatch.v1.ListIncidentsRequest\x1a&.clusterwatch.v1.ListIncidentsResponse\x12P\n\rRequestAction\x12\x1e.clusterwatch.v1.ActionRequest\x1a\x1f.clusterwatch.v1.ActionResponse\x12S\n\x0eUpdateIncident\x12&.clusterwatch.v1.UpdateIncidentRequest\x1a\x19.clusterwatch.v1.Incident\x12h\n\x14GetDetectionSettings\x12,.clusterwatch.v1.GetDetectionSettingsRequest\x1a\".clusterwatch.v1.DetectionSettings\x12n\n\x17UpdateDetectionSettings\x12/.clusterwatch.v1.UpdateDetectionSettingsRequest\x1a\".clusterwatch.v1.DetectionSettingsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'clusterwatch.v1.cluster_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODESTATE']._serialized_start=2314
-  _globals['_NODESTATE']._serialized_end=2445
+  _globals['_INCIDENT_EVIDENCEENTRY']._loaded_options = None
+  _globals['_INCIDENT_EVIDENCEENTRY']._serialized_options = b'8\001'
+  _globals['_DETECTIONSETTINGS_VALUESENTRY']._loaded_options = None
+  _globals['_DETECTIONSETTINGS_VALUESENTRY']._serialized_options = b'8\001'
+  _globals['_UPDATEDETECTIONSETTINGSREQUEST_VALUESENTRY']._loaded_options = None
+  _globals['_UPDATEDETECTIONSETTINGSREQUEST_VALUESENTRY']._serialized_options = b'8\001'
+  _globals['_NODESTATE']._serialized_start=3167
+  _globals['_NODESTATE']._serialized_end=3298
+  _globals['_INCIDENTSTATE']._serialized_start=3301
+  _globals['_INCIDENTSTATE']._serialized_end=3462
   _globals['_NODESTATUS']._serialized_start=111
   _globals['_NODESTATUS']._serialized_end=738
   _globals['_OPBANDWIDTH']._serialized_start=740
@@ -44,27 +52,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOBSTATUS']._serialized_start=1211
   _globals['_JOBSTATUS']._serialized_end=1419
   _globals['_CLUSTERSNAPSHOT']._serialized_start=1422
-  _globals['_CLUSTERSNAPSHOT']._serialized_end=1586
-  _globals['_GETSNAPSHOTREQUEST']._serialized_start=1588
-  _globals['_GETSNAPSHOTREQUEST']._serialized_end=1630
-  _globals['_WATCHREQUEST']._serialized_start=1632
-  _globals['_WATCHREQUEST']._serialized_end=1694
-  _globals['_EVENT']._serialized_start=1696
-  _globals['_EVENT']._serialized_end=1794
-  _globals['_LISTEVENTSREQUEST']._serialized_start=1796
-  _globals['_LISTEVENTSREQUEST']._serialized_end=1865
-  _globals['_LISTEVENTSRESPONSE']._serialized_start=1867
-  _globals['_LISTEVENTSRESPONSE']._serialized_end=1927
-  _globals['_LISTINCIDENTSREQUEST']._serialized_start=1929
-  _globals['_LISTINCIDENTSREQUEST']._serialized_end=1977
-  _globals['_INCIDENT']._serialized_start=1979
-  _globals['_INCIDENT']._serialized_end=2050
-  _globals['_LISTINCIDENTSRESPONSE']._serialized_start=2052
-  _globals['_LISTINCIDENTSRESPONSE']._serialized_end=2121
-  _globals['_ACTIONREQUEST']._serialized_start=2123
-  _globals['_ACTIONREQUEST']._serialized_end=2243
-  _globals['_ACTIONRESPONSE']._serialized_start=2245
-  _globals['_ACTIONRESPONSE']._serialized_end=2311
-  _globals['_CLUSTERSERVICE']._serialized_start=2448
-  _globals['_CLUSTERSERVICE']._serialized_end=2891
+  _globals['_CLUSTERSNAPSHOT']._serialized_end=1632
+  _globals['_GETSNAPSHOTREQUEST']._serialized_start=1634
+  _globals['_GETSNAPSHOTREQUEST']._serialized_end=1676
+  _globals['_WATCHREQUEST']._serialized_start=1678
+  _globals['_WATCHREQUEST']._serialized_end=1740
+  _globals['_EVENT']._serialized_start=1742
+  _globals['_EVENT']._serialized_end=1840
+  _globals['_LISTEVENTSREQUEST']._serialized_start=1842
+  _globals['_LISTEVENTSREQUEST']._serialized_end=1911
+  _globals['_LISTEVENTSRESPONSE']._serialized_start=1913
+  _globals['_LISTEVENTSRESPONSE']._serialized_end=1973
+  _globals['_LISTINCIDENTSREQUEST']._serialized_start=1975
+  _globals['_LISTINCIDENTSREQUEST']._serialized_end=2051
+  _globals['_INCIDENT']._serialized_start=2054
+  _globals['_INCIDENT']._serialized_end=2496
+  _globals['_INCIDENT_EVIDENCEENTRY']._serialized_start=2449
+  _globals['_INCIDENT_EVIDENCEENTRY']._serialized_end=2496
+  _globals['_LISTINCIDENTSRESPONSE']._serialized_start=2498
+  _globals['_LISTINCIDENTSRESPONSE']._serialized_end=2567
+  _globals['_UPDATEINCIDENTREQUEST']._serialized_start=2569
+  _globals['_UPDATEINCIDENTREQUEST']._serialized_end=2651
+  _globals['_DETECTIONSETTINGS']._serialized_start=2654
+  _globals['_DETECTIONSETTINGS']._serialized_end=2784
+  _globals['_DETECTIONSETTINGS_VALUESENTRY']._serialized_start=2739
+  _globals['_DETECTIONSETTINGS_VALUESENTRY']._serialized_end=2784
+  _globals['_GETDETECTIONSETTINGSREQUEST']._serialized_start=2786
+  _globals['_GETDETECTIONSETTINGSREQUEST']._serialized_end=2815
+  _globals['_UPDATEDETECTIONSETTINGSREQUEST']._serialized_start=2818
+  _globals['_UPDATEDETECTIONSETTINGSREQUEST']._serialized_end=2974
+  _globals['_UPDATEDETECTIONSETTINGSREQUEST_VALUESENTRY']._serialized_start=2739
+  _globals['_UPDATEDETECTIONSETTINGSREQUEST_VALUESENTRY']._serialized_end=2784
+  _globals['_ACTIONREQUEST']._serialized_start=2976
+  _globals['_ACTIONREQUEST']._serialized_end=3096
+  _globals['_ACTIONRESPONSE']._serialized_start=3098
+  _globals['_ACTIONRESPONSE']._serialized_end=3164
+  _globals['_CLUSTERSERVICE']._serialized_start=3465
+  _globals['_CLUSTERSERVICE']._serialized_end=4211
 # @@protoc_insertion_point(module_scope)

@@ -50,6 +50,35 @@ NODE_STATE_UNKNOWN: NodeState.ValueType  # 4
 """Known from before a coordinator restart, not heard from since."""
 Global___NodeState: _TypeAlias = NodeState  # noqa: Y015
 
+class _IncidentState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _IncidentStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_IncidentState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    INCIDENT_STATE_UNSPECIFIED: _IncidentState.ValueType  # 0
+    INCIDENT_STATE_OPEN: _IncidentState.ValueType  # 1
+    INCIDENT_STATE_ACKNOWLEDGED: _IncidentState.ValueType  # 2
+    """A person has seen it."""
+    INCIDENT_STATE_ACTING: _IncidentState.ValueType  # 3
+    """Recovery (checkpoint, restart) is under way."""
+    INCIDENT_STATE_RESOLVED: _IncidentState.ValueType  # 4
+
+class IncidentState(_IncidentState, metaclass=_IncidentStateEnumTypeWrapper):
+    """open --> acknowledged --> resolved;  open/acknowledged --> acting --> resolved (recovery);
+    open --> resolved. A resolved incident never reopens: the same problem
+    again is a new incident.
+    """
+
+INCIDENT_STATE_UNSPECIFIED: IncidentState.ValueType  # 0
+INCIDENT_STATE_OPEN: IncidentState.ValueType  # 1
+INCIDENT_STATE_ACKNOWLEDGED: IncidentState.ValueType  # 2
+"""A person has seen it."""
+INCIDENT_STATE_ACTING: IncidentState.ValueType  # 3
+"""Recovery (checkpoint, restart) is under way."""
+INCIDENT_STATE_RESOLVED: IncidentState.ValueType  # 4
+Global___IncidentState: _TypeAlias = IncidentState  # noqa: Y015
+
 @_typing.final
 class NodeStatus(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -254,12 +283,17 @@ class ClusterSnapshot(_message.Message):
     COORDINATOR_VERSION_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
     JOBS_FIELD_NUMBER: _builtins.int
+    INCIDENTS_FIELD_NUMBER: _builtins.int
     timestamp_unix_seconds: _builtins.float
     coordinator_version: _builtins.str
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeStatus]: ...
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobStatus]: ...
+    @_builtins.property
+    def incidents(self) -> _containers.RepeatedCompositeFieldContainer[Global___Incident]:
+        """Incidents not resolved yet, oldest first."""
+
     def __init__(
         self,
         *,
@@ -267,10 +301,11 @@ class ClusterSnapshot(_message.Message):
         coordinator_version: _builtins.str = ...,
         nodes: _abc.Iterable[Global___NodeStatus] | None = ...,
         jobs: _abc.Iterable[Global___JobStatus] | None = ...,
+        incidents: _abc.Iterable[Global___Incident] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_version", b"coordinator_version", "jobs", b"jobs", "nodes", b"nodes", "timestamp_unix_seconds", b"timestamp_unix_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_version", b"coordinator_version", "incidents", b"incidents", "jobs", b"jobs", "nodes", b"nodes", "timestamp_unix_seconds", b"timestamp_unix_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -403,15 +438,23 @@ class ListIncidentsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     INCLUDE_RESOLVED_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
     include_resolved: _builtins.bool
+    job: _builtins.str
+    """Only this job's incidents (empty: all)."""
+    limit: _builtins.int
+    """At most this many, newest last; 0 means 1000."""
     def __init__(
         self,
         *,
         include_resolved: _builtins.bool = ...,
+        job: _builtins.str = ...,
+        limit: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_resolved", b"include_resolved"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_resolved", b"include_resolved", "job", b"job", "limit", b"limit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -421,14 +464,79 @@ Global___ListIncidentsRequest: _TypeAlias = ListIncidentsRequest  # noqa: Y015
 class Incident(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class EvidenceEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ID_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     SEVERITY_FIELD_NUMBER: _builtins.int
     SUMMARY_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    GPUS_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    EVIDENCE_FIELD_NUMBER: _builtins.int
+    DIAGNOSES_FIELD_NUMBER: _builtins.int
+    OPENED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    UPDATED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    RESOLVED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     kind: _builtins.str
+    """"straggler", "job_slowdown", "hang", "rank_failure", "node_unreachable",
+    "gpu_xid", "gpu_lost", "infiniband".
+    """
     severity: _builtins.str
+    """"critical" (training stopped or will), "warning" (training is slower)."""
     summary: _builtins.str
+    """One line with the numbers, for people."""
+    state: Global___IncidentState.ValueType
+    job: _builtins.str
+    """Empty for node incidents that hit no job."""
+    cause: _builtins.str
+    """What clusterwatch believes caused it: "compute", "gpu_thermal",
+    "gpu_power", "gpu_clock", "host_cpu", "host_memory", "network",
+    "communication", "process_stopped", "process_exited", "heartbeat_stopped",
+    "behind_in_group", "collective_stuck", "node_unreachable", "xid", ...
+    """
+    opened_unix_seconds: _builtins.float
+    updated_unix_seconds: _builtins.float
+    resolved_unix_seconds: _builtins.float
+    """0 until resolved."""
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def gpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """GPU UUIDs."""
+
+    @_builtins.property
+    def evidence(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """The numbers behind the finding and the cause, by name with unit suffix
+        ("slowdown_ratio", "sm_clock_hertz", "stalled_seconds"...).
+        """
+
+    @_builtins.property
+    def diagnoses(self) -> _containers.RepeatedCompositeFieldContainer[_training_pb2.ProcessDiagnosis]: ...
     def __init__(
         self,
         *,
@@ -436,10 +544,21 @@ class Incident(_message.Message):
         kind: _builtins.str = ...,
         severity: _builtins.str = ...,
         summary: _builtins.str = ...,
+        state: Global___IncidentState.ValueType = ...,
+        job: _builtins.str = ...,
+        ranks: _abc.Iterable[_builtins.int] | None = ...,
+        nodes: _abc.Iterable[_builtins.str] | None = ...,
+        gpus: _abc.Iterable[_builtins.str] | None = ...,
+        cause: _builtins.str = ...,
+        evidence: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        diagnoses: _abc.Iterable[_training_pb2.ProcessDiagnosis] | None = ...,
+        opened_unix_seconds: _builtins.float = ...,
+        updated_unix_seconds: _builtins.float = ...,
+        resolved_unix_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "kind", b"kind", "severity", b"severity", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "diagnoses", b"diagnoses", "evidence", b"evidence", "gpus", b"gpus", "id", b"id", "job", b"job", "kind", b"kind", "nodes", b"nodes", "opened_unix_seconds", b"opened_unix_seconds", "ranks", b"ranks", "resolved_unix_seconds", b"resolved_unix_seconds", "severity", b"severity", "state", b"state", "summary", b"summary", "updated_unix_seconds", b"updated_unix_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -464,6 +583,130 @@ class ListIncidentsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListIncidentsResponse: _TypeAlias = ListIncidentsResponse  # noqa: Y015
+
+@_typing.final
+class UpdateIncidentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    state: Global___IncidentState.ValueType
+    """INCIDENT_STATE_ACKNOWLEDGED or INCIDENT_STATE_RESOLVED."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        state: Global___IncidentState.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateIncidentRequest: _TypeAlias = UpdateIncidentRequest  # noqa: Y015
+
+@_typing.final
+class DetectionSettings(_message.Message):
+    """Detection thresholds by setting name, as in the config file's [detection]
+    table (values as strings, parsed and checked like the file's).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ValuesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    VALUES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def values(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        values: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DetectionSettings: _TypeAlias = DetectionSettings  # noqa: Y015
+
+@_typing.final
+class GetDetectionSettingsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetDetectionSettingsRequest: _TypeAlias = GetDetectionSettingsRequest  # noqa: Y015
+
+@_typing.final
+class UpdateDetectionSettingsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ValuesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    VALUES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def values(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Only the settings to change; the rest keep their values."""
+
+    def __init__(
+        self,
+        *,
+        values: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateDetectionSettingsRequest: _TypeAlias = UpdateDetectionSettingsRequest  # noqa: Y015
 
 @_typing.final
 class ActionRequest(_message.Message):

@@ -59,6 +59,21 @@ class ClusterServiceStub:
                 request_serializer=clusterwatch_dot_v1_dot_cluster__pb2.ActionRequest.SerializeToString,
                 response_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.ActionResponse.FromString,
                 _registered_method=True)
+        self.UpdateIncident = channel.unary_unary(
+                '/clusterwatch.v1.ClusterService/UpdateIncident',
+                request_serializer=clusterwatch_dot_v1_dot_cluster__pb2.UpdateIncidentRequest.SerializeToString,
+                response_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.Incident.FromString,
+                _registered_method=True)
+        self.GetDetectionSettings = channel.unary_unary(
+                '/clusterwatch.v1.ClusterService/GetDetectionSettings',
+                request_serializer=clusterwatch_dot_v1_dot_cluster__pb2.GetDetectionSettingsRequest.SerializeToString,
+                response_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.DetectionSettings.FromString,
+                _registered_method=True)
+        self.UpdateDetectionSettings = channel.unary_unary(
+                '/clusterwatch.v1.ClusterService/UpdateDetectionSettings',
+                request_serializer=clusterwatch_dot_v1_dot_cluster__pb2.UpdateDetectionSettingsRequest.SerializeToString,
+                response_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.DetectionSettings.FromString,
+                _registered_method=True)
 
 
 class ClusterServiceServicer:
@@ -95,6 +110,28 @@ class ClusterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateIncident(self, request, context):
+        """Acknowledge or resolve an incident by hand (the state machine says which
+        moves are allowed; see Incident.state).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetDetectionSettings(self, request, context):
+        """Detection thresholds now in force, and changing them without a restart
+        (SIGHUP re-reads them from the config file too).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateDetectionSettings(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +159,21 @@ def add_ClusterServiceServicer_to_server(servicer, server):
                     servicer.RequestAction,
                     request_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.ActionRequest.FromString,
                     response_serializer=clusterwatch_dot_v1_dot_cluster__pb2.ActionResponse.SerializeToString,
+            ),
+            'UpdateIncident': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateIncident,
+                    request_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.UpdateIncidentRequest.FromString,
+                    response_serializer=clusterwatch_dot_v1_dot_cluster__pb2.Incident.SerializeToString,
+            ),
+            'GetDetectionSettings': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDetectionSettings,
+                    request_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.GetDetectionSettingsRequest.FromString,
+                    response_serializer=clusterwatch_dot_v1_dot_cluster__pb2.DetectionSettings.SerializeToString,
+            ),
+            'UpdateDetectionSettings': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateDetectionSettings,
+                    request_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.UpdateDetectionSettingsRequest.FromString,
+                    response_serializer=clusterwatch_dot_v1_dot_cluster__pb2.DetectionSettings.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +311,87 @@ class ClusterService:
             '/clusterwatch.v1.ClusterService/RequestAction',
             clusterwatch_dot_v1_dot_cluster__pb2.ActionRequest.SerializeToString,
             clusterwatch_dot_v1_dot_cluster__pb2.ActionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateIncident(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clusterwatch.v1.ClusterService/UpdateIncident',
+            clusterwatch_dot_v1_dot_cluster__pb2.UpdateIncidentRequest.SerializeToString,
+            clusterwatch_dot_v1_dot_cluster__pb2.Incident.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDetectionSettings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clusterwatch.v1.ClusterService/GetDetectionSettings',
+            clusterwatch_dot_v1_dot_cluster__pb2.GetDetectionSettingsRequest.SerializeToString,
+            clusterwatch_dot_v1_dot_cluster__pb2.DetectionSettings.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateDetectionSettings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clusterwatch.v1.ClusterService/UpdateDetectionSettings',
+            clusterwatch_dot_v1_dot_cluster__pb2.UpdateDetectionSettingsRequest.SerializeToString,
+            clusterwatch_dot_v1_dot_cluster__pb2.DetectionSettings.FromString,
             options,
             channel_credentials,
             insecure,

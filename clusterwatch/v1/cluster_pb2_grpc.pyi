@@ -37,6 +37,15 @@ class ClusterServiceStub:
     ListEvents: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.ListEventsRequest, _cluster_pb2.ListEventsResponse]
     ListIncidents: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.ListIncidentsRequest, _cluster_pb2.ListIncidentsResponse]
     RequestAction: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.ActionRequest, _cluster_pb2.ActionResponse]
+    UpdateIncident: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.UpdateIncidentRequest, _cluster_pb2.Incident]
+    """Acknowledge or resolve an incident by hand (the state machine says which
+    moves are allowed; see Incident.state).
+    """
+    GetDetectionSettings: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.GetDetectionSettingsRequest, _cluster_pb2.DetectionSettings]
+    """Detection thresholds now in force, and changing them without a restart
+    (SIGHUP re-reads them from the config file too).
+    """
+    UpdateDetectionSettings: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.UpdateDetectionSettingsRequest, _cluster_pb2.DetectionSettings]
 
 @_typing.type_check_only
 class ClusterServiceAsyncStub(ClusterServiceStub):
@@ -47,6 +56,15 @@ class ClusterServiceAsyncStub(ClusterServiceStub):
     ListEvents: _aio.UnaryUnaryMultiCallable[_cluster_pb2.ListEventsRequest, _cluster_pb2.ListEventsResponse]  # type: ignore[assignment]
     ListIncidents: _aio.UnaryUnaryMultiCallable[_cluster_pb2.ListIncidentsRequest, _cluster_pb2.ListIncidentsResponse]  # type: ignore[assignment]
     RequestAction: _aio.UnaryUnaryMultiCallable[_cluster_pb2.ActionRequest, _cluster_pb2.ActionResponse]  # type: ignore[assignment]
+    UpdateIncident: _aio.UnaryUnaryMultiCallable[_cluster_pb2.UpdateIncidentRequest, _cluster_pb2.Incident]  # type: ignore[assignment]
+    """Acknowledge or resolve an incident by hand (the state machine says which
+    moves are allowed; see Incident.state).
+    """
+    GetDetectionSettings: _aio.UnaryUnaryMultiCallable[_cluster_pb2.GetDetectionSettingsRequest, _cluster_pb2.DetectionSettings]  # type: ignore[assignment]
+    """Detection thresholds now in force, and changing them without a restart
+    (SIGHUP re-reads them from the config file too).
+    """
+    UpdateDetectionSettings: _aio.UnaryUnaryMultiCallable[_cluster_pb2.UpdateDetectionSettingsRequest, _cluster_pb2.DetectionSettings]  # type: ignore[assignment]
 
 class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -84,5 +102,32 @@ class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _cluster_pb2.ActionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_cluster_pb2.ActionResponse, _abc.Awaitable[_cluster_pb2.ActionResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def UpdateIncident(
+        self,
+        request: _cluster_pb2.UpdateIncidentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cluster_pb2.Incident, _abc.Awaitable[_cluster_pb2.Incident]]:
+        """Acknowledge or resolve an incident by hand (the state machine says which
+        moves are allowed; see Incident.state).
+        """
+
+    @_abc_1.abstractmethod
+    def GetDetectionSettings(
+        self,
+        request: _cluster_pb2.GetDetectionSettingsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cluster_pb2.DetectionSettings, _abc.Awaitable[_cluster_pb2.DetectionSettings]]:
+        """Detection thresholds now in force, and changing them without a restart
+        (SIGHUP re-reads them from the config file too).
+        """
+
+    @_abc_1.abstractmethod
+    def UpdateDetectionSettings(
+        self,
+        request: _cluster_pb2.UpdateDetectionSettingsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cluster_pb2.DetectionSettings, _abc.Awaitable[_cluster_pb2.DetectionSettings]]: ...
 
 def add_ClusterServiceServicer_to_server(servicer: ClusterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

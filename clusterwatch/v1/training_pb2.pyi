@@ -519,3 +519,58 @@ class RankReport(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RankReport: _TypeAlias = RankReport  # noqa: Y015
+
+@_typing.final
+class ProcessDiagnosis(_message.Message):
+    """What a node's agent found out about one rank's process, when the
+    coordinator asked (on a hang: the culprit and one healthy rank).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    PROCESS_STATE_FIELD_NUMBER: _builtins.int
+    STACK_DUMP_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    HEALTHY_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    rank: _builtins.int
+    pid: _builtins.int
+    node_id: _builtins.str
+    """Filled in by the coordinator (the agent that answered)."""
+    process_state: _builtins.str
+    """psutil's status: "running", "sleeping", "disk-sleep" (uninterruptible),
+    "stopped", "tracing-stop", "zombie", "dead", "idle"...; empty when the
+    process could not be read (see error).
+    """
+    stack_dump: _builtins.str
+    """`py-spy dump` of the process (every thread's Python stack); empty when
+    not asked for or when it failed (see error). py-spy cannot dump a
+    stopped process: process_state says that case.
+    """
+    error: _builtins.str
+    """Why the state or the stack is missing; empty when both are there."""
+    healthy: _builtins.bool
+    """True for a rank asked about for contrast (not a culprit)."""
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        pid: _builtins.int = ...,
+        node_id: _builtins.str = ...,
+        process_state: _builtins.str = ...,
+        stack_dump: _builtins.str = ...,
+        error: _builtins.str = ...,
+        healthy: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "healthy", b"healthy", "job", b"job", "node_id", b"node_id", "pid", b"pid", "process_state", b"process_state", "rank", b"rank", "stack_dump", b"stack_dump"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProcessDiagnosis: _TypeAlias = ProcessDiagnosis  # noqa: Y015
