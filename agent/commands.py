@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Protocol
 
+from clusterwatch.agent.diagnose import DiagnosisTarget, ProcessDiagnoser
 from clusterwatch.v1 import agent_pb2
 
 logger = logging.getLogger(__name__)
@@ -21,20 +22,38 @@ class CheckpointRelay(Protocol):
         """Ask every connected rank of ``job`` to checkpoint; return the ranks asked."""
 
 
+class ProcessLookup(Protocol):
+    """Finds the registered training process of a rank (RankRegistry does)."""
+
+    def pid_of(self, job: str, rank: int) -> int | None:
+        """The pid of ``rank`` of ``job`` as registered on the hook socket; None: not hosted here."""
+
+
 class CommandHandler:
     """Runs each command id once; a replayed id gets its first result again.
 
-    Later capabilities (restart, stack dumps) add branches here.
+    Later capabilities (restart) add branches here.
 
     Args:
         checkpoint_relay: where checkpoint commands go; None: this agent cannot relay them.
+        process_lookup: which registered process runs a rank, for diagnose commands;
+            None: this agent cannot diagnose.
+        diagnoser: examines the processes (default: ProcessDiagnoser()).
         remembered: how many command ids (with their results) are kept for replays.
     """
 
-    def __init__(self, checkpoint_relay: CheckpointRelay | None = None, remembered: int = 1024) -> None:
+    def __init__(
+        self,
+        checkpoint_relay: CheckpointRelay | None = None,
+        process_lookup: ProcessLookup | None = None,
+        diagnoser: ProcessDiagnoser | None = None,
+        remembered: int = 1024,
+    ) -> None:
         self._results: collections.OrderedDict[str, agent_pb2.CommandResult] = collections.OrderedDict()
         self._remembered = remembered
         self._checkpoint_relay = checkpoint_relay
+        self._process_lookup = process_lookup
+        self._diagnoser = diagnoser or ProcessDiagnoser()
 
     async def handle(self, command: agent_pb2.Command) -> agent_pb2.CommandResult:
         previous = self._results.get(command.command_id)
@@ -48,6 +67,8 @@ class CommandHandler:
             )
         elif action == "checkpoint" and self._checkpoint_relay is not None:
             result = self._checkpoint(command.command_id, command.checkpoint, self._checkpoint_relay)
+        elif action == "diagnose" and self._process_lookup is not None:
+            result = await self._diagnose(command.command_id, command.diagnose, self._process_lookup)
         else:
             logger.warning("unsupported command %s (%s)", command.command_id, action)
             result = agent_pb2.CommandResult(
@@ -85,4 +106,45 @@ class CommandHandler:
             command_id=command_id,
             status=Status.STATUS_OK,
             message="relayed to ranks " + ",".join(map(str, ranks)),
+        )
+
+    async def _diagnose(
+        self, command_id: str, diagnose: agent_pb2.DiagnoseCommand, lookup: ProcessLookup
+    ) -> agent_pb2.CommandResult:
+        """OK with one diagnosis per named rank this node hosts; the others are left out.
+
+        Only pids the lookup returns (processes registered on the hook socket)
+        are examined. A rank named both as suspect and as healthy counts as a suspect.
+        """
+        if not diagnose.job:
+            return agent_pb2.CommandResult(
+                command_id=command_id, status=Status.STATUS_FAILED, message="diagnose command names no job"
+            )
+        targets: list[DiagnosisTarget] = []
+        asked: set[int] = set()
+        named = [(rank, False) for rank in diagnose.ranks] + [(rank, True) for rank in diagnose.healthy_ranks]
+        for rank, healthy in named:
+            if rank in asked:
+                continue
+            asked.add(rank)
+            pid = lookup.pid_of(diagnose.job, rank)
+            if pid is not None:
+                targets.append(DiagnosisTarget(rank, pid, healthy))
+        if not targets:
+            return agent_pb2.CommandResult(
+                command_id=command_id,
+                status=Status.STATUS_FAILED,
+                message=f"none of the ranks asked about of job {diagnose.job} runs on this node",
+            )
+        diagnoses = await self._diagnoser.diagnose(diagnose.job, targets, stack_dump=diagnose.stack_dump)
+        logger.info(
+            "diagnose %s of job %s: %s", command_id, diagnose.job,
+            ", ".join(f"rank {d.rank} {d.process_state or 'unreadable'}" for d in diagnoses),
+        )  # fmt: skip
+        count = len(diagnoses)
+        return agent_pb2.CommandResult(
+            command_id=command_id,
+            status=Status.STATUS_OK,
+            message=f"{count} process{'es' if count != 1 else ''} examined",
+            diagnoses=diagnoses,
         )

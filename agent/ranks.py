@@ -118,6 +118,27 @@ class RankRegistry:
         """Every entry, ordered by job, rank and instance."""
         return sorted(self._entries.values(), key=lambda e: (e.identity.job, e.identity.rank, e.instance_id))
 
+    def pid_of(self, job: str, rank: int) -> int | None:
+        """The pid of the registered process running ``rank`` of ``job``, if it may still run.
+
+        Exited processes (and those whose exit is pending) are left out: their
+        pid may already belong to another process. A RUNNING entry wins over a
+        DISCONNECTED one (its hook stream ended, the process may still run),
+        and the newest registration over older ones.
+        """
+        candidates = [
+            entry
+            for entry in self._entries.values()  # in registration order
+            if entry.identity.job == job
+            and entry.identity.rank == rank
+            and entry.state is not RankState.EXITED
+            and entry.pending_exit is None
+        ]
+        if not candidates:
+            return None
+        running = [entry for entry in candidates if entry.state is RankState.RUNNING]
+        return (running or candidates)[-1].pid
+
     def count_by_state(self) -> dict[RankState, int]:
         counts = dict.fromkeys(RankState, 0)
         for entry in self._entries.values():

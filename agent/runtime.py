@@ -30,8 +30,9 @@ from clusterwatch.v1 import agent_pb2, node_pb2
 logger = logging.getLogger(__name__)
 
 CAPABILITIES = ("report.v1", "command.ping")
-# Only with the hook socket on: without it there is nobody to relay a checkpoint to.
-HOOK_CAPABILITIES = ("hook.v1", "command.checkpoint")
+# Only with the hook socket on: without it there is nobody to relay a checkpoint to,
+# and no registered process to diagnose.
+HOOK_CAPABILITIES = ("hook.v1", "command.checkpoint", "command.diagnose")
 
 AGENT_CONNECTED = gauge(
     "clusterwatch_agent_connected", "1 while the agent's stream to the coordinator is up."
@@ -109,7 +110,10 @@ class Agent:
             settings.coordinator,
             self._hello,
             self.buffer,
-            CommandHandler(checkpoint_relay=self.hook_links if self.hook_server else None),
+            CommandHandler(
+                checkpoint_relay=self.hook_links if self.hook_server else None,
+                process_lookup=self.ranks if self.hook_server else None,
+            ),
             settings.reconnect_max_s,
             on_checkpoints=self.hook_links.update_checkpoints,
         )

@@ -57,6 +57,9 @@ class Uplink:
         self._backoff = Backoff(cap_s=reconnect_max_s)
         self._outbox: collections.deque[agent_pb2.CommandResult] = collections.deque()
         self._outbox_ready = asyncio.Event()
+        # Commands being carried out; each runs on its own so a slow one (a
+        # py-spy dump) holds up neither acks nor other commands.
+        self._running_commands: set[asyncio.Task[None]] = set()
         self.connected = False
         self.connections_total = 0
 
@@ -114,10 +117,18 @@ class Uplink:
                 self._backoff.reset()
                 logger.info("connected to coordinator %s", self.target)
         elif kind == "command":
-            self._outbox.append(await self._commands.handle(message.command))
-            self._outbox_ready.set()
+            task = asyncio.create_task(
+                self._carry_out(message.command), name=f"command {message.command.command_id}"
+            )
+            self._running_commands.add(task)
+            task.add_done_callback(self._running_commands.discard)
         elif kind == "checkpoints" and self._on_checkpoints is not None:
             self._on_checkpoints(message.checkpoints)
+
+    async def _carry_out(self, command: agent_pb2.Command) -> None:
+        """Run one command; its result goes up on this stream or, if it closed meanwhile, the next."""
+        self._outbox.append(await self._commands.handle(command))
+        self._outbox_ready.set()
 
     async def _send(self, call: grpc.aio.StreamStreamCall, stop: asyncio.Event) -> None:  # type: ignore[type-arg]
         """The stream's only writer: replayed and new reports, then command results."""

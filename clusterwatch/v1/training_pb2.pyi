@@ -548,8 +548,8 @@ class ProcessDiagnosis(_message.Message):
     """
     stack_dump: _builtins.str
     """`py-spy dump` of the process (every thread's Python stack); empty when
-    not asked for or when it failed (see error). py-spy cannot dump a
-    stopped process: process_state says that case.
+    not asked for or when it failed (see error). A stopped process is read
+    with --nonblocking (it is paused already) and stays stopped.
     """
     error: _builtins.str
     """Why the state or the stack is missing; empty when both are there."""
