@@ -59,6 +59,43 @@ class ClusterClient:
             request.step = step
         return self._stub.RequestAction(request, timeout=self.timeout_s, wait_for_ready=True)
 
+    def incidents(
+        self, include_resolved: bool = False, job: str = "", limit: int = 0
+    ) -> list[cluster_pb2.Incident]:
+        """Live incidents (and resolved ones with ``include_resolved``), oldest first."""
+        request = cluster_pb2.ListIncidentsRequest(include_resolved=include_resolved, job=job, limit=limit)
+        response = self._stub.ListIncidents(request, timeout=self.timeout_s, wait_for_ready=True)
+        return list(response.incidents)
+
+    def update_incident(
+        self, incident_id: str, state: cluster_pb2.IncidentState.ValueType
+    ) -> cluster_pb2.Incident:
+        """Acknowledge or resolve an incident.
+
+        Raises:
+            grpc.RpcError: NOT_FOUND (no live incident with that id),
+                FAILED_PRECONDITION (the state machine forbids the move).
+        """
+        request = cluster_pb2.UpdateIncidentRequest(id=incident_id, state=state)
+        return self._stub.UpdateIncident(request, timeout=self.timeout_s, wait_for_ready=True)
+
+    def detection_settings(self, changes: dict[str, str] | None = None) -> dict[str, str]:
+        """The detection thresholds in force, after applying ``changes`` (by setting name) if given.
+
+        Raises:
+            grpc.RpcError: INVALID_ARGUMENT naming the bad key (nothing changed).
+        """
+        if changes:
+            request = cluster_pb2.UpdateDetectionSettingsRequest(values=changes)
+            response = self._stub.UpdateDetectionSettings(
+                request, timeout=self.timeout_s, wait_for_ready=True
+            )
+        else:
+            response = self._stub.GetDetectionSettings(
+                cluster_pb2.GetDetectionSettingsRequest(), timeout=self.timeout_s, wait_for_ready=True
+            )
+        return dict(response.values)
+
     def close(self) -> None:
         self._channel.close()
 

@@ -102,6 +102,40 @@ class CoordinatorSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class DetectionSettings:
+    """Detection thresholds of the coordinator (section ``[detection]``).
+
+    Unlike the other sections these change at run time: SIGHUP re-reads
+    them from the config file (and environment), and the
+    ``UpdateDetectionSettings`` API sets them by name.
+    """
+
+    straggler_threshold_ratio: float = setting(
+        0.05, "a rank computing this fraction slower than the others is a straggler", positive=True
+    )
+    straggler_window_steps: int = setting(20, "steps a straggler is judged over", minimum=3)
+    straggler_clear_after_steps: int = setting(
+        20, "healthy steps before a straggler is cleared (hysteresis)", minimum=1
+    )
+    straggler_min_ranks: int = setting(3, "ranks a job needs before stragglers are looked for", minimum=3)
+    slowdown_threshold_ratio: float = setting(
+        0.15,
+        "a job whose steps get this fraction slower than its own baseline has slowed down",
+        positive=True,
+    )
+    hang_floor_s: float = setting(5.0, "never call a job hung sooner than this", positive=True)
+    hang_p99_factor: float = setting(
+        3.0, "a job is hung after this many times its recent p99 step time (or the floor)", positive=True
+    )
+    heartbeat_stale_s: float = setting(
+        5.0, "a rank whose heartbeat stopped for this long is frozen", positive=True
+    )
+    stack_dumps: bool = setting(
+        True, "on a hang, ask the agents for py-spy dumps of the culprit and a healthy rank"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class ClientSettings:
     """Settings of the client commands such as ``clusterwatch status`` (section ``[client]``)."""
 
@@ -112,6 +146,7 @@ class ClientSettings:
 SECTIONS: dict[type, str] = {
     AgentSettings: "agent",
     CoordinatorSettings: "coordinator",
+    DetectionSettings: "detection",
     ClientSettings: "client",
 }
 
@@ -197,6 +232,39 @@ def load(
             continue
         values[field.name] = _convert(key, raw, hints[field.name], field.metadata, source)
     return cls(**values)
+
+
+def override(settings: T, values: Mapping[str, str], source: str) -> T:
+    """``settings`` with the named fields replaced, each parsed and checked like a file value.
+
+    Raises:
+        ConfigError: naming the first unknown key or bad value (nothing is changed then).
+    """
+    cls = type(settings)
+    section = SECTIONS[cls]
+    hints = get_type_hints(cls)
+    known = {f.name: f for f in fields_of(cls)}
+    changes: dict[str, Any] = {}
+    for name, raw in values.items():
+        field = known.get(name)
+        if field is None:
+            raise ConfigError(f"{section}.{name}", "unknown setting", source)
+        changes[name] = _convert(f"{section}.{name}", raw, hints[name], field.metadata, source)
+    return dataclasses.replace(settings, **changes)  # type: ignore[type-var]
+
+
+def as_strings(settings: object) -> dict[str, str]:
+    """Every field of a settings object as the string a file or flag would give."""
+    values = {}
+    for field in fields_of(type(settings)):
+        value = getattr(settings, field.name)
+        if isinstance(value, bool):
+            values[field.name] = "true" if value else "false"
+        elif isinstance(value, list):
+            values[field.name] = ",".join(map(str, value))
+        else:
+            values[field.name] = str(value)
+    return values
 
 
 def _convert(key: str, raw: Any, annotation: Any, meta: Mapping[str, Any], source: str) -> Any:

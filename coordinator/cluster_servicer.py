@@ -1,4 +1,4 @@
-"""ClusterService: snapshots, the Watch stream, the event history and actions, over Coordinator."""
+"""ClusterService: snapshots, the Watch stream, events, incidents, thresholds and actions, over Coordinator."""
 
 from __future__ import annotations
 
@@ -9,16 +9,22 @@ from typing import Any
 
 import grpc
 
-from clusterwatch import __version__
+from clusterwatch import __version__, config
 from clusterwatch.coordinator.actions import Actions
 from clusterwatch.coordinator.core import Coordinator
+from clusterwatch.coordinator.incidents import IncidentState
 from clusterwatch.coordinator.job_views import job_status, training_view
 from clusterwatch.coordinator.views import node_status, node_views
+from clusterwatch.errors import InvalidRequestError
 from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
 
 DEFAULT_WATCH_INTERVAL_S = 1.0
 MIN_WATCH_INTERVAL_S = 0.1
 DEFAULT_EVENT_LIMIT = 1000
+_SETTABLE_STATES = (
+    cluster_pb2.IncidentState.INCIDENT_STATE_ACKNOWLEDGED,
+    cluster_pb2.IncidentState.INCIDENT_STATE_RESOLVED,
+)
 
 
 class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
@@ -35,6 +41,7 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
             coordinator_version=__version__,
             nodes=[node_status(v, summary_only) for v in node_views(core.state)],
             jobs=[job_status(job) for job in training.jobs],
+            incidents=[i.to_proto() for i in core.watchdog.book.live()],
         )
 
     async def GetSnapshot(  # noqa: N802 - gRPC method name
@@ -72,8 +79,36 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
     async def ListIncidents(  # noqa: N802
         self, request: cluster_pb2.ListIncidentsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.ListIncidentsResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "incident detection is not in this version yet")
-        raise AssertionError("unreachable")  # abort raises
+        limit = request.limit or DEFAULT_EVENT_LIMIT
+        if request.include_resolved:  # history lives in the database
+            incidents = self._core.event_log.incidents(True, request.job, limit)
+        else:
+            live = self._core.watchdog.book.live()
+            incidents = [i for i in live if not request.job or i.job == request.job][-limit:]
+        return cluster_pb2.ListIncidentsResponse(incidents=[i.to_proto() for i in incidents])
+
+    async def UpdateIncident(  # noqa: N802
+        self, request: cluster_pb2.UpdateIncidentRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> cluster_pb2.Incident:
+        if not request.id:
+            raise InvalidRequestError("id is empty")
+        if request.state not in _SETTABLE_STATES:
+            raise InvalidRequestError(
+                f"state must be INCIDENT_STATE_ACKNOWLEDGED or INCIDENT_STATE_RESOLVED, got "
+                f"{cluster_pb2.IncidentState.Name(request.state)}"
+            )
+        return self._core.watchdog.move(request.id, IncidentState.from_proto(request.state)).to_proto()
+
+    async def GetDetectionSettings(  # noqa: N802
+        self, request: cluster_pb2.GetDetectionSettingsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> cluster_pb2.DetectionSettings:
+        return cluster_pb2.DetectionSettings(values=config.as_strings(self._core.watchdog.settings))
+
+    async def UpdateDetectionSettings(  # noqa: N802
+        self, request: cluster_pb2.UpdateDetectionSettingsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> cluster_pb2.DetectionSettings:
+        settings = self._core.watchdog.update_settings(dict(request.values))
+        return cluster_pb2.DetectionSettings(values=config.as_strings(settings))
 
     async def RequestAction(  # noqa: N802
         self, request: cluster_pb2.ActionRequest, context: grpc.aio.ServicerContext[Any, Any]

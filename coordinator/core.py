@@ -11,12 +11,14 @@ import logging
 import time
 from collections.abc import Callable
 
+from clusterwatch.config import DetectionSettings
 from clusterwatch.coordinator.checkpoints import CheckpointTracker, CompletedCheckpoint
 from clusterwatch.coordinator.event_log import EventLog
 from clusterwatch.coordinator.jobs import JobStore, Rejection
 from clusterwatch.coordinator.rank_reports import RejectReason
 from clusterwatch.coordinator.sessions import ACK_INTERVAL_S, AgentSession
 from clusterwatch.coordinator.state import ClusterState, Event, EventKind
+from clusterwatch.coordinator.watchdog import Watchdog
 from clusterwatch.v1 import agent_pb2, node_pb2, training_pb2
 
 logger = logging.getLogger(__name__)
@@ -36,15 +38,18 @@ class Coordinator:
         unreachable_after_intervals: missed intervals before a node is unreachable.
         clock / wall_clock: injectable monotonic and wall clocks.
         jobs: the job store (defaults to JobStore()).
+        detection: detection thresholds (defaults to DetectionSettings()).
     """
 
     def __init__(
         self,
         event_log: EventLog,
         unreachable_after_intervals: float = 3.0,
+        *,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         jobs: JobStore | None = None,
+        detection: DetectionSettings | None = None,
     ) -> None:
         self.state = ClusterState(unreachable_after_intervals)
         self.event_log = event_log
@@ -55,6 +60,9 @@ class Coordinator:
         self.jobs = jobs if jobs is not None else JobStore()
         self.checkpoints = CheckpointTracker(
             event_log.latest_checkpoints(self.started_unix_s - CHECKPOINT_RETENTION_S)
+        )
+        self.watchdog = Watchdog(
+            detection or DetectionSettings(), event_log, self.send_command, clock, wall_clock
         )
         # (node, reason) pairs already logged at warning level: one line each, then debug.
         self._rejections_logged: set[tuple[str, str]] = set()
@@ -180,8 +188,16 @@ class Coordinator:
         dropped = self.jobs.expire(self._clock())
         for job in dropped:
             self.checkpoints.forget(job)
+            self.watchdog.forget(job)
             logger.info("job %s dropped: finished or silent", job)
         return dropped
+
+    async def watch_incidents(self) -> None:
+        """Detection rounds forever (cancel to stop); see Watchdog."""
+        try:
+            await self.watchdog.run(lambda: self.jobs.jobs, self.state.nodes)
+        finally:
+            await self.watchdog.close()
 
     async def tick_acks(self, period_s: float = ACK_INTERVAL_S) -> None:
         """Wake every stream with an ack due, forever (cancel to stop).

@@ -11,6 +11,7 @@ import grpc
 
 from clusterwatch.errors import (
     ClusterwatchError,
+    ConfigError,
     FailedPreconditionError,
     InvalidReportError,
     InvalidRequestError,
@@ -22,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 STATUS_BY_ERROR: tuple[tuple[type[ClusterwatchError], grpc.StatusCode], ...] = (
     (InvalidReportError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),

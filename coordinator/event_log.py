@@ -1,4 +1,4 @@
-"""Durable history: node events, the node registry and complete checkpoints, in SQLite (WAL).
+"""Durable history: node events, the node registry, complete checkpoints and incidents, in SQLite (WAL).
 
 Writes are small and rare (state transitions and checkpoint completions, not
 reports), so they run synchronously on the caller's thread in one
@@ -16,12 +16,15 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from clusterwatch.coordinator.checkpoints import CompletedCheckpoint, LatestCheckpoint
+from clusterwatch.coordinator.incidents import Incident, IncidentState, Kind, Severity
 from clusterwatch.coordinator.state import Event
+from clusterwatch.v1 import cluster_pb2
 
 logger = logging.getLogger(__name__)
 
-# 2: checkpoints table. Older databases gain it on open (CREATE IF NOT EXISTS).
-SCHEMA_VERSION = 2
+# 2: checkpoints table; 3: incidents table. Older databases gain them on open
+# (CREATE IF NOT EXISTS).
+SCHEMA_VERSION = 3
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -46,6 +49,18 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     paths_json TEXT NOT NULL,
     PRIMARY KEY (job, step)
 );
+CREATE TABLE IF NOT EXISTS incidents (
+    id TEXT PRIMARY KEY,
+    -- JSON array: the finding key that de-duplicates it.
+    key_json TEXT NOT NULL,
+    state TEXT NOT NULL,
+    job TEXT NOT NULL,
+    opened_unix_s REAL NOT NULL,
+    latch_value REAL,
+    -- The whole incident as a serialized clusterwatch.v1.Incident.
+    incident BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS incidents_state ON incidents (state, opened_unix_s);
 """
 
 
@@ -143,6 +158,36 @@ class EventLog:
             return None
         return CompletedCheckpoint(job, step, row[0], tuple(json.loads(row[2])), row[1])
 
+    def save_incidents(self, incidents: Iterable[Incident]) -> None:
+        rows = [
+            (i.id, json.dumps(i.key), i.state.value, i.job, i.opened_unix_s, i.latch_value,
+             i.to_proto().SerializeToString())
+            for i in incidents
+        ]  # fmt: skip
+        if not rows:
+            return
+        with self._transaction():
+            self._db.executemany(
+                "INSERT OR REPLACE INTO incidents (id, key_json, state, job, opened_unix_s, latch_value, incident) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+
+    def incidents(self, include_resolved: bool = False, job: str = "", limit: int = 1000) -> list[Incident]:
+        """The newest ``limit`` incidents, oldest first; only live ones unless ``include_resolved``."""
+        query = "SELECT key_json, latch_value, incident FROM incidents WHERE 1 = 1"
+        params: list[object] = []
+        if not include_resolved:
+            query += " AND state != ?"
+            params.append(IncidentState.RESOLVED.value)
+        if job:
+            query += " AND job = ?"
+            params.append(job)
+        query += " ORDER BY opened_unix_s DESC, id DESC LIMIT ?"
+        params.append(limit)
+        rows = self._db.execute(query, params).fetchall()
+        return [_incident(key_json, latch, blob) for key_json, latch, blob in reversed(rows)]
+
     def close(self) -> None:
         self._db.close()
 
@@ -156,3 +201,15 @@ class EventLog:
             self._db.execute("ROLLBACK")
             raise
         self._db.execute("COMMIT")
+
+
+def _incident(key_json: str, latch_value: float | None, blob: bytes) -> Incident:
+    message = cluster_pb2.Incident.FromString(blob)
+    return Incident(
+        id=message.id, key=tuple(json.loads(key_json)), kind=Kind(message.kind), severity=Severity(message.severity),
+        summary=message.summary, cause=message.cause, state=IncidentState.from_proto(message.state),
+        opened_unix_s=message.opened_unix_seconds, updated_unix_s=message.updated_unix_seconds,
+        job=message.job, ranks=tuple(message.ranks), nodes=tuple(message.nodes), gpus=tuple(message.gpus),
+        evidence=dict(message.evidence), diagnoses=list(message.diagnoses),
+        resolved_unix_s=message.resolved_unix_seconds, latch_value=latch_value,
+    )  # fmt: skip

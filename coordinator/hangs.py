@@ -34,6 +34,7 @@ from clusterwatch.coordinator.jobs import JobRecord, RankRecord
 from clusterwatch.v1 import training_pb2
 
 EXITED = training_pb2.RANK_STATE_EXITED
+RUNNING = training_pb2.RANK_STATE_RUNNING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +110,13 @@ def detect_hang(job: JobRecord, now_mono_s: float, settings: HangSettings) -> Ha
     """A finding if ``job`` is hung at ``now_mono_s`` (coordinator monotonic clock), else None.
 
     A job none of whose ranks has finished a step yet is not judged: start-up
-    (imports, rendezvous, data loading) has no step time to scale with.
+    (imports, rendezvous, data loading) has no step time to scale with. Nor
+    is one with no rank left running: it finished (or failed, which the
+    failure detector reports), and nobody waits for anybody.
     """
     ranks = list(job.ranks.values())
+    if not any(r.state == RUNNING for r in ranks):
+        return None
     progressed = [r.last_progress_mono_s for r in ranks if r.last_step is not None]
     if not progressed:
         return None

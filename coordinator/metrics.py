@@ -6,6 +6,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from clusterwatch import __version__
+from clusterwatch.coordinator.incident_metrics import IncidentView, write_incidents
 from clusterwatch.coordinator.job_views import TrainingView
 from clusterwatch.coordinator.training_metrics import write_training
 from clusterwatch.coordinator.views import NodeView
@@ -29,10 +30,12 @@ LAST_SEEN = gauge(
 )
 
 
-def render(views: Sequence[NodeView], training: TrainingView | None = None) -> bytes:
+def render(
+    views: Sequence[NodeView], training: TrainingView | None = None, incidents: IncidentView | None = None
+) -> bytes:
     """The whole page. Hardware series come only from nodes that are up, so a
     node that went silent does not keep exporting its last values; training
-    series follow them when ``training`` is given."""
+    series follow them when ``training`` is given, incident series when ``incidents`` is."""
     exp = Exposition()
     exp.add(COORDINATOR_INFO, f'version="{escape(__version__)}"', 1)
     states = Counter(v.state for v in views)
@@ -55,4 +58,6 @@ def render(views: Sequence[NodeView], training: TrainingView | None = None) -> b
             write_node(exp, v.node_id, v.report)
     if training is not None:
         write_training(exp, training)
+    if incidents is not None:
+        write_incidents(exp, incidents)
     return exp.render()

@@ -14,12 +14,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from clusterwatch.config import CoordinatorSettings
+from clusterwatch.config import CoordinatorSettings, DetectionSettings
 from clusterwatch.coordinator.agent_servicer import AgentServicer
 from clusterwatch.coordinator.cluster_servicer import ClusterServicer
 from clusterwatch.coordinator.core import Coordinator
 from clusterwatch.coordinator.errors_interceptor import ErrorMappingInterceptor
 from clusterwatch.coordinator.event_log import EventLog
+from clusterwatch.coordinator.incident_metrics import IncidentView, incident_view
 from clusterwatch.coordinator.job_views import TrainingView, training_view
 from clusterwatch.coordinator.metrics import render
 from clusterwatch.coordinator.views import NodeView, node_views
@@ -37,12 +38,15 @@ class CoordinatorServer:
     """The coordinator process's servers around one Coordinator.
 
     Args:
-        settings: listen addresses, state directory, thresholds.
+        settings: listen addresses, state directory, liveness.
+        detection: detection thresholds (defaults when None).
     """
 
-    def __init__(self, settings: CoordinatorSettings) -> None:
+    def __init__(self, settings: CoordinatorSettings, detection: DetectionSettings | None = None) -> None:
         self.settings = settings
-        self.core = Coordinator(EventLog(settings.state_dir), settings.unreachable_after_intervals)
+        self.core = Coordinator(
+            EventLog(settings.state_dir), settings.unreachable_after_intervals, detection=detection
+        )
         self.grpc_port = 0
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -84,6 +88,7 @@ class CoordinatorServer:
         self._tasks = [
             asyncio.create_task(self.core.watch_liveness(), name="liveness"),
             asyncio.create_task(self.core.tick_acks(), name="acks"),
+            asyncio.create_task(self.core.watch_incidents(), name="detection"),
         ]
         if self.settings.ready_file:
             self._write_ready_file(Path(self.settings.ready_file))
@@ -91,14 +96,18 @@ class CoordinatorServer:
     def render_metrics(self) -> bytes:
         """Called from the HTTP thread: copy state on the loop, render here."""
         assert self._loop is not None  # noqa: S101 - start() ran
-        views, training = asyncio.run_coroutine_threadsafe(self._views(), self._loop).result(
+        views, training, incidents = asyncio.run_coroutine_threadsafe(self._views(), self._loop).result(
             RENDER_SNAPSHOT_TIMEOUT_S
         )
-        return render(views, training)
+        return render(views, training, incidents)
 
-    async def _views(self) -> tuple[list[NodeView], TrainingView]:
+    async def _views(self) -> tuple[list[NodeView], TrainingView, IncidentView]:
         core = self.core
-        return node_views(core.state), training_view(core.jobs, core.checkpoints, core.now()[0])
+        return (
+            node_views(core.state),
+            training_view(core.jobs, core.checkpoints, core.now()[0]),
+            incident_view(core.watchdog),
+        )
 
     def _write_ready_file(self, path: Path) -> None:
         ready = {"grpc_port": self.grpc_port, "metrics_port": self.metrics_port, "pid": os.getpid()}

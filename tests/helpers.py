@@ -175,13 +175,13 @@ class Cluster:
         self.coordinators: list[Coordinator] = []
         self.state_dir = tmp_path / "state"
 
-    def coordinator(self, grpc_port: int = 0, unreachable_after: float = 3.0) -> Coordinator:
+    def coordinator(self, *extra: str, grpc_port: int = 0, unreachable_after: float = 3.0) -> Coordinator:
         n = len(self.processes)
         ready = self.tmp_path / f"coordinator-{n}.ready"
         argv = clusterwatch_cmd(
             "coordinator", "--listen", f"127.0.0.1:{grpc_port}", "--metrics-listen", "127.0.0.1:0",
             "--state-dir", str(self.state_dir), "--ready-file", str(ready),
-            "--unreachable-after-intervals", str(unreachable_after), "--log-level", "debug",
+            "--unreachable-after-intervals", str(unreachable_after), "--log-level", "debug", *extra,
         )  # fmt: skip
         coordinator = Coordinator(argv, self.tmp_path / f"coordinator-{n}.log", ready_file=ready)
         self.processes.append(coordinator)

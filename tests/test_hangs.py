@@ -132,3 +132,16 @@ def test_everyone_in_the_same_collective_is_said_when_no_rank_is_to_blame() -> N
     assert finding.shared_collective is not None
     assert (finding.shared_collective.op, finding.shared_collective.sequence) == ("all_reduce", 21)
     assert "every rank waits in all_reduce #21 of group 0" in finding.summary
+
+
+def test_a_job_with_no_rank_left_running_is_not_hung() -> None:
+    store = JobStore()
+    job_after_steps(store, 2, 10)
+    for rank in range(2):
+        store.ingest(
+            f"node-{rank}",
+            [rank_report(rank, world_size=2, state=EXITED,
+                         exit=training_pb2.RankExit(exit_code=0, clean=True, description="exit code 0"))],
+            now_mono=101.0, now_unix=0.0,
+        )  # fmt: skip
+    assert detect_hang(store.jobs["train"], now_mono_s=500.0, settings=SETTINGS) is None

@@ -3,26 +3,53 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import signal
+from typing import TYPE_CHECKING
 
 from clusterwatch.cli.common import add_settings_flags, run_until_signalled, settings_from_args
-from clusterwatch.config import CoordinatorSettings
+from clusterwatch.config import CoordinatorSettings, DetectionSettings
+from clusterwatch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from clusterwatch.coordinator.server import CoordinatorServer
+
+logger = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "coordinator",
-        help="run the coordinator (cluster state, API, /metrics)",
-        description="Receive node reports from agents, track node liveness, keep an event history in "
-        "SQLite, serve the ClusterService API and Prometheus /metrics.",
+        help="run the coordinator (cluster state, detection, incidents, API, /metrics)",
+        description="Receive node reports from agents, track node liveness, detect stragglers, hangs and "
+        "failures, keep events and incidents in SQLite, serve the ClusterService API and Prometheus "
+        "/metrics. SIGHUP re-reads the [detection] thresholds from the config file.",
     )
     add_settings_flags(parser, CoordinatorSettings)
+    add_settings_flags(parser, DetectionSettings)
     parser.set_defaults(run=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, CoordinatorSettings)
+    detection = settings_from_args(args, DetectionSettings)
     from clusterwatch.coordinator.server import CoordinatorServer
 
-    run_until_signalled(CoordinatorServer(settings).run)
+    server = CoordinatorServer(settings, detection)
+
+    async def main(stop: asyncio.Event) -> None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_detection, server, args)
+        await server.run(stop)
+
+    run_until_signalled(main)
     return 0
+
+
+def reload_detection(server: CoordinatorServer, args: argparse.Namespace) -> None:
+    """SIGHUP: thresholds from the config file and environment again (flags still win)."""
+    try:
+        server.core.watchdog.apply_settings(settings_from_args(args, DetectionSettings))
+    except ConfigError as exc:
+        logger.error("SIGHUP: kept the detection settings in force; invalid configuration: %s", exc)

@@ -34,6 +34,8 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--compute-ms", type=float, default=5.0)
     parser.add_argument("--allreduce-bytes", type=int, default=1 << 20)
+    parser.add_argument("--slow-rank", type=int, default=-1, help="this rank's compute takes longer")
+    parser.add_argument("--slow-factor", type=float, default=1.0, help="...by this factor (1.3: +30 %%)")
     parser.add_argument("--stall-rank", type=int, default=-1, help="this rank stalls before an all-reduce")
     parser.add_argument("--stall-step", type=int, default=-1)
     parser.add_argument("--stall-until-file", type=Path, help="the stall lasts until this file exists")
@@ -94,7 +96,7 @@ def main() -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        time.sleep(args.compute_ms / 1000)
+        time.sleep(args.compute_ms / 1000 * (args.slow_factor if rank == args.slow_rank else 1.0))
         if rank == args.stall_rank and step == args.stall_step:
             while args.stall_until_file is not None and not args.stall_until_file.exists():
                 time.sleep(0.05)

@@ -1,0 +1,202 @@
+"""One detection round: every detector over the cluster's current state, as findings.
+
+Pure (no I/O, the clock is an argument); the detectors keep only the state
+their rules need (streaks, baselines, GPUs seen). The watchdog
+(coordinator/watchdog.py) runs a round every ``period_s`` and hands the
+findings to the incident book.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from clusterwatch.config import DetectionSettings
+from clusterwatch.coordinator.causes import Cause, network_cause, straggler_cause
+from clusterwatch.coordinator.failures import NodeFailureDetector, rank_failure
+from clusterwatch.coordinator.hangs import HangFinding, HangSettings, detect_hang
+from clusterwatch.coordinator.incidents import Finding, Kind, Severity
+from clusterwatch.coordinator.jobs import JobRecord
+from clusterwatch.coordinator.slowdowns import SlowdownDetector, SlowdownFinding, SlowdownSettings
+from clusterwatch.coordinator.state import NodeRecord
+from clusterwatch.coordinator.stragglers import StragglerDetector, StragglerFinding, StragglerSettings
+
+
+def straggler_settings(settings: DetectionSettings) -> StragglerSettings:
+    return StragglerSettings(
+        threshold_ratio=settings.straggler_threshold_ratio,
+        window_steps=settings.straggler_window_steps,
+        clear_after_steps=settings.straggler_clear_after_steps,
+        min_ranks=settings.straggler_min_ranks,
+    )
+
+
+def hang_settings(settings: DetectionSettings) -> HangSettings:
+    return HangSettings(
+        floor_s=settings.hang_floor_s,
+        p99_factor=settings.hang_p99_factor,
+        heartbeat_stale_s=settings.heartbeat_stale_s,
+    )
+
+
+def slowdown_settings(settings: DetectionSettings) -> SlowdownSettings:
+    return SlowdownSettings(threshold_ratio=settings.slowdown_threshold_ratio)
+
+
+class Detection:
+    """The detectors, with the thresholds in force.
+
+    Args:
+        settings: thresholds; ``apply`` changes them at run time.
+    """
+
+    def __init__(self, settings: DetectionSettings) -> None:
+        self.settings = settings
+        self._hang = hang_settings(settings)
+        self._stragglers = StragglerDetector(straggler_settings(settings))
+        self._slowdowns = SlowdownDetector(slowdown_settings(settings))
+        self._nodes = NodeFailureDetector()
+        # job -> rank -> compute time / median, from the latest round (for /metrics).
+        self.slowdown_ratios: dict[str, dict[int, float]] = {}
+
+    def apply(self, settings: DetectionSettings) -> None:
+        """Use new thresholds from the next round on.
+
+        A detector whose thresholds changed starts over (its streaks and
+        baselines were counted under the old rule); the others keep their state.
+
+        Raises:
+            ConfigError: a combination the detectors reject (nothing changes then).
+        """
+        stragglers, slowdowns, hang = (
+            straggler_settings(settings),
+            slowdown_settings(settings),
+            hang_settings(settings),
+        )
+        if stragglers != self._stragglers.settings:
+            self._stragglers = StragglerDetector(stragglers)
+        if slowdowns != self._slowdowns.settings:
+            self._slowdowns = SlowdownDetector(slowdowns)
+        self._hang = hang
+        self.settings = settings
+
+    def forget(self, job: str) -> None:
+        self._stragglers.forget(job)
+        self._slowdowns.forget(job)
+        self.slowdown_ratios.pop(job, None)
+
+    def run(
+        self, jobs: Mapping[str, JobRecord], nodes: dict[str, NodeRecord], now_mono_s: float
+    ) -> list[Finding]:
+        """Every finding that holds now."""
+        findings: list[Finding] = []
+        for job in jobs.values():
+            findings.extend(self._job(job, nodes, now_mono_s))
+        findings.extend(self._nodes.update(nodes, dict(jobs)))
+        return findings
+
+    def _job(self, job: JobRecord, nodes: dict[str, NodeRecord], now_mono_s: float) -> list[Finding]:
+        findings: list[Finding] = []
+        failure = rank_failure(job)
+        if failure is not None:
+            findings.append(failure)
+        hang = detect_hang(job, now_mono_s, self._hang)
+        if hang is not None:
+            findings.append(_hang_finding(job, hang))
+        stragglers = self._stragglers.update(job)
+        slow = {s.rank for s in stragglers}  # not healthy peers for each other's cause
+        for straggler in stragglers:
+            cause = straggler_cause(job, straggler.rank, nodes, slow_ranks=slow)
+            findings.append(_straggler_finding(job, straggler, cause))
+        self.slowdown_ratios[job.job] = self._stragglers.slowdown_ratios(job)
+        slowdown = self._slowdowns.update(job)
+        if slowdown is not None:
+            findings.append(_slowdown_finding(job, slowdown, network_cause(job, nodes)))
+        return findings
+
+
+def _hang_finding(job: JobRecord, hang: HangFinding) -> Finding:
+    evidence = {
+        "stalled_seconds": hang.stalled_s,
+        "timeout_seconds": hang.timeout_s,
+        "last_step": float(hang.last_step),
+    }
+    if hang.culprits:
+        cause = hang.culprits[0].reason.value
+    elif hang.shared_collective is not None:
+        cause = "collective_stuck"
+        evidence["collective_sequence"] = float(hang.shared_collective.sequence)
+    else:
+        cause = "unknown"
+    ranks = {c.rank: c for c in hang.culprits}
+    return Finding(
+        key=("hang", job.job, job.restart_count),
+        kind=Kind.HANG,
+        severity=Severity.CRITICAL,
+        summary=hang.summary,
+        cause=cause,
+        job=job.job,
+        ranks=tuple(sorted(ranks)),
+        nodes=tuple(sorted({c.node_id for c in hang.culprits})),
+        gpus=_gpus(job, ranks),
+        evidence=evidence,
+    )
+
+
+def _straggler_finding(job: JobRecord, straggler: StragglerFinding, cause: Cause) -> Finding:
+    evidence = {
+        "slowdown_ratio": straggler.slowdown_ratio,
+        "rank_compute_seconds": straggler.rank_compute_s,
+        "median_compute_seconds": straggler.median_compute_s,
+        "steps_slow": float(straggler.steps_slow),
+        "first_flagged_step": float(straggler.first_flagged_step),
+        **cause.evidence,
+    }
+    percent = (straggler.slowdown_ratio - 1) * 100
+    return Finding(
+        key=("straggler", job.job, job.restart_count, straggler.rank),
+        kind=Kind.STRAGGLER,
+        severity=Severity.WARNING,
+        summary=f"job {job.job}: rank {straggler.rank} on {straggler.node_id} computes {percent:.0f} % slower "
+        f"than the others ({straggler.rank_compute_s * 1000:.1f} ms vs {straggler.median_compute_s * 1000:.1f} ms "
+        f"per step); likely cause: {cause.name} ({cause.detail})",
+        cause=cause.name,
+        job=job.job,
+        ranks=(straggler.rank,),
+        nodes=(straggler.node_id,),
+        gpus=_gpus(job, {straggler.rank}),
+        evidence=evidence,
+    )
+
+
+def _slowdown_finding(job: JobRecord, slowdown: SlowdownFinding, network: Cause | None) -> Finding:
+    bound = slowdown.bound
+    cause = network if bound == "communication" and network is not None else None
+    evidence = {
+        "slowdown_ratio": slowdown.ratio,
+        "baseline_step_seconds": slowdown.baseline_step_s,
+        "recent_step_seconds": slowdown.recent_step_s,
+        "baseline_compute_seconds": slowdown.baseline_compute_s,
+        "recent_compute_seconds": slowdown.recent_compute_s,
+        "baseline_communication_seconds": slowdown.baseline_communication_s,
+        "recent_communication_seconds": slowdown.recent_communication_s,
+        **(cause.evidence if cause is not None else {}),
+    }
+    percent = (slowdown.ratio - 1) * 100
+    why = f"; likely cause: {cause.name} ({cause.detail})" if cause is not None else ""
+    return Finding(
+        key=("job_slowdown", job.job, job.restart_count),
+        kind=Kind.JOB_SLOWDOWN,
+        severity=Severity.WARNING,
+        summary=f"job {job.job}: steps {percent:.0f} % slower than its baseline "
+        f"({slowdown.recent_step_s * 1000:.0f} ms vs {slowdown.baseline_step_s * 1000:.0f} ms), {bound}-bound{why}",
+        cause=cause.name if cause is not None else bound,
+        job=job.job,
+        nodes=cause.nodes if cause is not None else (),
+        evidence=evidence,
+    )
+
+
+def _gpus(job: JobRecord, ranks: Collection[int]) -> tuple[str, ...]:
+    return tuple(
+        sorted({r.identity.gpu_uuid for n, r in job.ranks.items() if n in ranks and r.identity.gpu_uuid})
+    )

@@ -1,0 +1,218 @@
+"""Runs detection rounds and keeps the incidents: the coordinator's eyes.
+
+Each round (every ``period_s``): the detectors turn the job store and the
+cluster state into findings (coordinator/detection.py), the incident book
+opens, updates and resolves incidents (coordinator/incidents.py), changed
+incidents are persisted, counted for /metrics and logged, and a hang with
+new culprits sends the agents a diagnose command (coordinator/diagnosis.py)
+whose answer is attached to the incident when it arrives.
+
+Runs on the event loop, like everything that reads the job store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+
+from clusterwatch import config
+from clusterwatch.config import DetectionSettings
+from clusterwatch.coordinator.detection import Detection
+from clusterwatch.coordinator.diagnosis import SAID_OF_STATE, SendCommand, cause_from, diagnose
+from clusterwatch.coordinator.event_log import EventLog
+from clusterwatch.coordinator.incidents import Change, Incident, IncidentBook, IncidentState, Kind
+from clusterwatch.coordinator.jobs import EXITED, RUNNING, JobRecord
+from clusterwatch.coordinator.state import NodeRecord
+
+logger = logging.getLogger(__name__)
+
+DETECTION_PERIOD_S = 0.5
+# After a coordinator restart, incidents loaded from the database are not
+# resolved for "not seen" until the agents had time to report again.
+RESTART_GRACE_S = 15.0
+MAX_LIVE_LOADED = 100_000
+
+
+@dataclasses.dataclass(frozen=True)
+class DetectedCounts:
+    """Counters for /metrics: (job, cause) -> stragglers; job -> hangs; job -> failed ranks."""
+
+    stragglers: Mapping[tuple[str, str], int]
+    hangs: Mapping[str, int]
+    rank_failures: Mapping[str, int]
+    rounds: int
+    last_round_s: float
+
+
+class Watchdog:
+    """Detection rounds, the incident book and the diagnoses it asks for.
+
+    Args:
+        settings: detection thresholds (``apply_settings`` changes them).
+        event_log: where incidents persist; live ones are loaded from it.
+        send: sends a command to a node's agent and waits for its result.
+        clock / wall_clock: the coordinator's monotonic and wall clocks.
+    """
+
+    def __init__(
+        self,
+        settings: DetectionSettings,
+        event_log: EventLog,
+        send: SendCommand,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float],
+    ) -> None:
+        self.detection = Detection(settings)
+        self._event_log = event_log
+        self._send = send
+        self._clock = clock
+        self._wall = wall_clock
+        self.book = IncidentBook(
+            event_log.incidents(limit=MAX_LIVE_LOADED),
+            resolve_grace_until_unix_s=wall_clock() + RESTART_GRACE_S,
+        )
+        self._stragglers: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._hangs: collections.Counter[str] = collections.Counter()
+        self._rank_failures: collections.Counter[str] = collections.Counter()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._rounds = 0
+        self._last_round_s = 0.0
+
+    @property
+    def settings(self) -> DetectionSettings:
+        return self.detection.settings
+
+    def counts(self) -> DetectedCounts:
+        return DetectedCounts(
+            dict(self._stragglers),
+            dict(self._hangs),
+            dict(self._rank_failures),
+            self._rounds,
+            self._last_round_s,
+        )
+
+    def apply_settings(self, settings: DetectionSettings) -> None:
+        """New thresholds from the next round on (see Detection.apply).
+
+        Raises:
+            ConfigError: the detectors reject the combination; nothing changes.
+        """
+        self.detection.apply(settings)
+        logger.info("detection settings now %s", config.as_strings(settings))
+
+    def update_settings(self, values: Mapping[str, str]) -> DetectionSettings:
+        """Change the named thresholds (API); the rest keep their values.
+
+        Raises:
+            ConfigError: naming the first bad key; nothing changes.
+        """
+        settings = config.override(self.settings, values, "UpdateDetectionSettings")
+        self.apply_settings(settings)
+        return settings
+
+    def round(self, jobs: Mapping[str, JobRecord], nodes: dict[str, NodeRecord]) -> list[Change]:
+        """One detection round; returns what changed."""
+        now_mono, now_unix = self._clock(), self._wall()
+        findings = self.detection.run(jobs, nodes, now_mono)
+        changes = self.book.observe(findings, now_unix)
+        self._rounds += 1
+        self._last_round_s = self._clock() - now_mono
+        for change in changes:
+            self._count(change)
+            self._log(change)
+            if change.incident.kind == Kind.HANG and (change.new_ranks or change.opened):
+                self._start_diagnosis(change.incident, jobs.get(change.incident.job))
+        self._persist([c.incident for c in changes])
+        return changes
+
+    def move(self, incident_id: str, target: IncidentState) -> Incident:
+        """Acknowledge or resolve by request.
+
+        Raises:
+            NotFoundError / FailedPreconditionError: see IncidentBook.move.
+        """
+        change = self.book.move(incident_id, target, self._wall())
+        self._log(change)
+        self._persist([change.incident])
+        return change.incident
+
+    def forget(self, job: str) -> None:
+        self.detection.forget(job)
+
+    async def run(self, jobs: Callable[[], Mapping[str, JobRecord]], nodes: dict[str, NodeRecord],
+                  period_s: float = DETECTION_PERIOD_S) -> None:  # fmt: skip
+        """Rounds forever (cancel to stop); a failing round is logged and the next one runs."""
+        while True:
+            try:
+                self.round(jobs(), nodes)
+            except Exception:
+                logger.exception("detection round failed")
+            await asyncio.sleep(period_s)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _count(self, change: Change) -> None:
+        incident = change.incident
+        if incident.kind == Kind.STRAGGLER and change.opened:
+            self._stragglers[(incident.job, incident.cause)] += 1
+        elif incident.kind == Kind.HANG and change.opened:
+            self._hangs[incident.job] += 1
+        elif incident.kind == Kind.RANK_FAILURE and change.new_ranks:
+            self._rank_failures[incident.job] += len(change.new_ranks)
+
+    @staticmethod
+    def _log(change: Change) -> None:
+        incident = change.incident
+        verb = "opened" if change.opened else "resolved" if change.resolved else incident.state.value
+        level = logging.WARNING if change.opened else logging.INFO
+        logger.log(level, "incident %s %s: %s", incident.id, verb, incident.summary)
+
+    def _persist(self, incidents: list[Incident]) -> None:
+        try:
+            self._event_log.save_incidents(incidents)
+        except Exception:  # keep serving from memory
+            logger.exception("could not persist %d incidents", len(incidents))
+
+    def _start_diagnosis(self, incident: Incident, job: JobRecord | None) -> None:
+        if job is None:
+            return
+        culprits = [
+            (n, job.ranks[n].node_id)
+            for n in incident.ranks
+            if n in job.ranks and job.ranks[n].state != EXITED
+        ]
+        healthy = [
+            (r.rank, r.node_id) for r in sorted(job.ranks.values(), key=lambda r: r.rank)
+            if r.state == RUNNING and r.rank not in incident.ranks
+        ][:1]  # fmt: skip
+        if not culprits and not healthy:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._diagnose(incident.id, job.job, culprits, healthy), name=f"diagnose {incident.id}"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _diagnose(
+        self, incident_id: str, job: str, culprits: list[tuple[int, str]], healthy: list[tuple[int, str]]
+    ) -> None:
+        diagnoses = await diagnose(self._send, job, culprits, healthy, stack_dumps=self.settings.stack_dumps)
+        cause = cause_from(diagnoses)
+        change = self.book.attach_diagnoses(incident_id, diagnoses, cause, self._wall())
+        if change is None:
+            return
+        if cause:
+            change.incident.note = SAID_OF_STATE[cause]
+        logger.info(
+            "incident %s: diagnosed %d process(es)%s",
+            incident_id,
+            len(diagnoses),
+            f", {cause}" if cause else "",
+        )
+        self._persist([change.incident])
