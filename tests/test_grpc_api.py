@@ -144,7 +144,9 @@ async def test_health_and_reflection(server: CoordinatorServer) -> None:
 async def test_list_incidents_of_a_quiet_cluster_is_empty(server: CoordinatorServer) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         stub = cluster_pb2_grpc.ClusterServiceStub(channel)
-        response = await stub.ListIncidents(cluster_pb2.ListIncidentsRequest(include_resolved=True), timeout=5)
+        response = await stub.ListIncidents(
+            cluster_pb2.ListIncidentsRequest(include_resolved=True), timeout=5
+        )
         assert list(response.incidents) == []
 
 
