@@ -1,0 +1,464 @@
+"""Detection accuracy: inject faults with `clusterwatch simulate`, score the coordinator's incidents.
+
+Usage:
+    python -m bench.detection [--json] [--scenarios FILE ...] [--coordinator HOST:PORT]
+    python -m bench.detection --healthy-steps 10000 --healthy-ranks 1024 --step-s 0.05 [--json]
+
+Starts a real coordinator (``clusterwatch coordinator`` on 127.0.0.1, port 0,
+a temporary state directory) unless --coordinator names a running one, then
+runs every scenario of bench/scenarios/ at once against it, each as its own
+``clusterwatch simulate`` process with its own job and node names, and polls
+``ListIncidents(include_resolved=True)`` every --poll-s while they run. Once
+every simulation ended, each run's ground truth (``--ground-truth-out``) is
+matched with the incidents (the rules are in clusterwatch/sim/scoring.py) and
+a table is printed per scenario and overall: precision, recall, detection
+latency in seconds and steps after the onset, whether the culprit and the
+cause were right, and the acceptance target that applies.
+
+--healthy-steps runs one long healthy job instead (``--healthy-ranks`` ranks,
+8 per node, ``--step-s`` steps at ``--healthy-cv`` compute CV): every
+incident about it is a false positive. It reports how many steps the run
+reached and what the simulator and the coordinator cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+
+from clusterwatch.grpc_options import CHANNEL_OPTIONS
+from clusterwatch.sim.scoring import (
+    PRECISION_TARGET,
+    RECALL_TARGET,
+    FaultScore,
+    IncidentHistory,
+    Overall,
+    ScenarioScore,
+    SeenIncident,
+    overall,
+    score_scenario,
+)
+from clusterwatch.sim.truth import GroundTruth
+from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
+
+SCENARIOS_DIR = Path(__file__).parent / "scenarios"
+START_TIMEOUT_S = 30.0
+# After the last simulation ends: one more poll catches incidents opened at its very end.
+FINAL_POLL_DELAY_S = 2.0
+INCIDENT_LIMIT = 100_000
+
+
+@dataclasses.dataclass
+class Run:
+    """One scenario's `clusterwatch simulate` process."""
+
+    scenario: Path
+    job: str
+    truth_path: Path
+    log_path: Path
+    popen: subprocess.Popen[bytes]
+
+
+def start_coordinator(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A coordinator on 127.0.0.1 (any free port); its process and gRPC address."""
+    ready = tmp / "coordinator.ready"
+    log = (tmp / "coordinator.log").open("wb")
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "clusterwatch", "coordinator", "--listen", "127.0.0.1:0",
+         "--metrics-listen", "127.0.0.1:0", "--state-dir", str(tmp / "state"), "--ready-file", str(ready),
+         "--log-level", "warning"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    log.close()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not ready.exists():
+        if popen.poll() is not None:
+            raise RuntimeError(
+                f"the coordinator exited with {popen.returncode}; see {tmp / 'coordinator.log'}"
+            )
+        if time.monotonic() > deadline:
+            popen.kill()
+            raise RuntimeError(f"the coordinator did not start within {START_TIMEOUT_S:.0f} s")
+        time.sleep(0.05)
+    ports = json.loads(ready.read_text())
+    return popen, f"127.0.0.1:{ports['grpc_port']}"
+
+
+def start_simulation(coordinator: str, scenario: Path, job: str, tmp: Path, extra: Sequence[str] = ()) -> Run:
+    truth_path = tmp / f"{job}.truth.json"
+    log_path = tmp / f"{job}.log"
+    with log_path.open("wb") as log:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "clusterwatch", "simulate", "--coordinator", coordinator,
+             "--scenario", str(scenario), "--job", job, "--ground-truth-out", str(truth_path), *extra],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    return Run(scenario, job, truth_path, log_path, popen)
+
+
+class IncidentPoller:
+    """Polls ListIncidents and keeps every version of every incident."""
+
+    def __init__(self, address: str) -> None:
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = cluster_pb2_grpc.ClusterServiceStub(self._channel)
+        self.histories: dict[str, IncidentHistory] = {}
+        self.unavailable: str | None = None
+        self.polls = 0
+
+    def poll(self) -> None:
+        request = cluster_pb2.ListIncidentsRequest(include_resolved=True, limit=INCIDENT_LIMIT)
+        try:
+            response = self._stub.ListIncidents(request, timeout=10, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            if code is grpc.StatusCode.UNIMPLEMENTED:
+                self.unavailable = f"the coordinator does not implement ListIncidents yet ({exc.details()})"
+                return
+            raise
+        self.unavailable = None
+        self.polls += 1
+        now = time.time()
+        for incident in response.incidents:
+            self.histories.setdefault(incident.id, IncidentHistory()).add(
+                now, SeenIncident.from_proto(incident)
+            )
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def wait_and_poll(runs: Sequence[Run], poller: IncidentPoller, poll_s: float, timeout_s: float) -> None:
+    """Poll incidents until every run ended (killing any still running at the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while any(run.popen.poll() is None for run in runs):
+        if time.monotonic() > deadline:
+            for run in runs:
+                if run.popen.poll() is None:
+                    run.popen.terminate()
+            break
+        poller.poll()
+        time.sleep(poll_s)
+    for run in runs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            run.popen.wait(timeout=30)
+    time.sleep(FINAL_POLL_DELAY_S)
+    poller.poll()
+
+
+def load_truths(runs: Sequence[Run]) -> tuple[list[GroundTruth], list[str]]:
+    truths, failures = [], []
+    for run in runs:
+        if run.popen.returncode != 0 or not run.truth_path.exists():
+            tail = run.log_path.read_text(errors="replace")[-1500:] if run.log_path.exists() else ""
+            failures.append(f"{run.job}: simulate exited with {run.popen.returncode}\n{tail}")
+            continue
+        truths.append(GroundTruth.read(run.truth_path))
+    return truths, failures
+
+
+# --- output -------------------------------------------------------------------------------------
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _yes(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "NO")
+
+
+def table(scores: Sequence[ScenarioScore], total: Overall) -> str:
+    header = ("SCENARIO", "RANKS", "INCIDENTS", "TP", "FP", "PRECISION", "RECALL", "FAULT", "LATENCY", "STEPS",
+              "CULPRIT", "CAUSE at open[->final]/expected", "TARGET", "MET")  # fmt: skip
+    rows: list[tuple[str, ...]] = [header]
+    for s in scores:
+        scenario_cells = (
+            s.scenario, str(s.world_size), str(len(s.incidents)), str(len(s.true_positives)),
+            str(len(s.false_positives)), _ratio(s.precision), _ratio(s.recall),
+        )  # fmt: skip
+        if not s.faults:
+            rows.append((*scenario_cells, "healthy", "-", "-", "-", "-", s.target or "-", _yes(s.target_met)))
+        for i, f in enumerate(s.faults):
+            d = f.detected_by
+            fault_cells = (
+                f.fault.kind if f.triggered else f"{f.fault.kind} (no onset)",
+                "-" if f.latency_s is None else f"{f.latency_s:.1f}s",
+                "-" if f.latency_steps is None else str(f.latency_steps),
+                _yes(f.culprit_ok),
+                ("missed" if f.triggered else "-") if d is None else f"{_cause(f)}/{f.fault.expected_cause}",
+                f.target or "-",
+                _yes(f.target_met),
+            )
+            rows.append((*(scenario_cells if i == 0 else ("",) * len(scenario_cells)), *fault_cells))
+    rows.append(
+        ("OVERALL", "", str(total.incidents), str(total.true_positives), str(total.false_positives),
+         _ratio(total.precision), _ratio(total.recall), f"{total.detected}/{total.faults} detected",
+         "-" if total.latency_s_median is None else f"median {total.latency_s_median:.1f}s", "",
+         _ratio(total.culprit_accuracy), f"{_ratio(total.cause_accuracy)} (final {_ratio(total.cause_accuracy_final)})",
+         f"{total.targets_met}/{total.targets} targets",
+         f"P,R>={PRECISION_TARGET:g}: " + ("met" if _pr_met(total) else "NOT met"))
+    )  # fmt: skip
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
+def _cause(score: FaultScore) -> str:
+    """The detecting incident's cause at open, and its final cause when it changed."""
+    first = score.detected_by.cause if score.detected_by else "?"
+    final = score.final.cause if score.final else first
+    return first if final == first else f"{first}->{final}"
+
+
+def _pr_met(total: Overall) -> bool:
+    return (total.precision is None or total.precision >= PRECISION_TARGET) and (
+        total.recall is None or total.recall >= RECALL_TARGET
+    )
+
+
+def details(scores: Sequence[ScenarioScore]) -> str:
+    lines: list[str] = []
+    for s in scores:
+        for incident in s.false_positives:
+            lines.append(
+                f"false positive in {s.scenario}: {incident.kind}/{incident.cause} ranks {list(incident.ranks)[:8]} "
+                f"nodes {list(incident.nodes)[:4]}: {incident.summary[:160]}"
+            )
+        for f in s.faults:
+            if f.triggered and f.detected_by is None:
+                kinds = ", ".join(sorted({h.kind for h in s.true_positives if h.id in f.related})) or "none"
+                lines.append(
+                    f"missed in {s.scenario}: {f.fault.kind} (expected {f.fault.expected_kind}); related incidents: {kinds}"
+                )
+            elif f.detected_by is not None and not (f.culprit_ok and f.cause_ok and f.cause_ok_final):
+                d = f.detected_by
+                lines.append(
+                    f"detected in {s.scenario} with culprit ranks {list(d.ranks)[:8]} nodes {list(d.nodes)[:4]}, "
+                    f"cause {_cause(f)} (truth: ranks {f.fault.ranks[:8]} nodes {f.fault.nodes}, cause "
+                    f"{f.fault.expected_cause}); at open: {d.summary[:200]}"
+                )
+    return "\n".join(lines)
+
+
+# --- the two modes ------------------------------------------------------------------------------
+
+
+def run_suite(args: argparse.Namespace, coordinator: str, tmp: Path) -> dict[str, Any]:
+    scenarios = args.scenarios or sorted(SCENARIOS_DIR.glob("*.toml"))
+    tag = args.job_prefix
+    runs = [start_simulation(coordinator, path, f"{tag}{path.stem}", tmp) for path in scenarios]
+    poller = IncidentPoller(coordinator)
+    started = time.monotonic()
+    try:
+        wait_and_poll(runs, poller, args.poll_s, args.timeout_s)
+    finally:
+        poller.close()
+    truths, failures = load_truths(runs)
+    histories = list(poller.histories.values())
+    scores = [score_scenario(truth, histories) for truth in truths]
+    return {
+        "wall_s": time.monotonic() - started,
+        "scores": scores,
+        "overall": overall(scores),
+        "failures": failures,
+        "unavailable": poller.unavailable,
+        "truths": truths,
+    }
+
+
+def healthy_scenario(tmp: Path, cv: float, seed: int) -> Path:
+    path = tmp / "healthy_long.toml"
+    path.write_text(
+        f'description = "long healthy run"\nseed = {seed}\n\n[noise]\ncompute_cv = {cv}\n', encoding="utf-8"
+    )
+    return path
+
+
+def run_healthy(
+    args: argparse.Namespace, coordinator: str, tmp: Path, coordinator_pid: int | None
+) -> dict[str, Any]:
+    gpus = min(8, args.healthy_ranks)
+    if args.healthy_ranks % gpus:
+        raise SystemExit("--healthy-ranks must be a multiple of 8 (or below 8)")
+    nodes = args.healthy_ranks // gpus
+    # Steps run a little longer than nominal: each waits for the slowest of R noisy ranks.
+    slowest_sigmas = math.sqrt(2 * math.log(max(2, args.healthy_ranks)))
+    duration_s = (
+        args.healthy_steps * args.step_s * (1 + 0.8 * args.healthy_cv * slowest_sigmas) + 2 * args.step_s
+    )
+    scenario = healthy_scenario(tmp, args.healthy_cv, args.seed)
+    coordinator_process = psutil.Process(coordinator_pid) if coordinator_pid else None
+    cpu0 = coordinator_process.cpu_times() if coordinator_process else None
+    run = start_simulation(
+        coordinator, scenario, f"{args.job_prefix}healthy-long", tmp,
+        ["--nodes", str(nodes), "--gpus-per-node", str(gpus), "--step-s", str(args.step_s),
+         "--duration-s", f"{duration_s:.1f}"],
+    )  # fmt: skip
+    poller = IncidentPoller(coordinator)
+    started = time.monotonic()
+    try:
+        wait_and_poll([run], poller, args.poll_s, duration_s + 120)
+    finally:
+        poller.close()
+    wall_s = time.monotonic() - started
+    truths, failures = load_truths([run])
+    result: dict[str, Any] = {"wall_s": wall_s, "failures": failures, "unavailable": poller.unavailable}
+    if coordinator_process is not None and cpu0 is not None:
+        cpu1 = coordinator_process.cpu_times()
+        result["coordinator_cpu_ratio"] = (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / wall_s
+    if truths:
+        truth = truths[0]
+        score = score_scenario(truth, list(poller.histories.values()))
+        result.update(
+            truth=truth,
+            score=score,
+            steps=truth.stats.get("steps_done", 0),
+            ranks=truth.world_size,
+            rank_steps=truth.stats.get("steps_done", 0) * truth.world_size,
+        )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument(
+        "--scenarios", nargs="*", type=Path, help="scenario files (default: bench/scenarios/*.toml)"
+    )
+    parser.add_argument(
+        "--coordinator", default=None, help="use this running coordinator instead of starting one"
+    )
+    parser.add_argument("--job-prefix", default="", help="prefix of every job name (to share a coordinator)")
+    parser.add_argument("--poll-s", type=float, default=1.0, help="seconds between ListIncidents polls")
+    parser.add_argument(
+        "--timeout-s", type=float, default=600.0, help="stop simulations still running after this"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON to this file")
+    parser.add_argument(
+        "--keep", type=Path, default=None, help="keep logs and ground truths in this directory"
+    )
+    parser.add_argument(
+        "--healthy-steps", type=int, default=0, help="run one long healthy job of this many steps"
+    )
+    parser.add_argument("--healthy-ranks", type=int, default=1024, help="ranks of the long healthy job")
+    parser.add_argument("--healthy-cv", type=float, default=0.03, help="compute CV of the long healthy job")
+    parser.add_argument("--step-s", type=float, default=0.05, help="step time of the long healthy job")
+    parser.add_argument("--seed", type=int, default=1, help="noise seed of the long healthy job")
+    args = parser.parse_args(argv)
+
+    with contextlib.ExitStack() as stack:
+        tmp = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cw-detection-")))
+        tmp.mkdir(parents=True, exist_ok=True)
+        coordinator_popen: subprocess.Popen[bytes] | None = None
+        if args.coordinator:
+            coordinator = args.coordinator
+        else:
+            coordinator_popen, coordinator = start_coordinator(tmp)
+        try:
+            if args.healthy_steps:
+                pid = coordinator_popen.pid if coordinator_popen else None
+                return report_healthy(run_healthy(args, coordinator, tmp, pid), args)
+            return report_suite(run_suite(args, coordinator, tmp), args)
+        finally:
+            if coordinator_popen is not None:
+                coordinator_popen.terminate()
+                try:
+                    coordinator_popen.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    coordinator_popen.kill()
+
+
+def report_suite(result: dict[str, Any], args: argparse.Namespace) -> int:
+    scores: list[ScenarioScore] = result["scores"]
+    total: Overall = result["overall"]
+    document = json.dumps({
+        "wall_s": round(result["wall_s"], 1),
+        "incidents_unavailable": result["unavailable"],
+        "simulation_failures": result["failures"],
+        "scenarios": [s.to_json() for s in scores],
+        "overall": total.to_json(),
+        "targets": {"precision": PRECISION_TARGET, "recall": RECALL_TARGET},
+    }, indent=1)  # fmt: skip
+    if args.json_out:
+        args.json_out.write_text(document + "\n")
+    if args.json:
+        print(document)
+    else:
+        if result["unavailable"]:
+            print(f"NOTE: {result['unavailable']}; every fault counts as missed.")
+        for failure in result["failures"]:
+            print(f"simulation failed: {failure}")
+        print(table(scores, total))
+        more = details(scores)
+        if more:
+            print("\n" + more)
+        print(
+            f"\n{len(scores)} scenarios concurrently against one coordinator, {result['wall_s']:.0f} s wall"
+        )
+    return 1 if result["failures"] else 0
+
+
+def report_healthy(result: dict[str, Any], args: argparse.Namespace) -> int:
+    score: ScenarioScore | None = result.get("score")
+    truth: GroundTruth | None = result.get("truth")
+    summary = {
+        "wall_s": round(result["wall_s"], 1),
+        "incidents_unavailable": result["unavailable"],
+        "simulation_failures": result["failures"],
+        "ranks": result.get("ranks"),
+        "steps_reached": result.get("steps"),
+        "steps_asked": args.healthy_steps,
+        "rank_steps": result.get("rank_steps"),
+        "step_s": args.step_s,
+        "compute_cv": args.healthy_cv,
+        "false_positives": [i.to_json() for i in score.false_positives] if score else None,
+        "incidents_after_end": score.after_end if score else None,
+        "simulator": truth.stats if truth else None,
+        "coordinator_cpu_ratio": result.get("coordinator_cpu_ratio"),
+    }
+    if args.json_out:
+        args.json_out.write_text(json.dumps(summary, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        for failure in result["failures"]:
+            print(f"simulation failed: {failure}")
+        if result["unavailable"]:
+            print(f"NOTE: {result['unavailable']}")
+        print(
+            f"healthy run: {summary['ranks']} ranks, {summary['steps_reached']} of {args.healthy_steps} steps at "
+            f"{args.step_s:g} s ({summary['rank_steps']} rank-steps), compute CV {args.healthy_cv:g}, "
+            f"{result['wall_s']:.0f} s wall"
+        )
+        if score is not None:
+            print(
+                f"false positives: {len(score.false_positives)} (after the end, ignored: {score.after_end})"
+            )
+            for incident in score.false_positives[:20]:
+                print(
+                    f"  {incident.kind}/{incident.cause} ranks {list(incident.ranks)[:8]}: {incident.summary[:160]}"
+                )
+        if truth is not None:
+            print(f"simulator: {truth.stats}")
+        if summary["coordinator_cpu_ratio"] is not None:
+            print(f"coordinator CPU: {100 * summary['coordinator_cpu_ratio']:.0f} % of one core")
+    return 1 if result["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
