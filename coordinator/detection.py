@@ -8,6 +8,7 @@ findings to the incident book.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Collection, Mapping
 
 from clusterwatch.config import DetectionSettings
@@ -103,7 +104,15 @@ class Detection:
         if hang is not None:
             findings.append(_hang_finding(job, hang))
         stragglers = self._stragglers.update(job)
-        slow = {s.rank for s in stragglers}  # not healthy peers for each other's cause
+        # Not healthy peers for each other's cause: the flagged ranks, and those
+        # slowing down that will be flagged a step or two later (the other
+        # ranks of a CPU-starved node), so a node-wide cause is not ruled out
+        # by a neighbour that is about to be named too.
+        slow = (
+            {s.rank for s in stragglers} | _recently_slow(job, self.settings.straggler_threshold_ratio)
+            if stragglers
+            else set()
+        )
         for straggler in stragglers:
             cause = straggler_cause(job, straggler.rank, nodes, slow_ranks=slow)
             findings.append(_straggler_finding(job, straggler, cause))
@@ -194,6 +203,24 @@ def _slowdown_finding(job: JobRecord, slowdown: SlowdownFinding, network: Cause 
         nodes=cause.nodes if cause is not None else (),
         evidence=evidence,
     )
+
+
+# Steps a rank's recent pace is judged over when it is not flagged (yet).
+RECENT_STEPS = 5
+
+
+def _recently_slow(job: JobRecord, threshold_ratio: float) -> set[int]:
+    """Running ranks whose mean compute time over their last few steps is above the job's median by
+    half the straggler threshold or more."""
+    means: dict[int, float] = {}
+    for record in job.running_ranks():
+        recent = record.steps.compute_s[-RECENT_STEPS:]
+        if recent:
+            means[record.rank] = sum(recent) / len(recent)
+    if not means:
+        return set()
+    median_s = statistics.median(means.values())
+    return {rank for rank, mean_s in means.items() if mean_s >= median_s * (1 + threshold_ratio / 2)}
 
 
 def _gpus(job: JobRecord, ranks: Collection[int]) -> tuple[str, ...]:
