@@ -56,8 +56,6 @@ class Detection:
         self._stragglers = StragglerDetector(straggler_settings(settings))
         self._slowdowns = SlowdownDetector(slowdown_settings(settings))
         self._nodes = NodeFailureDetector()
-        # job -> rank -> compute time / median, from the latest round (for /metrics).
-        self.slowdown_ratios: dict[str, dict[int, float]] = {}
 
     def apply(self, settings: DetectionSettings) -> None:
         """Use new thresholds from the next round on.
@@ -83,7 +81,13 @@ class Detection:
     def forget(self, job: str) -> None:
         self._stragglers.forget(job)
         self._slowdowns.forget(job)
-        self.slowdown_ratios.pop(job, None)
+
+    def slowdown_ratios(self, job: JobRecord) -> dict[int, float]:
+        """Rank -> compute time / the other ranks' median over the window of the latest round.
+
+        Computed when asked (a scrape), not every round.
+        """
+        return self._stragglers.slowdown_ratios(job)
 
     def run(
         self, jobs: Mapping[str, JobRecord], nodes: dict[str, NodeRecord], now_mono_s: float
@@ -116,7 +120,6 @@ class Detection:
         for straggler in stragglers:
             cause = straggler_cause(job, straggler.rank, nodes, slow_ranks=slow)
             findings.append(_straggler_finding(job, straggler, cause))
-        self.slowdown_ratios[job.job] = self._stragglers.slowdown_ratios(job)
         slowdown = self._slowdowns.update(job)
         if slowdown is not None:
             findings.append(_slowdown_finding(job, slowdown, network_cause(job, nodes)))

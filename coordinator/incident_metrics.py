@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Mapping
 
 from clusterwatch.coordinator.incidents import Incident, Kind, Severity
+from clusterwatch.coordinator.jobs import JobRecord
 from clusterwatch.coordinator.watchdog import DetectedCounts, Watchdog
 from clusterwatch.promtext import Exposition, counter, escape, gauge
 
@@ -54,12 +56,12 @@ class IncidentView:
     slowdown_ratios: dict[str, dict[int, float]]
 
 
-def incident_view(watchdog: Watchdog) -> IncidentView:
+def incident_view(watchdog: Watchdog, jobs: Mapping[str, JobRecord]) -> IncidentView:
     live: list[Incident] = watchdog.book.live()
     return IncidentView(
         open_by_kind=collections.Counter((i.kind, i.severity) for i in live),
         counts=watchdog.counts(),
-        slowdown_ratios={job: dict(ratios) for job, ratios in watchdog.detection.slowdown_ratios.items()},
+        slowdown_ratios={name: watchdog.detection.slowdown_ratios(job) for name, job in jobs.items()},
     )
 
 

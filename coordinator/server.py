@@ -106,7 +106,7 @@ class CoordinatorServer:
         return (
             node_views(core.state),
             training_view(core.jobs, core.checkpoints, core.now()[0]),
-            incident_view(core.watchdog),
+            incident_view(core.watchdog, core.jobs.jobs),
         )
 
     def _write_ready_file(self, path: Path) -> None:

@@ -108,6 +108,12 @@ def test_a_slowed_rank_is_a_compute_straggler(cluster: Cluster, tmp_path: Path) 
     straggler = wait_for(
         lambda: incident_of(coordinator, "straggler", 2), 120, "a straggler incident for rank 2"
     )
+    ratios = {
+        s.labels["rank"]: s.value
+        for s in samples_named(
+            scrape(coordinator.metrics_url), "clusterwatch_rank_slowdown_ratio", job="slow"
+        )
+    }
     until.touch()
     assert job.wait(120) == 0, job.log()
     assert list(straggler.ranks) == [2]
@@ -116,6 +122,8 @@ def test_a_slowed_rank_is_a_compute_straggler(cluster: Cluster, tmp_path: Path) 
     assert straggler.severity == "warning"
     assert 1.15 < straggler.evidence["slowdown_ratio"] < 1.6, dict(straggler.evidence)
     assert not [i for i in incidents(coordinator) if i.kind == "straggler" and 2 not in i.ranks]
+    assert ratios["2"] > 1.15, ratios
+    assert max(ratios["0"], ratios["1"]) < 1.1, ratios
     metrics = scrape(coordinator.metrics_url)
     detected = samples_named(metrics, "clusterwatch_stragglers_detected_total", job="slow", cause="compute")
     assert [s.value for s in detected] == [1.0]
