@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,7 @@ def test_a_stopped_rank_is_a_hang_naming_it_with_a_healthy_ranks_stack(
     )  # fmt: skip
     wait_for_ranks_past(coordinator, "stopped", 2, 10, 120)
     victim = ranks_of(coordinator, "stopped")[1].identity.pid
+    stopped_at_unix_s = time.time()
     os.kill(victim, signal.SIGSTOP)
     try:
 
@@ -72,6 +74,7 @@ def test_a_stopped_rank_is_a_hang_naming_it_with_a_healthy_ranks_stack(
         hang = wait_for(diagnosed, 60, "a diagnosed hang incident naming rank 1")
     finally:
         os.kill(victim, signal.SIGCONT)
+    print(f"hang incident opened {hang.opened_unix_seconds - stopped_at_unix_s:.1f} s after SIGSTOP")
     assert list(hang.ranks) == [1]
     assert hang.severity == "critical"
     assert hang.cause == "process_stopped"
@@ -79,6 +82,7 @@ def test_a_stopped_rank_is_a_hang_naming_it_with_a_healthy_ranks_stack(
     assert "its process is stopped" in hang.summary
     by_rank = {d.rank: d for d in hang.diagnoses}
     assert by_rank[1].process_state == "stopped"
+    assert "train_ddp.py" in by_rank[1].stack_dump  # read without waking it
     assert by_rank[1].pid == victim
     assert not by_rank[1].healthy
     assert by_rank[0].healthy
