@@ -121,21 +121,16 @@ class NodeFailureDetector:
         for uuid, name in sorted(seen.items()):
             if uuid in present:
                 continue
-            affected = [r for r in hosted if r.identity.gpu_uuid == uuid]
+            job, ranks, users = _gpu_users(hosted, uuid)
             findings.append(
                 Finding(
                     key=("gpu_lost", node_id, uuid),
                     kind=Kind.GPU_LOST,
                     severity=Severity.CRITICAL,
-                    summary=f"GPU {uuid} ({name}) on {node_id} is gone from NVML"
-                    + (
-                        f"; rank {affected[0].rank} of job {affected[0].identity.job} used it"
-                        if affected
-                        else ""
-                    ),
+                    summary=f"GPU {uuid} ({name}) on {node_id} is gone from NVML{users}",
                     cause="gpu_lost",
-                    job=affected[0].identity.job if affected else "",
-                    ranks=tuple(r.rank for r in affected),
+                    job=job,
+                    ranks=ranks,
                     nodes=(node_id,),
                     gpus=(uuid,),
                     evidence={"gpus_present": float(len(present)), "gpus_seen": float(len(seen))},
@@ -231,7 +226,7 @@ def _unreachable(record: NodeRecord, hosted: list[RankRecord]) -> Finding:
 def _xids(node_id: str, report: node_pb2.NodeReport, hosted: list[RankRecord]) -> list[Finding]:
     findings = []
     for gpu in report.gpus:
-        affected = [r for r in hosted if r.identity.gpu_uuid == gpu.uuid]
+        job, ranks, users = _gpu_users(hosted, gpu.uuid)
         for xid in gpu.xid_errors:
             if xid.count == 0:
                 continue
@@ -241,15 +236,10 @@ def _xids(node_id: str, report: node_pb2.NodeReport, hosted: list[RankRecord]) -
                     kind=Kind.GPU_XID,
                     severity=Severity.CRITICAL if xid.xid in CRITICAL_XIDS else Severity.WARNING,
                     summary=f"GPU {gpu.index} ({gpu.uuid}) on {node_id} raised XID {xid.xid} "
-                    f"{xid.count} time(s)"
-                    + (
-                        f"; rank {affected[0].rank} of job {affected[0].identity.job} uses it"
-                        if affected
-                        else ""
-                    ),
+                    f"{xid.count} time(s){users}",
                     cause="xid",
-                    job=affected[0].identity.job if affected else "",
-                    ranks=tuple(r.rank for r in affected),
+                    job=job,
+                    ranks=ranks,
                     nodes=(node_id,),
                     gpus=(gpu.uuid,),
                     evidence={"xid": float(xid.xid), "count": float(xid.count)},
@@ -257,6 +247,15 @@ def _xids(node_id: str, report: node_pb2.NodeReport, hosted: list[RankRecord]) -
                 )
             )
     return findings
+
+
+def _gpu_users(hosted: list[RankRecord], uuid: str) -> tuple[str, tuple[int, ...], str]:
+    """The job and ranks using GPU ``uuid``, and a summary clause naming them ("" when none)."""
+    users = [r for r in hosted if r.identity.gpu_uuid == uuid]
+    if not users:
+        return "", (), ""
+    job = users[0].identity.job
+    return job, tuple(r.rank for r in users), f"; rank {users[0].rank} of job {job} runs on it"
 
 
 def _hosted_job(hosted: list[RankRecord]) -> tuple[str, tuple[int, ...]]:
