@@ -37,10 +37,17 @@ def test_demo_runs_two_simulated_nodes_until_ctrl_c(tmp_path: Path) -> None:
             gpus = [n.report.gpu_inventory for n in client.snapshot().nodes]
             # The demo's training job reports through demo-node-0's agent.
             job = wait_for(
-                lambda: next((j for j in client.snapshot().jobs if j.job == "demo-train" and len(j.ranks) == 2
+                lambda: next((j for j in client.snapshot().jobs if j.job == "demo-train" and len(j.ranks) == 3
                               and all(r.last_step.step > 0 for r in j.ranks)), None),
-                60, "the demo training job's two ranks",
+                60, "the demo training job's three ranks",
             )  # fmt: skip
+            # Rank 2 computes 30 % longer: the coordinator names it.
+            straggler = wait_for(
+                lambda: next((i for i in client.incidents() if i.kind == "straggler"), None),
+                90, "the demo's straggler incident",
+            )  # fmt: skip
+        assert list(straggler.ranks) == [2]
+        assert straggler.cause == "compute"
         assert all(inv.simulated and inv.backend == "sim" for inv in gpus)
         assert {r.node_id for r in job.ranks} == {"demo-node-0"}
         status = run_cli("status", "--coordinator", address)

@@ -39,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--train",
         action=argparse.BooleanOptionalAction,
         default=importlib.util.find_spec("torch") is not None,
-        help="also run a 2-rank gloo training job with the clusterwatch hook on demo-node-0 "
+        help="also run a 3-rank gloo training job with the clusterwatch hook on demo-node-0 "
         "(default: when torch is installed)",
     )
     parser.set_defaults(run=run)
@@ -64,7 +64,7 @@ def _start_training(tmp: Path, socket: Path) -> subprocess.Popen[bytes]:
     }  # fmt: skip
     with (tmp / "demo-train.log").open("wb") as log:  # the child keeps its own copy
         return subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
              "--module", "clusterwatch.cli.demo_training"],
             env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -121,12 +121,14 @@ def run(args: argparse.Namespace) -> int:
                 processes.append(_start_training(Path(tmp), Path(tmp) / f"{DEMO_NODES[0]}.sock"))
             print(
                 f"clusterwatch demo: coordinator and {len(DEMO_NODES)} agents with simulated GPUs are running"
-                + (", and a 2-rank training job (demo-train) on demo-node-0.\n" if args.train else ".\n")
+                + (", and a 3-rank training job (demo-train) on demo-node-0; rank 2 is a straggler.\n" if args.train else ".\n")
                 +
                 f"  API (gRPC):  {address}\n"
                 f"  metrics:     http://127.0.0.1:{ports['metrics_port']}/metrics\n"
                 f"  try:         clusterwatch status --coordinator {address}\n"
-                f"Press Ctrl-C to stop" + (f" (stopping by itself after {args.duration:g} s)." if args.duration else "."),
+                + (f"               clusterwatch incidents --coordinator {address}\n" if args.train else "")
+                +
+                "Press Ctrl-C to stop" + (f" (stopping by itself after {args.duration:g} s)." if args.duration else "."),
                 flush=True,
             )  # fmt: skip
             deadline = time.monotonic() + args.duration if args.duration else None

@@ -1,10 +1,11 @@
-"""The demo's training job: two gloo ranks with the clusterwatch hook, until stopped.
+"""The demo's training job: three gloo ranks with the clusterwatch hook, until stopped.
 
-Run by ``clusterwatch demo`` as ``torchrun --nproc-per-node 2 -m
+Run by ``clusterwatch demo`` as ``torchrun --nproc-per-node 3 -m
 clusterwatch.cli.demo_training``. Each step is a small DDP forward/backward,
-a sleep standing in for GPU compute (rank 1 computes 20 % longer, so the
-demo shows a straggler's higher compute time and its peer's longer wait in
-the all-reduce), and a 1 MiB all-reduce.
+a sleep standing in for GPU compute (rank 2 computes 30 % longer, so the
+demo shows a straggler's higher compute time, its peers' longer wait in the
+all-reduce, and the straggler incident the coordinator opens for it), and a
+1 MiB all-reduce.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 from types import FrameType
 
 COMPUTE_S = 0.05
-STRAGGLER_FACTOR = 1.2
+STRAGGLER_RANK = 2
+STRAGGLER_FACTOR = 1.3
 
 
 def main() -> int:
@@ -55,7 +57,7 @@ def main() -> int:
             model(torch.randn(64, 256)).square().mean().backward()
             optimizer.step()
             optimizer.zero_grad()
-            time.sleep(COMPUTE_S * (STRAGGLER_FACTOR if rank == 1 else 1.0))
+            time.sleep(COMPUTE_S * (STRAGGLER_FACTOR if rank == STRAGGLER_RANK else 1.0))
             dist.all_reduce(payload)
         step += 1
     monitor.close()
