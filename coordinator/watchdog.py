@@ -135,7 +135,7 @@ class Watchdog:
             NotFoundError / FailedPreconditionError: see IncidentBook.move.
         """
         change = self.book.move(incident_id, target, self._wall())
-        self._log(change)
+        self._log(change, by_request=True)
         self._persist([change.incident])
         return change.incident
 
@@ -167,10 +167,17 @@ class Watchdog:
             self._rank_failures[incident.job] += len(change.new_ranks)
 
     @staticmethod
-    def _log(change: Change) -> None:
+    def _log(change: Change, by_request: bool = False) -> None:
+        """Openings at warning, resolutions and requested moves at info; the
+        every-round updates of live incidents (new numbers) at debug only."""
         incident = change.incident
         verb = "opened" if change.opened else "resolved" if change.resolved else incident.state.value
-        level = logging.WARNING if change.opened else logging.INFO
+        if change.opened:
+            level = logging.WARNING
+        elif change.resolved or by_request:
+            level = logging.INFO
+        else:
+            level = logging.DEBUG
         logger.log(level, "incident %s %s: %s", incident.id, verb, incident.summary)
 
     def _persist(self, incidents: list[Incident]) -> None:
