@@ -91,6 +91,7 @@ class CommandResult(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     DURATION_SECONDS_FIELD_NUMBER: _builtins.int
     DIAGNOSES_FIELD_NUMBER: _builtins.int
+    STOPPED_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
     status: Global___CommandResult.Status.ValueType
     message: _builtins.str
@@ -98,6 +99,10 @@ class CommandResult(_message.Message):
     @_builtins.property
     def diagnoses(self) -> _containers.RepeatedCompositeFieldContainer[_training_pb2.ProcessDiagnosis]:
         """diagnose: one entry per rank asked about that this node hosts."""
+
+    @_builtins.property
+    def stopped(self) -> _containers.RepeatedCompositeFieldContainer[Global___StoppedProcess]:
+        """stop_workers: every process the agent stopped (or found gone)."""
 
     def __init__(
         self,
@@ -107,14 +112,52 @@ class CommandResult(_message.Message):
         message: _builtins.str = ...,
         duration_seconds: _builtins.float = ...,
         diagnoses: _abc.Iterable[_training_pb2.ProcessDiagnosis] | None = ...,
+        stopped: _abc.Iterable[Global___StoppedProcess] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_id", b"command_id", "diagnoses", b"diagnoses", "duration_seconds", b"duration_seconds", "message", b"message", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_id", b"command_id", "diagnoses", b"diagnoses", "duration_seconds", b"duration_seconds", "message", b"message", "status", b"status", "stopped", b"stopped"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CommandResult: _TypeAlias = CommandResult  # noqa: Y015
+
+@_typing.final
+class StoppedProcess(_message.Message):
+    """One process a StopWorkersCommand dealt with."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    rank: _builtins.int
+    """The rank it served, or -1 for a process of a worker's tree that is not
+    a rank itself (a data loader, the launcher).
+    """
+    outcome: _builtins.str
+    """"sigterm" (ended within the grace period), "sigkill", "already_gone",
+    or "survived" (still there after SIGKILL: stuck in the kernel).
+    """
+    seconds: _builtins.float
+    """From the first signal to the process being gone."""
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        outcome: _builtins.str = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome", "pid", b"pid", "rank", b"rank", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoppedProcess: _TypeAlias = StoppedProcess  # noqa: Y015
 
 @_typing.final
 class AgentMessage(_message.Message):
@@ -252,6 +295,43 @@ class DiagnoseCommand(_message.Message):
 Global___DiagnoseCommand: _TypeAlias = DiagnoseCommand  # noqa: Y015
 
 @_typing.final
+class StopWorkersCommand(_message.Message):
+    """Stop every local worker process of `job` so its launcher restarts the
+    worker group (torchrun --max-restarts): SIGTERM to each worker's whole
+    process tree, `grace_seconds`, then SIGKILL of what is left; reap; report
+    each process and whether anything survived. With `stop_launcher` the
+    launcher processes (the workers' parent torchrun agent) are stopped too
+    and the node is cordoned: an elastic job re-forms without this node.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    GRACE_SECONDS_FIELD_NUMBER: _builtins.int
+    STOP_LAUNCHER_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    grace_seconds: _builtins.float
+    stop_launcher: _builtins.bool
+    reason: _builtins.str
+    """Why, for the agent's log ("hang incident hang-1f2e...")."""
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        grace_seconds: _builtins.float = ...,
+        stop_launcher: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grace_seconds", b"grace_seconds", "job", b"job", "reason", b"reason", "stop_launcher", b"stop_launcher"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StopWorkersCommand: _TypeAlias = StopWorkersCommand  # noqa: Y015
+
+@_typing.final
 class Command(_message.Message):
     """A command for one agent. command_id is an idempotency key: an agent carries
     out a given id at most once. Later capabilities add members to `action`.
@@ -265,6 +345,7 @@ class Command(_message.Message):
     PING_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     DIAGNOSE_FIELD_NUMBER: _builtins.int
+    STOP_WORKERS_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
     issued_unix_seconds: _builtins.float
     deadline_unix_seconds: _builtins.float
@@ -274,6 +355,8 @@ class Command(_message.Message):
     def checkpoint(self) -> Global___CheckpointCommand: ...
     @_builtins.property
     def diagnose(self) -> Global___DiagnoseCommand: ...
+    @_builtins.property
+    def stop_workers(self) -> Global___StopWorkersCommand: ...
     def __init__(
         self,
         *,
@@ -283,12 +366,13 @@ class Command(_message.Message):
         ping: Global___PingCommand | None = ...,
         checkpoint: Global___CheckpointCommand | None = ...,
         diagnose: Global___DiagnoseCommand | None = ...,
+        stop_workers: Global___StopWorkersCommand | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "diagnose", b"diagnose", "ping", b"ping"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "diagnose", b"diagnose", "ping", b"ping", "stop_workers", b"stop_workers"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "command_id", b"command_id", "deadline_unix_seconds", b"deadline_unix_seconds", "diagnose", b"diagnose", "issued_unix_seconds", b"issued_unix_seconds", "ping", b"ping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "command_id", b"command_id", "deadline_unix_seconds", b"deadline_unix_seconds", "diagnose", b"diagnose", "issued_unix_seconds", b"issued_unix_seconds", "ping", b"ping", "stop_workers", b"stop_workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["ping", "checkpoint", "diagnose"]  # noqa: Y015
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["ping", "checkpoint", "diagnose", "stop_workers"]  # noqa: Y015
     _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
 

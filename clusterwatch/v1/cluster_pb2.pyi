@@ -312,6 +312,116 @@ class ClusterSnapshot(_message.Message):
 Global___ClusterSnapshot: _TypeAlias = ClusterSnapshot  # noqa: Y015
 
 @_typing.final
+class ActionRecord(_message.Message):
+    """One decision of the recovery policy or one operator request, and how it went."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    INCIDENT_ID_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    DECIDED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    FINISHED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    EXCLUDE_NODES_FIELD_NUMBER: _builtins.int
+    RESUME_STEP_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    job: _builtins.str
+    action: _builtins.str
+    """"alert", "checkpoint", "restart", "checkpoint_and_restart",
+    "exclude_node_and_restart".
+    """
+    reason: _builtins.str
+    """Why: the incident's summary, or "requested by an operator"."""
+    incident_id: _builtins.str
+    """The incident it answers; empty for operator requests."""
+    dry_run: _builtins.bool
+    """Only logged, nothing done (policy dry-run mode)."""
+    outcome: _builtins.str
+    """"pending", "done", "failed", "skipped" (rate limit, cooldown, opt-out)."""
+    detail: _builtins.str
+    """What happened, with numbers (processes stopped, checkpoint step...)."""
+    decided_unix_seconds: _builtins.float
+    finished_unix_seconds: _builtins.float
+    resume_step: _builtins.int
+    """restart: the checkpoint step the job resumes from (0: from the start)."""
+    @_builtins.property
+    def exclude_nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        job: _builtins.str = ...,
+        action: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        incident_id: _builtins.str = ...,
+        dry_run: _builtins.bool = ...,
+        outcome: _builtins.str = ...,
+        detail: _builtins.str = ...,
+        decided_unix_seconds: _builtins.float = ...,
+        finished_unix_seconds: _builtins.float = ...,
+        exclude_nodes: _abc.Iterable[_builtins.str] | None = ...,
+        resume_step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "decided_unix_seconds", b"decided_unix_seconds", "detail", b"detail", "dry_run", b"dry_run", "exclude_nodes", b"exclude_nodes", "finished_unix_seconds", b"finished_unix_seconds", "id", b"id", "incident_id", b"incident_id", "job", b"job", "outcome", b"outcome", "reason", b"reason", "resume_step", b"resume_step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ActionRecord: _TypeAlias = ActionRecord  # noqa: Y015
+
+@_typing.final
+class ListActionsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    INCIDENT_ID_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    incident_id: _builtins.str
+    limit: _builtins.int
+    """At most this many, newest last; 0 means 1000."""
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        incident_id: _builtins.str = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incident_id", b"incident_id", "job", b"job", "limit", b"limit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListActionsRequest: _TypeAlias = ListActionsRequest  # noqa: Y015
+
+@_typing.final
+class ListActionsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def actions(self) -> _containers.RepeatedCompositeFieldContainer[Global___ActionRecord]: ...
+    def __init__(
+        self,
+        *,
+        actions: _abc.Iterable[Global___ActionRecord] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListActionsResponse: _TypeAlias = ListActionsResponse  # noqa: Y015
+
+@_typing.final
 class GetSnapshotRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -719,7 +829,9 @@ class ActionRequest(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     action: _builtins.str
-    """"checkpoint" (this version); more with the recovery policy."""
+    """"checkpoint", "restart", "checkpoint_and_restart" or
+    "exclude_node_and_restart" (needs exclude_nodes).
+    """
     idempotency_key: _builtins.str
     step: _builtins.int
     """checkpoint: the step to save at; unset lets the coordinator pick one a

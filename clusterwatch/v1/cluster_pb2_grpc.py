@@ -74,6 +74,11 @@ class ClusterServiceStub:
                 request_serializer=clusterwatch_dot_v1_dot_cluster__pb2.UpdateDetectionSettingsRequest.SerializeToString,
                 response_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.DetectionSettings.FromString,
                 _registered_method=True)
+        self.ListActions = channel.unary_unary(
+                '/clusterwatch.v1.ClusterService/ListActions',
+                request_serializer=clusterwatch_dot_v1_dot_cluster__pb2.ListActionsRequest.SerializeToString,
+                response_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.ListActionsResponse.FromString,
+                _registered_method=True)
 
 
 class ClusterServiceServicer:
@@ -132,6 +137,13 @@ class ClusterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListActions(self, request, context):
+        """What the recovery policy and operators decided and did, newest last.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +186,11 @@ def add_ClusterServiceServicer_to_server(servicer, server):
                     servicer.UpdateDetectionSettings,
                     request_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.UpdateDetectionSettingsRequest.FromString,
                     response_serializer=clusterwatch_dot_v1_dot_cluster__pb2.DetectionSettings.SerializeToString,
+            ),
+            'ListActions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListActions,
+                    request_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.ListActionsRequest.FromString,
+                    response_serializer=clusterwatch_dot_v1_dot_cluster__pb2.ListActionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -392,6 +409,33 @@ class ClusterService:
             '/clusterwatch.v1.ClusterService/UpdateDetectionSettings',
             clusterwatch_dot_v1_dot_cluster__pb2.UpdateDetectionSettingsRequest.SerializeToString,
             clusterwatch_dot_v1_dot_cluster__pb2.DetectionSettings.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListActions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clusterwatch.v1.ClusterService/ListActions',
+            clusterwatch_dot_v1_dot_cluster__pb2.ListActionsRequest.SerializeToString,
+            clusterwatch_dot_v1_dot_cluster__pb2.ListActionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

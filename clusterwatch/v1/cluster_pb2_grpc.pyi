@@ -46,6 +46,8 @@ class ClusterServiceStub:
     (SIGHUP re-reads them from the config file too).
     """
     UpdateDetectionSettings: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.UpdateDetectionSettingsRequest, _cluster_pb2.DetectionSettings]
+    ListActions: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.ListActionsRequest, _cluster_pb2.ListActionsResponse]
+    """What the recovery policy and operators decided and did, newest last."""
 
 @_typing.type_check_only
 class ClusterServiceAsyncStub(ClusterServiceStub):
@@ -65,6 +67,8 @@ class ClusterServiceAsyncStub(ClusterServiceStub):
     (SIGHUP re-reads them from the config file too).
     """
     UpdateDetectionSettings: _aio.UnaryUnaryMultiCallable[_cluster_pb2.UpdateDetectionSettingsRequest, _cluster_pb2.DetectionSettings]  # type: ignore[assignment]
+    ListActions: _aio.UnaryUnaryMultiCallable[_cluster_pb2.ListActionsRequest, _cluster_pb2.ListActionsResponse]  # type: ignore[assignment]
+    """What the recovery policy and operators decided and did, newest last."""
 
 class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -129,5 +133,13 @@ class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _cluster_pb2.UpdateDetectionSettingsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_cluster_pb2.DetectionSettings, _abc.Awaitable[_cluster_pb2.DetectionSettings]]: ...
+
+    @_abc_1.abstractmethod
+    def ListActions(
+        self,
+        request: _cluster_pb2.ListActionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cluster_pb2.ListActionsResponse, _abc.Awaitable[_cluster_pb2.ListActionsResponse]]:
+        """What the recovery policy and operators decided and did, newest last."""
 
 def add_ClusterServiceServicer_to_server(servicer: ClusterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
