@@ -8,6 +8,7 @@ import time
 from typing import Protocol
 
 from clusterwatch.agent.diagnose import DiagnosisTarget, ProcessDiagnoser
+from clusterwatch.agent.workers import WorkerStopper, effective_grace_s
 from clusterwatch.v1 import agent_pb2
 
 logger = logging.getLogger(__name__)
@@ -29,17 +30,29 @@ class ProcessLookup(Protocol):
         """The pid of ``rank`` of ``job`` as registered on the hook socket; None: not hosted here."""
 
 
+class WorkerLookup(Protocol):
+    """Finds every registered training process of a job (RankRegistry does)."""
+
+    def worker_pids(self, job: str) -> dict[int, int]:
+        """{pid: rank} of every process of ``job`` registered on the hook socket that may still run."""
+
+
 class CommandHandler:
     """Runs each command id once; a replayed id gets its first result again.
-
-    Later capabilities (restart) add branches here.
 
     Args:
         checkpoint_relay: where checkpoint commands go; None: this agent cannot relay them.
         process_lookup: which registered process runs a rank, for diagnose commands;
             None: this agent cannot diagnose.
         diagnoser: examines the processes (default: ProcessDiagnoser()).
+        worker_lookup: the registered processes of a job, for stop_workers commands;
+            None: this agent cannot stop workers.
+        stopper: stops them (default: WorkerStopper(), without a GPU memory check).
         remembered: how many command ids (with their results) are kept for replays.
+
+    Attributes:
+        cordoned_jobs: jobs whose launcher a stop_workers command stopped here: the
+            job re-forms without this node.
     """
 
     def __init__(
@@ -47,6 +60,9 @@ class CommandHandler:
         checkpoint_relay: CheckpointRelay | None = None,
         process_lookup: ProcessLookup | None = None,
         diagnoser: ProcessDiagnoser | None = None,
+        *,
+        worker_lookup: WorkerLookup | None = None,
+        stopper: WorkerStopper | None = None,
         remembered: int = 1024,
     ) -> None:
         self._results: collections.OrderedDict[str, agent_pb2.CommandResult] = collections.OrderedDict()
@@ -54,6 +70,9 @@ class CommandHandler:
         self._checkpoint_relay = checkpoint_relay
         self._process_lookup = process_lookup
         self._diagnoser = diagnoser or ProcessDiagnoser()
+        self._worker_lookup = worker_lookup
+        self._stopper = stopper or WorkerStopper()
+        self.cordoned_jobs: set[str] = set()
 
     async def handle(self, command: agent_pb2.Command) -> agent_pb2.CommandResult:
         previous = self._results.get(command.command_id)
@@ -69,6 +88,8 @@ class CommandHandler:
             result = self._checkpoint(command.command_id, command.checkpoint, self._checkpoint_relay)
         elif action == "diagnose" and self._process_lookup is not None:
             result = await self._diagnose(command.command_id, command.diagnose, self._process_lookup)
+        elif action == "stop_workers" and self._worker_lookup is not None:
+            result = await self._stop_workers(command.command_id, command.stop_workers, self._worker_lookup)
         else:
             logger.warning("unsupported command %s (%s)", command.command_id, action)
             result = agent_pb2.CommandResult(
@@ -147,4 +168,46 @@ class CommandHandler:
             status=Status.STATUS_OK,
             message=f"{count} process{'es' if count != 1 else ''} examined",
             diagnoses=diagnoses,
+        )
+
+    async def _stop_workers(
+        self, command_id: str, stop: agent_pb2.StopWorkersCommand, lookup: WorkerLookup
+    ) -> agent_pb2.CommandResult:
+        """OK once every registered worker of the job here (with its tree) is gone; FAILED if one survived.
+
+        Only pids the lookup returns (processes registered on the hook socket)
+        and their descendants are signalled; with ``stop_launcher`` their parent
+        too, and the job is cordoned on this node.
+        """
+        if not stop.job:
+            return agent_pb2.CommandResult(
+                command_id=command_id,
+                status=Status.STATUS_FAILED,
+                message="stop_workers command names no job",
+            )
+        workers = lookup.worker_pids(stop.job)
+        if not workers:
+            return agent_pb2.CommandResult(
+                command_id=command_id,
+                status=Status.STATUS_FAILED,
+                message=f"no worker of job {stop.job} on this node",
+            )
+        grace_s = effective_grace_s(stop.grace_seconds)
+        logger.warning(
+            "stop_workers %s: stopping %d worker(s) of job %s (grace %g s%s)%s", command_id, len(workers),
+            stop.job, grace_s, ", then their launcher" if stop.stop_launcher else "",
+            f": {stop.reason}" if stop.reason else "",
+        )  # fmt: skip
+        report = await self._stopper.stop(stop.job, workers, grace_s, stop_launcher=stop.stop_launcher)
+        message = report.summary()
+        if stop.stop_launcher:
+            self.cordoned_jobs.add(stop.job)
+            message += f"; node cordoned for job {stop.job}"
+            logger.warning("node cordoned for job %s: its launcher here was stopped", stop.job)
+        logger.log(logging.INFO if report.ok else logging.ERROR, "stop_workers %s: %s", command_id, message)
+        return agent_pb2.CommandResult(
+            command_id=command_id,
+            status=Status.STATUS_OK if report.ok else Status.STATUS_FAILED,
+            message=message,
+            stopped=report.processes,
         )

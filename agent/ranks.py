@@ -139,6 +139,25 @@ class RankRegistry:
         running = [entry for entry in candidates if entry.state is RankState.RUNNING]
         return (running or candidates)[-1].pid
 
+    def worker_pids(self, job: str) -> dict[int, int]:
+        """Every registered process of ``job`` that may still run, as {pid: rank}, by rank.
+
+        Same rule as ``pid_of`` for exits, but every such process counts, not
+        one per rank: an older registration of a rank whose process still runs
+        is one more worker to stop.
+        """
+        entries = sorted(
+            (
+                entry
+                for entry in self._entries.values()
+                if entry.identity.job == job
+                and entry.state is not RankState.EXITED
+                and entry.pending_exit is None
+            ),
+            key=lambda entry: entry.identity.rank,
+        )
+        return {entry.pid: entry.identity.rank for entry in entries}
+
     def count_by_state(self) -> dict[RankState, int]:
         counts = dict.fromkeys(RankState, 0)
         for entry in self._entries.values():

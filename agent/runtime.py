@@ -21,6 +21,7 @@ from clusterwatch.agent.proc_exit import ProcessExitWatcher
 from clusterwatch.agent.ranks import RankRegistry, RankState
 from clusterwatch.agent.report_buffer import ReportBuffer
 from clusterwatch.agent.uplink import Uplink
+from clusterwatch.agent.workers import WorkerStopper
 from clusterwatch.config import AgentSettings
 from clusterwatch.http_server import MetricsHttpServer
 from clusterwatch.node_metrics import NODE_UP, register_node_families, write_node, write_node_info
@@ -31,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 CAPABILITIES = ("report.v1", "command.ping")
 # Only with the hook socket on: without it there is nobody to relay a checkpoint to,
-# and no registered process to diagnose.
-HOOK_CAPABILITIES = ("hook.v1", "command.checkpoint", "command.diagnose")
+# and no registered process to diagnose or stop.
+HOOK_CAPABILITIES = ("hook.v1", "command.checkpoint", "command.diagnose", "command.stop_workers")
 
 AGENT_CONNECTED = gauge(
     "clusterwatch_agent_connected", "1 while the agent's stream to the coordinator is up."
@@ -106,19 +107,26 @@ class Agent:
         self.hook_server = (
             HookServer(Path(settings.socket), self.ranks, self.hook_links) if settings.socket else None
         )
+        self.commands = CommandHandler(
+            checkpoint_relay=self.hook_links if self.hook_server else None,
+            process_lookup=self.ranks if self.hook_server else None,
+            worker_lookup=self.ranks if self.hook_server else None,
+            stopper=WorkerStopper(
+                gpu_pids=self.gpu_pids_in_use, gpu_check_timeout_s=3 * settings.interval_s + 5.0
+            ),
+        )
         self.uplink = Uplink(
             settings.coordinator,
             self._hello,
             self.buffer,
-            CommandHandler(
-                checkpoint_relay=self.hook_links if self.hook_server else None,
-                process_lookup=self.ranks if self.hook_server else None,
-            ),
+            self.commands,
             settings.reconnect_max_s,
             on_checkpoints=self.hook_links.update_checkpoints,
         )
         self.latest: node_pb2.NodeReport | None = None
         self._sequence = 0
+        self._collections_started = 0
+        self._collected = asyncio.Condition()  # notified after each report is collected
         self._http: MetricsHttpServer | None = None
         # Swapped whole after each report, so the /metrics thread never iterates the registry.
         self._rank_counts: dict[RankState, int] = dict.fromkeys(RankState, 0)
@@ -149,6 +157,7 @@ class Agent:
 
         The ranks are added on the loop, which owns the registry.
         """
+        self._collections_started += 1
         report = await asyncio.to_thread(self._collect)
         self.ranks.report_into(report.ranks)
         self._rank_counts = self.ranks.count_by_state()
@@ -157,7 +166,26 @@ class Agent:
         report.reports_dropped_total = self.buffer.dropped_total
         self.buffer.append(report)
         self.latest = report
+        async with self._collected:
+            self._collected.notify_all()
         return report
+
+    async def gpu_pids_in_use(self) -> set[int] | None:
+        """Pids holding GPU memory in the first report collected after this call; None: no GPUs here.
+
+        Only NVML lists processes (simulated GPUs have none), so any other
+        backend counts as no GPUs. Waits for the next collection to start and
+        finish (about one interval); the caller bounds the wait.
+        """
+        if self.latest is not None and self.latest.gpu_inventory.backend != "nvml":
+            return None
+        wanted = self._collections_started + 1  # one that starts after now
+        async with self._collected:
+            await self._collected.wait_for(lambda: self._sequence >= wanted)
+        report = self.latest
+        if report is None or report.gpu_inventory.backend != "nvml":
+            return None
+        return {process.pid for gpu in report.gpus for process in gpu.processes}
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until ``stop`` is set, then close the stream and the collectors.
