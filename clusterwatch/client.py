@@ -59,6 +59,22 @@ class ClusterClient:
             request.step = step
         return self._stub.RequestAction(request, timeout=self.timeout_s, wait_for_ready=True)
 
+    def restart(self, job: str, exclude_nodes: list[str] | None = None) -> cluster_pb2.ActionResponse:
+        """Restart ``job`` (its workers are stopped; the launcher restarts them from the newest
+        complete checkpoint), optionally for good without ``exclude_nodes``.
+
+        Raises:
+            grpc.RpcError: NOT_FOUND (unknown job), INVALID_ARGUMENT, UNIMPLEMENTED (no launcher).
+        """
+        action = "exclude_node_and_restart" if exclude_nodes else "restart"
+        request = cluster_pb2.ActionRequest(job=job, action=action, exclude_nodes=exclude_nodes or [])
+        return self._stub.RequestAction(request, timeout=self.timeout_s, wait_for_ready=True)
+
+    def actions(self, job: str = "", incident_id: str = "", limit: int = 0) -> list[cluster_pb2.ActionRecord]:
+        """Recovery decisions and operator requests, with their outcomes, oldest first."""
+        request = cluster_pb2.ListActionsRequest(job=job, incident_id=incident_id, limit=limit)
+        return list(self._stub.ListActions(request, timeout=self.timeout_s, wait_for_ready=True).actions)
+
     def incidents(
         self, include_resolved: bool = False, job: str = "", limit: int = 0
     ) -> list[cluster_pb2.Incident]:

@@ -135,6 +135,47 @@ class DetectionSettings:
     )
 
 
+ACTIONS = ("alert", "checkpoint", "restart", "checkpoint_and_restart", "exclude_node_and_restart")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoverySettings:
+    """What the coordinator does about incidents (section ``[recovery]``).
+
+    Each ``*_action`` is one of alert, checkpoint, restart,
+    checkpoint_and_restart, exclude_node_and_restart.
+    """
+
+    hang_action: str = setting("restart", "on a hung job (it cannot checkpoint: resumes from the last complete one)",
+                               choices=ACTIONS)  # fmt: skip
+    rank_failure_action: str = setting(
+        "alert",
+        "on a rank that died (torchrun restarts the group itself; recovery is measured)",
+        choices=ACTIONS,
+    )
+    straggler_action: str = setting(
+        "alert", "on a straggler that persists straggler_persist_s", choices=ACTIONS
+    )
+    straggler_persist_s: float = setting(
+        300.0, "a straggler must persist this long before its action", positive=True
+    )
+    node_failure_action: str = setting(
+        "alert",
+        "on an unreachable node, a critical XID, a lost GPU or a link down under a job",
+        choices=ACTIONS,
+    )
+    max_restarts_per_hour: int = setting(
+        3, "restarts of one job per hour before it is left to a person", minimum=0
+    )
+    cooldown_s: float = setting(60.0, "no new action on a job this soon after the previous one", minimum=0)
+    restart_grace_s: float = setting(10.0, "SIGTERM to SIGKILL grace when stopping workers", positive=True)
+    recovery_timeout_s: float = setting(
+        300.0, "a restarted job that is not past its resume step by then is left to a person", positive=True
+    )
+    dry_run: bool = setting(False, "only record what would be done; stop nothing")
+    opt_out_jobs: list[str] = setting([], "jobs the policy never acts on (comma-separated)")
+
+
 @dataclasses.dataclass(frozen=True)
 class ClientSettings:
     """Settings of the client commands such as ``clusterwatch status`` (section ``[client]``)."""
@@ -147,6 +188,7 @@ SECTIONS: dict[type, str] = {
     AgentSettings: "agent",
     CoordinatorSettings: "coordinator",
     DetectionSettings: "detection",
+    RecoverySettings: "recovery",
     ClientSettings: "client",
 }
 

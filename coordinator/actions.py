@@ -1,4 +1,4 @@
-"""RequestAction: actions an operator asks for on a job. This version: checkpoint.
+"""RequestAction: actions an operator asks for on a job: checkpoint, restart (optionally without nodes).
 
 A checkpoint request picks the step every rank should save at and relays
 ``CheckpointCommand(job, step)`` to every node hosting a running rank of the
@@ -15,6 +15,8 @@ import collections
 import logging
 import math
 import uuid
+from collections.abc import Sequence
+from typing import Protocol
 
 from clusterwatch.coordinator.core import Coordinator
 from clusterwatch.coordinator.jobs import JobRecord
@@ -29,6 +31,12 @@ from clusterwatch.v1 import agent_pb2, cluster_pb2
 logger = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint"
+RESTART = "restart"
+EXCLUDE_NODE_AND_RESTART = "exclude_node_and_restart"
+RESTARTS = (RESTART, EXCLUDE_NODE_AND_RESTART)
+SUPPORTED = (CHECKPOINT, *RESTARTS)
+# How often a coordinated checkpoint's completion is looked for.
+CHECKPOINT_POLL_S = 0.2
 # An unset step means "soon": this far ahead of the furthest rank, at its
 # pace (reports arrive about once a second, so what we know is up to ~1 s old).
 CHECKPOINT_LEAD_S = 2.0
@@ -42,6 +50,14 @@ MIN_RELAY_WAIT_S = 0.1
 REMEMBERED_REQUESTS = 1024
 
 Status = agent_pb2.CommandResult.Status
+
+
+class RestartRequests(Protocol):
+    """What restart actions need from recovery (coordinator/recovery.py)."""
+
+    async def restart(
+        self, job: str, reason: str, exclude_nodes: Sequence[str] = ()
+    ) -> cluster_pb2.ActionRecord: ...
 
 
 def checkpoint_step(furthest_step: int, step_rate: float | None) -> int:
@@ -67,6 +83,8 @@ class Actions:
     def __init__(self, core: Coordinator, relay_timeout_s: float = RELAY_TIMEOUT_S) -> None:
         self._core = core
         self._relay_timeout_s = relay_timeout_s
+        # Set by the server once recovery exists (restart actions need it).
+        self.recovery: RestartRequests | None = None
         # idempotency key -> (job, action id, step)
         self._decided: collections.OrderedDict[str, tuple[str, str, int]] = collections.OrderedDict()
 
@@ -85,14 +103,14 @@ class Actions:
             FailedPreconditionError: the job has no running rank on a connected node.
             UnimplementedError: an action this version does not have.
         """
-        if request.action != CHECKPOINT:
+        if request.action not in SUPPORTED:
             if not request.action:
-                raise InvalidRequestError(f"action is empty; this version supports: {CHECKPOINT}")
-            raise UnimplementedError(
-                f"action {request.action!r} is not in this version (supported: {CHECKPOINT})"
-            )
+                raise InvalidRequestError(f"action is empty; supported: {', '.join(SUPPORTED)}")
+            raise UnimplementedError(f"action {request.action!r} is not supported ({', '.join(SUPPORTED)})")
         if not request.job:
             raise InvalidRequestError("job is empty")
+        if request.action in RESTARTS:
+            return await self._restart(request)
         if request.exclude_nodes:
             raise InvalidRequestError("exclude_nodes does not apply to checkpoint: every rank must save")
         job = self._core.jobs.jobs.get(request.job)
@@ -124,6 +142,39 @@ class Actions:
             message += "; " + "; ".join(problems)
         logger.info("action %s: %s", action_id, message)
         return cluster_pb2.ActionResponse(action_id=action_id, message=message, step=step)
+
+    async def checkpoint_now(self, job: str, timeout_s: float) -> int:
+        """Ask every rank of ``job`` to checkpoint and wait until all acknowledged; the step.
+
+        Raises:
+            TimeoutError: not complete within ``timeout_s``.
+            NotFoundError / FailedPreconditionError: see request().
+        """
+        response = await self.request(cluster_pb2.ActionRequest(job=job, action=CHECKPOINT))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            latest = self._core.checkpoints.latest_step(job)
+            if latest is not None and latest >= response.step:
+                return response.step
+            await asyncio.sleep(CHECKPOINT_POLL_S)
+        raise TimeoutError(
+            f"checkpoint of job {job} at step {response.step} not complete within {timeout_s:g} s"
+        )
+
+    async def _restart(self, request: cluster_pb2.ActionRequest) -> cluster_pb2.ActionResponse:
+        if self.recovery is None:
+            raise UnimplementedError("this coordinator has no recovery (launcher) configured")
+        if request.action == EXCLUDE_NODE_AND_RESTART and not request.exclude_nodes:
+            raise InvalidRequestError("exclude_node_and_restart needs exclude_nodes")
+        if request.job not in self._core.jobs.jobs:
+            raise NotFoundError(f"no job {request.job!r} has ranks reporting to this coordinator")
+        record = await self.recovery.restart(
+            request.job, "requested by an operator", list(request.exclude_nodes)
+        )
+        return cluster_pb2.ActionResponse(
+            action_id=record.id, message=f"{record.outcome}: {record.detail}", step=record.resume_step
+        )
 
     def _decide(self, request: cluster_pb2.ActionRequest, job: JobRecord) -> tuple[str, int]:
         """The action id and step, fixed on first sight of an idempotency key."""

@@ -28,9 +28,9 @@ _SETTABLE_STATES = (
 
 
 class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, actions: Actions) -> None:
         self._core = coordinator
-        self._actions = Actions(coordinator)
+        self._actions = actions
 
     def snapshot(self, summary_only: bool = False) -> cluster_pb2.ClusterSnapshot:
         """Nodes and jobs now; jobs are small, so summaries keep them whole."""
@@ -109,6 +109,14 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
     ) -> cluster_pb2.DetectionSettings:
         settings = self._core.watchdog.update_settings(dict(request.values))
         return cluster_pb2.DetectionSettings(values=config.as_strings(settings))
+
+    async def ListActions(  # noqa: N802
+        self, request: cluster_pb2.ListActionsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> cluster_pb2.ListActionsResponse:
+        actions = self._core.event_log.actions(
+            request.job, request.incident_id, request.limit or DEFAULT_EVENT_LIMIT
+        )
+        return cluster_pb2.ListActionsResponse(actions=actions)
 
     async def RequestAction(  # noqa: N802
         self, request: cluster_pb2.ActionRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -1,4 +1,4 @@
-"""Durable history: node events, the node registry, complete checkpoints and incidents, in SQLite (WAL).
+"""Durable history: node events, the node registry, complete checkpoints, incidents and actions, in SQLite (WAL).
 
 Writes are small and rare (state transitions and checkpoint completions, not
 reports), so they run synchronously on the caller's thread in one
@@ -22,9 +22,9 @@ from clusterwatch.v1 import cluster_pb2
 
 logger = logging.getLogger(__name__)
 
-# 2: checkpoints table; 3: incidents table. Older databases gain them on open
-# (CREATE IF NOT EXISTS).
-SCHEMA_VERSION = 3
+# 2: checkpoints table; 3: incidents table; 4: actions table. Older databases
+# gain them on open (CREATE IF NOT EXISTS).
+SCHEMA_VERSION = 4
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -61,6 +61,15 @@ CREATE TABLE IF NOT EXISTS incidents (
     incident BLOB NOT NULL
 );
 CREATE INDEX IF NOT EXISTS incidents_state ON incidents (state, opened_unix_s);
+CREATE TABLE IF NOT EXISTS actions (
+    id TEXT PRIMARY KEY,
+    job TEXT NOT NULL,
+    incident_id TEXT NOT NULL,
+    decided_unix_s REAL NOT NULL,
+    -- The whole record as a serialized clusterwatch.v1.ActionRecord.
+    record BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS actions_job ON actions (job, decided_unix_s);
 """
 
 
@@ -187,6 +196,36 @@ class EventLog:
         params.append(limit)
         rows = self._db.execute(query, params).fetchall()
         return [_incident(key_json, latch, blob) for key_json, latch, blob in reversed(rows)]
+
+    def save_action(self, record: cluster_pb2.ActionRecord) -> None:
+        with self._transaction():
+            self._db.execute(
+                "INSERT OR REPLACE INTO actions (id, job, incident_id, decided_unix_s, record) VALUES (?, ?, ?, ?, ?)",
+                (
+                    record.id,
+                    record.job,
+                    record.incident_id,
+                    record.decided_unix_seconds,
+                    record.SerializeToString(),
+                ),
+            )
+
+    def actions(
+        self, job: str = "", incident_id: str = "", limit: int = 1000
+    ) -> list[cluster_pb2.ActionRecord]:
+        """The newest ``limit`` action records, oldest first."""
+        query = "SELECT record FROM actions WHERE 1 = 1"
+        params: list[object] = []
+        if job:
+            query += " AND job = ?"
+            params.append(job)
+        if incident_id:
+            query += " AND incident_id = ?"
+            params.append(incident_id)
+        query += " ORDER BY decided_unix_s DESC, rowid DESC LIMIT ?"
+        params.append(limit)
+        rows = self._db.execute(query, params).fetchall()
+        return [cluster_pb2.ActionRecord.FromString(blob) for (blob,) in reversed(rows)]
 
     def close(self) -> None:
         self._db.close()

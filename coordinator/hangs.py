@@ -121,9 +121,13 @@ def detect_hang(job: JobRecord, now_mono_s: float, settings: HangSettings) -> Ha
     A job none of whose ranks has finished a step yet is not judged: start-up
     (imports, rendezvous, data loading) has no step time to scale with. Nor
     is one with no rank left running: it finished (or failed, which the
-    failure detector reports), and nobody waits for anybody.
+    failure detector reports), and nobody waits for anybody. Ranks of an
+    older generation (before a restart) are not judged at all.
     """
-    ranks = list(job.ranks.values())
+    # Only the newest generation: right after torchrun restarted the group,
+    # ranks of the old one still show their last steps while the new ones
+    # start up, which is no hang.
+    ranks = [r for r in job.ranks.values() if r.identity.restart_count == job.restart_count]
     if not any(r.state == RUNNING for r in ranks):
         return None
     progressed = [r.last_progress_mono_s for r in ranks if r.last_step is not None]

@@ -9,7 +9,8 @@ turns them into incidents:
   ranks may change; the identity and the opened time do not);
 - a live incident whose key no finding carries any more is resolved: the
   condition cleared (the straggler caught up, the job progresses again, the
-  node is back). Latched findings (an XID error, an error-counter jump) are
+  node is back), unless recovery is acting on it: then the recovery
+  tracker resolves it once the job runs again. Latched findings (an XID error, an error-counter jump) are
   events, not conditions: their incidents stay until someone resolves them,
   and only a larger ``latch_value`` (the counter rose again) opens a new one.
 
@@ -122,6 +123,8 @@ class Incident:
     latch_value: float | None = None
     # What the diagnoses added to the summary ("its process is stopped...").
     note: str = ""
+    # What recovery added ("no restart: rate limit...", "restart failed: ...").
+    recovery_note: str = ""
 
     @property
     def live(self) -> bool:
@@ -130,7 +133,7 @@ class Incident:
     def to_proto(self) -> cluster_pb2.Incident:
         return cluster_pb2.Incident(
             id=self.id, kind=self.kind.value, severity=self.severity.value,
-            summary=f"{self.summary}; {self.note}" if self.note else self.summary,
+            summary="; ".join(part for part in (self.summary, self.note, self.recovery_note) if part),
             state=self.state.proto, job=self.job, ranks=self.ranks, nodes=self.nodes, gpus=self.gpus,
             cause=self.cause, evidence=self.evidence, diagnoses=self.diagnoses,
             opened_unix_seconds=self.opened_unix_s, updated_unix_seconds=self.updated_unix_s,
@@ -187,7 +190,11 @@ class IncidentBook:
                 changes.append(change)
         if now_unix_s >= self._grace_until_unix_s:
             for key, incident in list(self._live.items()):
-                if key not in seen and incident.latch_value is None:
+                if (
+                    key not in seen
+                    and incident.latch_value is None
+                    and incident.state != IncidentState.ACTING
+                ):
                     changes.append(self._resolve(incident, now_unix_s))
         return changes
 

@@ -7,6 +7,8 @@ import contextlib
 import json
 import logging
 import os
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from clusterwatch.config import CoordinatorSettings, DetectionSettings
+from clusterwatch.config import CoordinatorSettings, DetectionSettings, RecoverySettings
+from clusterwatch.coordinator.actions import Actions
 from clusterwatch.coordinator.agent_servicer import AgentServicer
 from clusterwatch.coordinator.cluster_servicer import ClusterServicer
 from clusterwatch.coordinator.core import Coordinator
@@ -22,7 +25,10 @@ from clusterwatch.coordinator.errors_interceptor import ErrorMappingInterceptor
 from clusterwatch.coordinator.event_log import EventLog
 from clusterwatch.coordinator.incident_metrics import IncidentView, incident_view
 from clusterwatch.coordinator.job_views import TrainingView, training_view
+from clusterwatch.coordinator.launchers import TorchrunLauncher
 from clusterwatch.coordinator.metrics import render
+from clusterwatch.coordinator.recovery import Recovery, RecoveryCounts
+from clusterwatch.coordinator.recovery_metrics import copy_counts
 from clusterwatch.coordinator.views import NodeView, node_views
 from clusterwatch.grpc_options import SERVER_OPTIONS
 from clusterwatch.http_server import MetricsHttpServer
@@ -40,13 +46,32 @@ class CoordinatorServer:
     Args:
         settings: listen addresses, state directory, liveness.
         detection: detection thresholds (defaults when None).
+        recovery: the recovery policy (defaults when None).
     """
 
-    def __init__(self, settings: CoordinatorSettings, detection: DetectionSettings | None = None) -> None:
+    def __init__(
+        self,
+        settings: CoordinatorSettings,
+        detection: DetectionSettings | None = None,
+        recovery: RecoverySettings | None = None,
+    ) -> None:
         self.settings = settings
         self.core = Coordinator(
             EventLog(settings.state_dir), settings.unreachable_after_intervals, detection=detection
         )
+        self.actions = Actions(self.core)
+        recovery = recovery or RecoverySettings()
+        self.recovery = Recovery(
+            recovery,
+            watchdog=self.core.watchdog,
+            event_log=self.core.event_log,
+            jobs=lambda: self.core.jobs.jobs,
+            latest_checkpoint=self.core.checkpoints.latest_step,
+            checkpoint_now=self.actions.checkpoint_now,
+            launcher=TorchrunLauncher(self._send_stop, grace_s=recovery.restart_grace_s),
+            wall_clock=time.time,
+        )
+        self.actions.recovery = self.recovery
         self.grpc_port = 0
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -55,13 +80,24 @@ class CoordinatorServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
+    async def _send_stop(
+        self, node_id: str, stop: agent_pb2.StopWorkersCommand, timeout_s: float
+    ) -> agent_pb2.CommandResult:
+        """The torchrun launcher's way to a node's agent."""
+        command = agent_pb2.Command(
+            command_id=f"stop-{uuid.uuid4().hex[:12]}", issued_unix_seconds=time.time(), stop_workers=stop
+        )
+        return await self.core.send_command(node_id, command, timeout_s)
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         # gRPC's aio objects bind to the running loop: create them here, not in __init__.
         self._server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=SERVER_OPTIONS)
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(self.core), self._server)
-        cluster_pb2_grpc.add_ClusterServiceServicer_to_server(ClusterServicer(self.core), self._server)
+        cluster_pb2_grpc.add_ClusterServiceServicer_to_server(
+            ClusterServicer(self.core, self.actions), self._server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         services = (
             agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
@@ -89,6 +125,7 @@ class CoordinatorServer:
             asyncio.create_task(self.core.watch_liveness(), name="liveness"),
             asyncio.create_task(self.core.tick_acks(), name="acks"),
             asyncio.create_task(self.core.watch_incidents(), name="detection"),
+            asyncio.create_task(self.recovery.run(), name="recovery"),
         ]
         if self.settings.ready_file:
             self._write_ready_file(Path(self.settings.ready_file))
@@ -96,17 +133,18 @@ class CoordinatorServer:
     def render_metrics(self) -> bytes:
         """Called from the HTTP thread: copy state on the loop, render here."""
         assert self._loop is not None  # noqa: S101 - start() ran
-        views, training, incidents = asyncio.run_coroutine_threadsafe(self._views(), self._loop).result(
-            RENDER_SNAPSHOT_TIMEOUT_S
-        )
-        return render(views, training, incidents)
+        views, training, incidents, recovery = asyncio.run_coroutine_threadsafe(
+            self._views(), self._loop
+        ).result(RENDER_SNAPSHOT_TIMEOUT_S)
+        return render(views, training, incidents, recovery)
 
-    async def _views(self) -> tuple[list[NodeView], TrainingView, IncidentView]:
+    async def _views(self) -> tuple[list[NodeView], TrainingView, IncidentView, RecoveryCounts]:
         core = self.core
         return (
             node_views(core.state),
             training_view(core.jobs, core.checkpoints, core.now()[0]),
             incident_view(core.watchdog, core.jobs.jobs),
+            copy_counts(self.recovery.counts),
         )
 
     def _write_ready_file(self, path: Path) -> None:

@@ -139,6 +139,15 @@ class Watchdog:
         self._persist([change.incident])
         return change.incident
 
+    def note_recovery(self, incident_id: str, note: str) -> None:
+        """Say on a live incident what recovery did or why it did not (persisted)."""
+        incident = self.book.get(incident_id)
+        if incident is None:
+            return
+        incident.recovery_note = note
+        incident.updated_unix_s = self._wall()
+        self._persist([incident])
+
     def forget(self, job: str) -> None:
         self.detection.forget(job)
 

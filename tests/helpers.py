@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -203,12 +204,19 @@ class Cluster:
         return agent.start()
 
     def torchrun(
-        self, script: Path, *args: str, nproc: int, socket: Path | None, env: dict[str, str] | None = None
+        self,
+        script: Path,
+        *args: str,
+        nproc: int,
+        socket: Path | None,
+        env: dict[str, str] | None = None,
+        max_restarts: int = 0,
     ) -> Process:
-        """A real ``torchrun --standalone`` job of ``nproc`` gloo workers, hooked to ``socket``."""
+        """A real ``torchrun --standalone`` job of ``nproc`` gloo workers, hooked to ``socket``
+        (in a session of its own: see ``session_processes``)."""
         argv = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", "--max-restarts=0", str(script), *args,
+            f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", str(script), *args,
         ]  # fmt: skip
         job_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         job_env.pop("CLUSTERWATCH_AGENT_SOCKET", None)
@@ -287,3 +295,15 @@ def latest_complete_checkpoint(coordinator: Coordinator, job: str) -> int | None
     if status is None or not status.HasField("latest_complete_checkpoint_step"):
         return None
     return status.latest_complete_checkpoint_step
+
+
+def session_processes(session_id: int) -> list[psutil.Process]:
+    """Every process of a session (a torchrun job started by Cluster.torchrun), zombies included."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if os.getsid(process.pid) == session_id:
+                found.append(process)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return found

@@ -116,7 +116,18 @@ async def test_an_agent_that_does_not_answer_is_named(cluster: Cluster) -> None:
 
 BAD_REQUESTS = {
     "unknown job": (cluster_pb2.ActionRequest(job="nope", action="checkpoint"), grpc.StatusCode.NOT_FOUND),
-    "restart": (cluster_pb2.ActionRequest(job="train", action="restart"), grpc.StatusCode.UNIMPLEMENTED),
+    "unknown action": (
+        cluster_pb2.ActionRequest(job="train", action="reboot"),
+        grpc.StatusCode.UNIMPLEMENTED,
+    ),
+    "exclusion without nodes": (
+        cluster_pb2.ActionRequest(job="train", action="exclude_node_and_restart"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "restart unknown job": (
+        cluster_pb2.ActionRequest(job="nope", action="restart"),
+        grpc.StatusCode.NOT_FOUND,
+    ),
     "no action": (cluster_pb2.ActionRequest(job="train"), grpc.StatusCode.INVALID_ARGUMENT),
     "no job": (cluster_pb2.ActionRequest(action="checkpoint"), grpc.StatusCode.INVALID_ARGUMENT),
     "step 0": (

@@ -145,3 +145,12 @@ def test_a_job_with_no_rank_left_running_is_not_hung() -> None:
             now_mono=101.0, now_unix=0.0,
         )  # fmt: skip
     assert detect_hang(store.jobs["train"], now_mono_s=500.0, settings=SETTINGS) is None
+
+
+def test_a_restarted_generation_starting_up_is_not_hung() -> None:
+    store = JobStore()
+    job_after_steps(store, 2, 10)  # generation 0, last progress at coordinator time 100 s
+    store.ingest("node-0", [rank_report(0, world_size=2, restart_count=1)], now_mono=101.0, now_unix=0.0)
+    job = store.jobs["train"]
+    assert job.restart_count == 1  # rank 1 still shows generation 0's steps
+    assert detect_hang(job, now_mono_s=200.0, settings=SETTINGS) is None

@@ -6,7 +6,17 @@ import argparse
 import sys
 
 from clusterwatch import __version__
-from clusterwatch.cli import agent_cmd, common, coordinator_cmd, demo, incidents, simulate, status
+from clusterwatch.cli import (
+    agent_cmd,
+    checkpoint_cmd,
+    common,
+    coordinator_cmd,
+    demo,
+    incidents,
+    restart_cmd,
+    simulate,
+    status,
+)
 from clusterwatch.errors import ConfigError
 
 EXIT_CONFIG_ERROR = 2
@@ -19,7 +29,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"clusterwatch {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
-    for module in (agent_cmd, coordinator_cmd, status, incidents, demo, simulate):
+    for module in (
+        agent_cmd,
+        coordinator_cmd,
+        status,
+        incidents,
+        checkpoint_cmd,
+        restart_cmd,
+        demo,
+        simulate,
+    ):
         common.add_common_flags(module.add_parser(subparsers))
     return parser
 

@@ -9,7 +9,7 @@ import signal
 from typing import TYPE_CHECKING
 
 from clusterwatch.cli.common import add_settings_flags, run_until_signalled, settings_from_args
-from clusterwatch.config import CoordinatorSettings, DetectionSettings
+from clusterwatch.config import CoordinatorSettings, DetectionSettings, RecoverySettings
 from clusterwatch.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     add_settings_flags(parser, CoordinatorSettings)
     add_settings_flags(parser, DetectionSettings)
+    add_settings_flags(parser, RecoverySettings)
     parser.set_defaults(run=run)
     return parser
 
@@ -35,9 +36,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, CoordinatorSettings)
     detection = settings_from_args(args, DetectionSettings)
+    recovery = settings_from_args(args, RecoverySettings)
     from clusterwatch.coordinator.server import CoordinatorServer
 
-    server = CoordinatorServer(settings, detection)
+    server = CoordinatorServer(settings, detection, recovery)
 
     async def main(stop: asyncio.Event) -> None:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_detection, server, args)

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -56,24 +57,30 @@ def run(args: argparse.Namespace) -> int:
                 )
                 return 0
             incidents = client.incidents(include_resolved=args.all, job=args.job)
+            actions: dict[str, list[cluster_pb2.ActionRecord]] = {}
+            for record in client.actions(job=args.job):
+                actions.setdefault(record.incident_id, []).append(record)
     except grpc.RpcError as exc:
         print(f"clusterwatch: {settings.coordinator}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps([incident_json(i) for i in incidents], indent=2))
+        print(json.dumps([incident_json(i, actions.get(i.id, [])) for i in incidents], indent=2))
         return 0
     if not incidents:
         print("no incidents" + ("" if args.all else " open (--all shows resolved ones)"))
         return 0
-    print("\n\n".join(format_incident(i, args.stacks) for i in incidents))
+    print("\n\n".join(format_incident(i, args.stacks, actions.get(i.id, [])) for i in incidents))
     return 0
 
 
-def incident_json(incident: cluster_pb2.Incident) -> dict[str, Any]:
+def incident_json(
+    incident: cluster_pb2.Incident, actions: Sequence[cluster_pb2.ActionRecord] = ()
+) -> dict[str, Any]:
     document = MessageToDict(
         incident, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
     document["state"] = state_name(incident.state)
+    document["actions"] = [MessageToDict(a, preserving_proto_field_name=True) for a in actions]
     return document
 
 
@@ -81,8 +88,10 @@ def state_name(state: cluster_pb2.IncidentState.ValueType) -> str:
     return IncidentState.Name(state).removeprefix("INCIDENT_STATE_").lower()
 
 
-def format_incident(incident: cluster_pb2.Incident, stacks: bool = False) -> str:
-    """A few lines for people: header, summary, evidence, diagnoses."""
+def format_incident(
+    incident: cluster_pb2.Incident, stacks: bool = False, actions: Sequence[cluster_pb2.ActionRecord] = ()
+) -> str:
+    """A few lines for people: header, summary, evidence, diagnoses, recovery actions."""
     opened = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(incident.opened_unix_seconds))
     header = f"{incident.id}  {incident.severity.upper()}  {incident.kind}  {state_name(incident.state)}  since {opened}"
     where = []
@@ -107,6 +116,9 @@ def format_incident(incident: cluster_pb2.Incident, stacks: bool = False) -> str
         lines.append(f"  process {who}: {state}" + (f"; {d.error}" if d.error else ""))
         if stacks and d.stack_dump:
             lines.extend("      " + line for line in d.stack_dump.rstrip().splitlines())
+    for a in actions:
+        dry = " (dry run)" if a.dry_run else ""
+        lines.append(f"  action {a.action}{dry}: {a.outcome}" + (f"; {a.detail}" if a.detail else ""))
     return "\n".join(lines)
 
 

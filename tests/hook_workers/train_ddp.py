@@ -36,7 +36,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--allreduce-bytes", type=int, default=1 << 20)
     parser.add_argument("--slow-rank", type=int, default=-1, help="this rank's compute takes longer")
     parser.add_argument("--slow-factor", type=float, default=1.0, help="...by this factor (1.3: +30 %%)")
-    parser.add_argument("--stall-rank", type=int, default=-1, help="this rank stalls before an all-reduce")
+    parser.add_argument(
+        "--stall-rank", type=int, default=-1, help="this rank stalls before an all-reduce (first launch only)"
+    )
     parser.add_argument("--stall-step", type=int, default=-1)
     parser.add_argument("--stall-until-file", type=Path, help="the stall lasts until this file exists")
     parser.add_argument("--break-hook", action="store_true", help="make the hook's own step code fail")
@@ -97,7 +99,8 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         time.sleep(args.compute_ms / 1000 * (args.slow_factor if rank == args.slow_rank else 1.0))
-        if rank == args.stall_rank and step == args.stall_step:
+        first_generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if rank == args.stall_rank and step == args.stall_step and first_generation:
             while args.stall_until_file is not None and not args.stall_until_file.exists():
                 time.sleep(0.05)
         payload[0] = 2.0 if args.until_file is not None and args.until_file.exists() else 1.0

@@ -1,0 +1,38 @@
+"""``clusterwatch checkpoint``: a coordinated checkpoint of every rank of a job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from clusterwatch.cli.common import add_settings_flags, settings_from_args
+from clusterwatch.client import ClusterClient
+from clusterwatch.config import ClientSettings
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "checkpoint",
+        help="ask every rank of a job to checkpoint at one common step",
+        description="Pick a step a little ahead of the furthest rank (or --step) and ask every rank of the "
+        "job to save at the end of it. The job's newest complete checkpoint shows in `clusterwatch status`.",
+    )
+    parser.add_argument("--job", required=True, help="the job's name")
+    parser.add_argument("--step", type=int, default=None, help="the step to save at (default: soon)")
+    add_settings_flags(parser, ClientSettings)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args, ClientSettings)
+    try:
+        with ClusterClient(settings.coordinator, settings.timeout_s) as client:
+            response = client.request_checkpoint(args.job, args.step)
+    except grpc.RpcError as exc:
+        print(f"clusterwatch: {settings.coordinator}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(f"{response.action_id}: {response.message}")
+    return 0

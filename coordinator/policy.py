@@ -1,0 +1,136 @@
+"""The recovery policy: which action an incident gets, and whether it may have it now.
+
+Pure: decisions are a function of the incident, the settings and the job's
+recent actions (kept here), with the clock as an argument. The recovery
+executor (coordinator/recovery.py) carries decisions out and records them.
+
+Safety, in the order it is checked:
+
+1. nothing new for a job within ``cooldown_s`` of its previous action: the
+   decision waits until the cooldown is over;
+2. an opted-out job gets nothing but alerts;
+3. no more than ``max_restarts_per_hour`` restarts of a job: the next one
+   is skipped and the incident says the job is left to a person.
+
+Each incident is decided once (a straggler only once it persisted
+``straggler_persist_s``); a skipped decision is recorded like a taken one.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from clusterwatch.config import RecoverySettings
+from clusterwatch.coordinator.incidents import Incident, Kind, Severity
+
+ALERT = "alert"
+CHECKPOINT = "checkpoint"
+RESTART = "restart"
+CHECKPOINT_AND_RESTART = "checkpoint_and_restart"
+EXCLUDE_NODE_AND_RESTART = "exclude_node_and_restart"
+RESTARTS = frozenset({RESTART, CHECKPOINT_AND_RESTART, EXCLUDE_NODE_AND_RESTART})
+HOUR_S = 3600.0
+NODE_KINDS = frozenset({Kind.NODE_UNREACHABLE, Kind.GPU_XID, Kind.GPU_LOST, Kind.INFINIBAND})
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What to do about one incident.
+
+    Attributes:
+        skipped: why it will not be done ("" when it will).
+        exclude_nodes: nodes to restart without (exclude_node_and_restart).
+    """
+
+    incident_id: str
+    job: str
+    action: str
+    reason: str
+    skipped: str = ""
+    exclude_nodes: tuple[str, ...] = ()
+
+
+class Policy:
+    """Decides, remembering each job's recent actions for the safety rules.
+
+    Args:
+        settings: the ``[recovery]`` settings.
+    """
+
+    def __init__(self, settings: RecoverySettings) -> None:
+        self.settings = settings
+        self._decided: set[str] = set()
+        self._last_action_unix_s: dict[str, float] = {}
+        self._restarts_unix_s: dict[str, collections.deque[float]] = {}
+
+    def action_for(self, incident: Incident) -> str | None:
+        """The configured action for the incident's kind; None for kinds the policy leaves alone."""
+        s = self.settings
+        if incident.kind == Kind.HANG:
+            return s.hang_action
+        if incident.kind == Kind.RANK_FAILURE:
+            return s.rank_failure_action
+        if incident.kind == Kind.STRAGGLER:
+            return s.straggler_action
+        if incident.kind in NODE_KINDS and incident.severity == Severity.CRITICAL:
+            return s.node_failure_action
+        return None
+
+    def decide(self, incident: Incident, now_unix_s: float) -> Decision | None:
+        """A decision for an incident not decided yet, or None (not its time, not its kind, no job)."""
+        if incident.id in self._decided or not incident.job:
+            return None
+        action = self.action_for(incident)
+        if action is None:
+            return None
+        if (
+            incident.kind == Kind.STRAGGLER
+            and now_unix_s - incident.opened_unix_s < self.settings.straggler_persist_s
+        ):
+            return None
+        if action != ALERT and self._cooling_down(incident.job, now_unix_s):
+            return None  # decided once the cooldown is over
+        self._decided.add(incident.id)
+        exclude = incident.nodes if action == EXCLUDE_NODE_AND_RESTART else ()
+        decision = Decision(incident.id, incident.job, action, incident.summary, exclude_nodes=exclude)
+        skipped = self._why_not(decision, now_unix_s)
+        if skipped:
+            return dataclasses.replace(decision, skipped=skipped)
+        self.note_action(incident.job, action, now_unix_s)
+        return decision
+
+    def note_action(self, job: str, action: str, now_unix_s: float) -> None:
+        """Count an action against the job's cooldown and restart budget (operator requests too)."""
+        if action == ALERT:
+            return
+        self._last_action_unix_s[job] = now_unix_s
+        if action in RESTARTS:
+            self._restarts_unix_s.setdefault(job, collections.deque()).append(now_unix_s)
+
+    def restarts_in_last_hour(self, job: str, now_unix_s: float) -> int:
+        times = self._restarts_unix_s.get(job)
+        if times is None:
+            return 0
+        while times and now_unix_s - times[0] >= HOUR_S:
+            times.popleft()
+        return len(times)
+
+    def _cooling_down(self, job: str, now_unix_s: float) -> bool:
+        last = self._last_action_unix_s.get(job)
+        return last is not None and now_unix_s - last < self.settings.cooldown_s
+
+    def _why_not(self, decision: Decision, now_unix_s: float) -> str:
+        s = self.settings
+        if decision.action == ALERT:
+            return ""
+        if decision.job in s.opt_out_jobs:
+            return f"job {decision.job} opted out of automatic actions"
+        if decision.action in RESTARTS:
+            restarts = self.restarts_in_last_hour(decision.job, now_unix_s)
+            if restarts >= s.max_restarts_per_hour:
+                return (
+                    f"rate limit: job {decision.job} was restarted {restarts} times in the last hour "
+                    f"(max {s.max_restarts_per_hour}); left to a person"
+                )
+        return ""

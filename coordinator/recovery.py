@@ -1,0 +1,299 @@
+"""Carries out the recovery policy's decisions and tracks each restarted job back to health.
+
+Every 0.5 s: live incidents the policy has not decided get a decision
+(coordinator/policy.py); each decision becomes an ActionRecord (SQLite, the
+ListActions API) and, unless skipped or in dry-run mode, an action:
+
+- ``checkpoint``: the coordinated checkpoint of RequestAction;
+- ``restart``: the incident goes to ACTING, the launcher stops the job's
+  workers (torchrun restarts the group, the hooks resume from the newest
+  complete checkpoint);
+- ``checkpoint_and_restart``: a checkpoint first (waited for, with a
+  timeout; a hung job cannot checkpoint, so hangs restart directly), then
+  the restart;
+- ``exclude_node_and_restart``: the restart, with the incident's nodes
+  stopped for good (their launcher too) so an elastic job re-forms without
+  them.
+
+A restarted job is recovered when every rank of a newer generation has
+finished a step at or past the resume step: the incident is resolved then,
+and the recovery time (incident opened -> resumed) and the steps lost are
+counted. One that has not recovered within ``recovery_timeout_s`` goes back
+to ACKNOWLEDGED, for a person.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+from clusterwatch.config import RecoverySettings
+from clusterwatch.coordinator.event_log import EventLog
+from clusterwatch.coordinator.incidents import Incident, IncidentState, Kind
+from clusterwatch.coordinator.jobs import RUNNING, JobRecord
+from clusterwatch.coordinator.launchers import Launcher
+from clusterwatch.coordinator.policy import (
+    ALERT,
+    CHECKPOINT,
+    CHECKPOINT_AND_RESTART,
+    RESTARTS,
+    Decision,
+    Policy,
+)
+from clusterwatch.coordinator.watchdog import Watchdog
+from clusterwatch.v1 import cluster_pb2
+
+logger = logging.getLogger(__name__)
+
+PERIOD_S = 0.5
+CHECKPOINT_TIMEOUT_S = 60.0
+PENDING, DONE, FAILED, SKIPPED = "pending", "done", "failed", "skipped"
+
+# Asks every rank of a job to checkpoint; returns the step, once complete (raises on failure/timeout).
+CheckpointNow = Callable[[str, float], Awaitable[int]]
+
+
+@dataclasses.dataclass
+class _Restarted:
+    """A restart under way, until the job runs past its resume step."""
+
+    incident_id: str
+    job: str
+    restart_count: int
+    resume_step: int
+    furthest_step: int
+    opened_unix_s: float
+    started_unix_s: float
+
+
+@dataclasses.dataclass
+class RecoveryCounts:
+    """For /metrics: restarts by (job, reason kind), steps lost, last recovery time per job."""
+
+    restarts: collections.Counter[tuple[str, str]] = dataclasses.field(default_factory=collections.Counter)
+    steps_lost: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    last_recovery_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    actions: collections.Counter[tuple[str, str, str]] = dataclasses.field(
+        default_factory=collections.Counter
+    )
+
+
+class Recovery:
+    """The policy's hands.
+
+    Args:
+        settings: ``[recovery]``.
+        watchdog: the incidents (moved to ACTING / RESOLVED / ACKNOWLEDGED through it).
+        event_log: where action records persist.
+        jobs: the job store's jobs (read each round).
+        latest_checkpoint: job -> newest complete checkpoint step, or None.
+        checkpoint_now: the coordinated checkpoint.
+        launcher: how a job is restarted (torchrun via the agents, SLURM, Kubernetes).
+        wall_clock: seconds since the epoch.
+    """
+
+    def __init__(
+        self,
+        settings: RecoverySettings,
+        *,
+        watchdog: Watchdog,
+        event_log: EventLog,
+        jobs: Callable[[], Mapping[str, JobRecord]],
+        latest_checkpoint: Callable[[str], int | None],
+        checkpoint_now: CheckpointNow,
+        launcher: Launcher,
+        wall_clock: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self.policy = Policy(settings)
+        self.counts = RecoveryCounts()
+        self._watchdog = watchdog
+        self._event_log = event_log
+        self._jobs = jobs
+        self._latest_checkpoint = latest_checkpoint
+        self._checkpoint_now = checkpoint_now
+        self._launcher = launcher
+        self._wall = wall_clock
+        self._restarted: dict[str, _Restarted] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self, period_s: float = PERIOD_S) -> None:
+        """Rounds forever (cancel to stop)."""
+        try:
+            while True:
+                try:
+                    self.round()
+                except Exception:
+                    logger.exception("recovery round failed")
+                await asyncio.sleep(period_s)
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def round(self) -> None:
+        """Decide on new incidents, start their actions, and check restarted jobs."""
+        now = self._wall()
+        for incident in self._watchdog.book.live():
+            decision = self.policy.decide(incident, now)
+            if decision is not None:
+                self._start(self._carry_out(decision, incident), f"action on {incident.id}")
+        self._track(now)
+
+    async def restart(
+        self, job: str, reason: str, exclude_nodes: Sequence[str] = ()
+    ) -> cluster_pb2.ActionRecord:
+        """An operator's restart (RequestAction): the same path as the policy's, minus its safety rules."""
+        action = "exclude_node_and_restart" if exclude_nodes else "restart"
+        decision = Decision("", job, action, reason, exclude_nodes=tuple(exclude_nodes))
+        self.policy.note_action(job, action, self._wall())
+        return await self._carry_out(decision, None)
+
+    async def _carry_out(self, decision: Decision, incident: Incident | None) -> cluster_pb2.ActionRecord:
+        record = cluster_pb2.ActionRecord(
+            id=f"{decision.action}-{uuid.uuid4().hex[:10]}", job=decision.job, action=decision.action,
+            reason=decision.reason, incident_id=decision.incident_id, dry_run=self.settings.dry_run,
+            outcome=PENDING, decided_unix_seconds=self._wall(), exclude_nodes=decision.exclude_nodes,
+        )  # fmt: skip
+        settled = self._settled_without_acting(decision)
+        if settled is not None:
+            return self._finish(record, *settled)
+        self._save(record)
+        try:
+            if decision.action == CHECKPOINT or (
+                decision.action == CHECKPOINT_AND_RESTART and not _is_hang(incident)
+            ):
+                step = await self._checkpoint_now(decision.job, CHECKPOINT_TIMEOUT_S)
+                record.detail = f"checkpoint complete at step {step}"
+                if decision.action == CHECKPOINT:
+                    return self._finish(record, DONE, record.detail)
+            if decision.action in RESTARTS:
+                return await self._restart(record, incident)
+        except Exception as exc:  # a failed action is recorded, never raised into the loop
+            logger.exception("action %s on job %s failed", record.id, record.job)
+            return self._finish(record, FAILED, f"{record.detail + '; ' if record.detail else ''}{exc}")
+        return self._finish(record, FAILED, f"unknown action {decision.action!r}")
+
+    def _settled_without_acting(self, decision: Decision) -> tuple[str, str] | None:
+        """(outcome, detail) for decisions that act on nothing: skipped, alerts, dry runs."""
+        if decision.skipped:
+            return SKIPPED, decision.skipped
+        if decision.action == ALERT:
+            return DONE, "alerted (the incident is the alert)"
+        if self.settings.dry_run:
+            return DONE, f"dry run: would {decision.action.replace('_', ' ')} job {decision.job}"
+        return None
+
+    async def _restart(
+        self, record: cluster_pb2.ActionRecord, incident: Incident | None
+    ) -> cluster_pb2.ActionRecord:
+        job = self._jobs().get(record.job)
+        if job is None:
+            return self._finish(record, FAILED, f"job {record.job} is gone")
+        resume = self._latest_checkpoint(record.job)
+        record.resume_step = resume + 1 if resume is not None else 0
+        if incident is not None and incident.state in (IncidentState.OPEN, IncidentState.ACKNOWLEDGED):
+            self._watchdog.move(incident.id, IncidentState.ACTING)
+        nodes = sorted({r.node_id for r in job.ranks.values()})
+        started = self._wall()
+        outcome = await self._launcher.restart(record.job, nodes, list(record.exclude_nodes), record.reason)
+        prefix = f"{record.detail}; " if record.detail else ""
+        if not outcome.ok:
+            if incident is not None:
+                self._give_back(incident.id, f"restart failed: {outcome.detail}")
+            return self._finish(record, FAILED, prefix + outcome.detail)
+        self.counts.restarts[(record.job, incident.kind.value if incident else "requested")] += 1
+        furthest = max((r.last_step.step for r in job.ranks.values() if r.last_step is not None), default=0)
+        self._restarted[record.job] = _Restarted(
+            incident.id if incident else "", record.job, job.restart_count, record.resume_step, furthest,
+            incident.opened_unix_s if incident else started, started,
+        )  # fmt: skip
+        where = (
+            f"resumes from step {record.resume_step}"
+            if resume is not None
+            else "starts over (no complete checkpoint)"
+        )
+        return self._finish(record, DONE, f"{prefix}{outcome.detail}; the job {where}")
+
+    def _track(self, now_unix_s: float) -> None:
+        jobs = self._jobs()
+        for name, restarted in list(self._restarted.items()):
+            job = jobs.get(name)
+            if job is not None and _resumed(job, restarted):
+                del self._restarted[name]
+                recovery_s = now_unix_s - restarted.opened_unix_s
+                lost = max(0, restarted.furthest_step + 1 - restarted.resume_step)
+                self.counts.last_recovery_s[name] = recovery_s
+                self.counts.steps_lost[name] += lost
+                logger.warning(
+                    "job %s recovered: every rank past step %d, %.1f s after the incident opened; %d steps lost",
+                    name, restarted.resume_step, recovery_s, lost,
+                )  # fmt: skip
+                if restarted.incident_id and self._watchdog.book.get(restarted.incident_id) is not None:
+                    self._watchdog.move(restarted.incident_id, IncidentState.RESOLVED)
+            elif now_unix_s - restarted.started_unix_s > self.settings.recovery_timeout_s:
+                del self._restarted[name]
+                if restarted.incident_id:
+                    self._give_back(
+                        restarted.incident_id,
+                        f"job {name} did not get past step {restarted.resume_step} within "
+                        f"{self.settings.recovery_timeout_s:g} s of the restart; left to a person",
+                    )
+
+    def _give_back(self, incident_id: str, why: str) -> None:
+        incident = self._watchdog.book.get(incident_id)
+        if incident is None:
+            return
+        self._watchdog.note_recovery(incident_id, why)
+        if incident.state == IncidentState.ACTING:
+            self._watchdog.move(incident_id, IncidentState.ACKNOWLEDGED)
+
+    def _finish(
+        self, record: cluster_pb2.ActionRecord, outcome: str, detail: str
+    ) -> cluster_pb2.ActionRecord:
+        record.outcome, record.detail = outcome, detail
+        record.finished_unix_seconds = self._wall()
+        self.counts.actions[(record.job, record.action, outcome)] += 1
+        level = logging.WARNING if outcome in (FAILED, SKIPPED) else logging.INFO
+        logger.log(
+            level, "action %s %s on job %s: %s (%s)", record.id, outcome, record.job, detail, record.reason
+        )
+        if outcome == SKIPPED and record.incident_id:
+            self._watchdog.note_recovery(
+                record.incident_id, f"no {record.action.replace('_', ' ')}: {detail}"
+            )
+        self._save(record)
+        return record
+
+    def _save(self, record: cluster_pb2.ActionRecord) -> None:
+        try:
+            self._event_log.save_action(record)
+        except Exception:
+            logger.exception("could not persist action %s", record.id)
+
+    def _start(self, work: Awaitable[object], name: str) -> None:
+        async def run() -> None:
+            await work
+
+        task = asyncio.get_running_loop().create_task(run(), name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _is_hang(incident: Incident | None) -> bool:
+    return incident is not None and incident.kind == Kind.HANG
+
+
+def _resumed(job: JobRecord, restarted: _Restarted) -> bool:
+    """Every rank of a newer generation finished a step at or past the resume step."""
+    if job.restart_count <= restarted.restart_count:
+        return False
+    ranks = [r for r in job.ranks.values() if r.identity.restart_count == job.restart_count]
+    return len(ranks) >= job.world_size and all(
+        r.state == RUNNING and r.last_step is not None and r.last_step.step >= restarted.resume_step
+        for r in ranks
+    )

@@ -1,0 +1,76 @@
+"""The recovery policy's decisions and safety rules (pure)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from clusterwatch.config import RecoverySettings
+from clusterwatch.coordinator.incidents import Incident, IncidentState, Kind, Severity
+from clusterwatch.coordinator.policy import Policy
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def incident(kind: Kind = Kind.HANG, n: int = 1, opened: float = 100.0, job: str = "train",
+             severity: Severity = Severity.CRITICAL) -> Incident:  # fmt: skip
+    return Incident(
+        id=f"{kind.value}-{n}", key=(kind.value, job, n), kind=kind, severity=severity, summary="s", cause="c",
+        state=IncidentState.OPEN, opened_unix_s=opened, updated_unix_s=opened, job=job, ranks=(1,), nodes=("n1",),
+    )  # fmt: skip
+
+
+def test_each_kind_gets_its_configured_action_once() -> None:
+    policy = Policy(RecoverySettings(hang_action="restart", rank_failure_action="alert", cooldown_s=0))
+    hang = policy.decide(incident(), 100.0)
+    assert hang is not None
+    assert (hang.action, hang.skipped) == ("restart", "")
+    assert policy.decide(incident(), 101.0) is None  # decided already
+    failure = policy.decide(incident(Kind.RANK_FAILURE, 2), 102.0)
+    assert failure is not None
+    assert failure.action == "alert"
+    assert policy.decide(incident(Kind.JOB_SLOWDOWN, 3), 103.0) is None  # not the policy's business
+    assert policy.decide(incident(Kind.GPU_XID, 4, severity=Severity.WARNING), 104.0) is None
+    assert policy.decide(incident(job=""), 105.0) is None
+
+
+def test_a_straggler_is_acted_on_only_once_it_persisted() -> None:
+    policy = Policy(RecoverySettings(straggler_action="checkpoint", straggler_persist_s=60.0))
+    straggler = incident(Kind.STRAGGLER, opened=100.0)
+    assert policy.decide(straggler, 159.0) is None
+    decision = policy.decide(straggler, 160.0)
+    assert decision is not None
+    assert decision.action == "checkpoint"
+
+
+def test_the_rate_limit_skips_restarts_beyond_the_hourly_budget() -> None:
+    policy = Policy(RecoverySettings(max_restarts_per_hour=2, cooldown_s=0))
+    decisions = [policy.decide(incident(n=n), 100.0 + n) for n in range(3)]
+    assert [d.skipped for d in decisions if d is not None][:2] == ["", ""]
+    third = decisions[2]
+    assert third is not None
+    assert "rate limit" in third.skipped
+    assert "left to a person" in third.skipped
+    later = policy.decide(incident(n=9), 100.0 + 3600 + 2)  # the first two left the hour
+    assert later is not None
+    assert later.skipped == ""
+
+
+def test_the_cooldown_postpones_and_opt_out_skips() -> None:
+    policy = Policy(RecoverySettings(cooldown_s=30, opt_out_jobs=["precious"]))
+    assert policy.decide(incident(n=1), 100.0) is not None
+    assert policy.decide(incident(n=2), 110.0) is None  # cooling down: not decided yet
+    postponed = policy.decide(incident(n=2), 131.0)
+    assert postponed is not None
+    assert postponed.skipped == ""
+    opted_out = policy.decide(incident(n=3, job="precious"), 200.0)
+    assert opted_out is not None
+    assert "opted out" in opted_out.skipped
+
+
+def test_exclusion_names_the_incidents_nodes() -> None:
+    settings = dataclasses.replace(RecoverySettings(), node_failure_action="exclude_node_and_restart")
+    decision = Policy(settings).decide(incident(Kind.NODE_UNREACHABLE), 100.0)
+    assert decision is not None
+    assert decision.exclude_nodes == ("n1",)
