@@ -7,7 +7,7 @@ import asyncio
 
 import grpc
 import pytest
-from helpers import Cluster, Coordinator
+from helpers import Cluster, Coordinator, run_cli
 from training_builders import EXITED, AgentStream, poll_until, rank_report, step
 
 from clusterwatch.client import ClusterClient
@@ -159,3 +159,38 @@ async def test_bad_requests_get_typed_statuses(cluster: Cluster) -> None:
         codes = {case: await status_of(coordinator, action) for case, (action, _) in BAD_REQUESTS.items()}
         assert codes == {case: code for case, (_, code) in BAD_REQUESTS.items()}
         assert not checkpoint_commands(node_a)
+
+
+async def test_restart_from_the_cli_stops_the_workers_on_every_node_of_the_job(cluster: Cluster) -> None:
+    coordinator = cluster.coordinator()
+    async with (
+        AgentStream(coordinator.address, "node-a") as node_a,
+        AgentStream(coordinator.address, "node-b") as node_b,
+    ):
+        await node_a.report(rank_report(0, world_size=2, steps=STEPS))
+        await node_b.report(rank_report(1, world_size=2, steps=STEPS))
+        await poll_until(lambda: job_has_ranks(coordinator, "train", 2), 20, "two ranks")
+        result = await asyncio.to_thread(
+            run_cli, "restart", "--job", "train", "--exclude", "node-b", "--coordinator", coordinator.address
+        )
+        stops = {
+            stream.node_id: [m.command.stop_workers for m in stream.of_kind("command")
+                             if m.command.WhichOneof("action") == "stop_workers"]
+            for stream in (node_a, node_b)
+        }  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("exclude_node_and_restart-")
+    assert [(s.job, s.stop_launcher) for s in stops["node-a"]] == [("train", False)]
+    assert [(s.job, s.stop_launcher) for s in stops["node-b"]] == [("train", True)]  # excluded for good
+    with coordinator.client() as client:
+        (record,) = client.actions(job="train")
+    assert (record.action, record.outcome, list(record.exclude_nodes)) == (
+        "exclude_node_and_restart",
+        "done",
+        ["node-b"],
+    )
+    missing = await asyncio.to_thread(
+        run_cli, "restart", "--job", "nope", "--coordinator", coordinator.address
+    )
+    assert missing.returncode == 1
+    assert "NOT_FOUND" in missing.stderr

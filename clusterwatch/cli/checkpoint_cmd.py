@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-import grpc
-
-from clusterwatch.cli.common import add_settings_flags, settings_from_args
-from clusterwatch.client import ClusterClient
+from clusterwatch.cli.common import add_settings_flags, with_client
 from clusterwatch.config import ClientSettings
 
 
@@ -27,12 +23,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args, ClientSettings)
-    try:
-        with ClusterClient(settings.coordinator, settings.timeout_s) as client:
-            response = client.request_checkpoint(args.job, args.step)
-    except grpc.RpcError as exc:
-        print(f"clusterwatch: {settings.coordinator}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    response = with_client(args, lambda client: client.request_checkpoint(args.job, args.step))
+    if response is None:
         return 1
     print(f"{response.action_id}: {response.message}")
     return 0

@@ -8,11 +8,15 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
+
 from clusterwatch import config
+from clusterwatch.client import ClusterClient
 
 T = TypeVar("T")
 
@@ -64,6 +68,18 @@ def settings_from_args(args: argparse.Namespace, cls: type[T]) -> T:
     flags = {k.removeprefix(_FLAG_PREFIX): v for k, v in vars(args).items() if k.startswith(_FLAG_PREFIX)}
     tables, file_name = config.read_config_file(args.config, os.environ)
     return config.load(cls, file_tables=tables, file_name=file_name, flags=flags)
+
+
+def with_client(args: argparse.Namespace, use: Callable[[ClusterClient], T]) -> T | None:
+    """``use(client)`` on a client of the configured coordinator; None (and one line on
+    stderr naming the coordinator and the status) when the call failed."""
+    settings = settings_from_args(args, config.ClientSettings)
+    try:
+        with ClusterClient(settings.coordinator, settings.timeout_s) as client:
+            return use(client)
+    except grpc.RpcError as exc:
+        print(f"clusterwatch: {settings.coordinator}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return None
 
 
 def setup_logging(level: str) -> None:
