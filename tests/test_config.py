@@ -105,7 +105,9 @@ def test_cli_bad_file_exits_2(tmp_path: Path) -> None:
     _assert_exit_2_naming(result.stderr, result.returncode, "client.coordinator")
 
 
-@pytest.mark.parametrize("command", ["agent", "coordinator", "status", "incidents", "checkpoint", "restart", "demo", "simulate"])
+@pytest.mark.parametrize(
+    "command", ["agent", "coordinator", "status", "incidents", "checkpoint", "restart", "demo", "simulate"]
+)
 def test_every_command_has_help(command: str) -> None:
     result = run_cli(command, "--help")
     assert result.returncode == 0
