@@ -130,7 +130,9 @@ def detect_hang(job: JobRecord, now_mono_s: float, settings: HangSettings) -> Ha
     ranks = [r for r in job.ranks.values() if r.identity.restart_count == job.restart_count]
     if not any(r.state == RUNNING for r in ranks):
         return None
-    progressed = [r.last_progress_mono_s for r in ranks if r.last_step is not None]
+    # Progress of the ranks still running: a relaunch of a finished job (same
+    # generation, new processes starting up) is judged once they stepped.
+    progressed = [r.last_progress_mono_s for r in ranks if r.last_step is not None and r.state == RUNNING]
     if not progressed:
         return None
     stalled_s = now_mono_s - max(progressed)

@@ -154,3 +154,14 @@ def test_a_restarted_generation_starting_up_is_not_hung() -> None:
     job = store.jobs["train"]
     assert job.restart_count == 1  # rank 1 still shows generation 0's steps
     assert detect_hang(job, now_mono_s=200.0, settings=SETTINGS) is None
+
+
+def test_a_relaunch_of_a_finished_job_starting_up_is_not_hung() -> None:
+    store = JobStore()
+    job_after_steps(store, 2, 10)
+    clean = training_pb2.RankExit(exit_code=0, clean=True, description="exit code 0")
+    for rank in range(2):
+        store.ingest(f"node-{rank}", [rank_report(rank, world_size=2, state=EXITED, exit=clean)], 101.0, 0.0)
+    # The same job name again: rank 0's new process registered, rank 1's not yet.
+    store.ingest("node-0", [rank_report(0, world_size=2, instance_id="relaunch-0")], 150.0, 0.0)
+    assert detect_hang(store.jobs["train"], now_mono_s=200.0, settings=SETTINGS) is None
