@@ -27,13 +27,14 @@ from pathlib import Path
 
 import psutil
 
+from clusterwatch.external_commands import run_command
 from clusterwatch.v1 import training_pb2
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DUMP_TIMEOUT_S = 5.0
 # A dump larger than this (thousands of threads) is cut; the head is the useful part.
-MAX_STACK_DUMP_BYTES = 1024 * 1024
+MAX_STACK_DUMP_CHARS = 1024 * 1024
 MAX_ERROR_CHARS = 300
 # States in which there is nothing to attach to, with what to tell the coordinator instead.
 _UNDUMPABLE_STATES = {
@@ -124,30 +125,20 @@ class ProcessDiagnoser:
         """``py-spy dump --pid`` (``--nonblocking`` for a stopped process): (the dump, "") or ("", why it failed)."""
         # The agent may run with RUST_BACKTRACE set; a Rust backtrace on stderr is noise here.
         env = {**os.environ, "RUST_BACKTRACE": "0", "RUST_LIB_BACKTRACE": "0"}
-        try:
-            process = await asyncio.create_subprocess_exec(
-                str(py_spy), "dump", "--pid", str(pid), *(["--nonblocking"] if nonblocking else []),
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=env,
-            )  # fmt: skip
-        except FileNotFoundError:
+        argv = [str(py_spy), "dump", "--pid", str(pid), *(["--nonblocking"] if nonblocking else [])]
+        run = await run_command(argv, self.dump_timeout_s, env=env)
+        if run.not_found:
             return "", f"py-spy is not installed (no file {py_spy})"
-        except OSError as exc:
-            return "", f"cannot run py-spy at {py_spy}: {exc.strerror or exc}"
-        try:
-            stdout, stderr = await asyncio.wait_for(process.communicate(), self.dump_timeout_s)
-        except TimeoutError:
+        if run.timed_out:
             return "", f"py-spy timed out after {self.dump_timeout_s:g} s"
-        finally:
-            if process.returncode is None:  # timed out or cancelled: py-spy must not outlive the command
-                process.kill()
-                await process.wait()
-        if process.returncode != 0:
-            return "", "py-spy failed: " + _py_spy_error(stderr.decode(errors="replace"), process.returncode)
-        if len(stdout) > MAX_STACK_DUMP_BYTES:
-            cut = stdout[:MAX_STACK_DUMP_BYTES].decode(errors="ignore")
-            return cut + f"\n... (cut at {MAX_STACK_DUMP_BYTES} of {len(stdout)} bytes)\n", ""
-        return stdout.decode(errors="replace"), ""
+        if run.returncode is None:
+            return "", f"cannot run py-spy at {py_spy}: {run.failure}"
+        if run.returncode != 0:
+            return "", "py-spy failed: " + _py_spy_error(run.stderr, run.returncode)
+        if len(run.stdout) > MAX_STACK_DUMP_CHARS:
+            cut = run.stdout[:MAX_STACK_DUMP_CHARS]
+            return cut + f"\n... (cut at {MAX_STACK_DUMP_CHARS} of {len(run.stdout)} characters)\n", ""
+        return run.stdout, ""
 
 
 def _py_spy_error(stderr: str, returncode: int | None) -> str:

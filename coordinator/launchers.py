@@ -25,18 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import logging
-import os
 import re
-import signal
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Protocol
 
 from clusterwatch.errors import ConfigError
+from clusterwatch.external_commands import CommandRun, run_command
 from clusterwatch.v1 import agent_pb2
 
 logger = logging.getLogger(__name__)
@@ -51,12 +48,8 @@ NAMESPACE_KEY = "recovery.kubernetes_namespace"
 DEFAULT_POD_SELECTOR = "clusterwatch.io/job={job}"
 # One scontrol/kubectl call may take this long (slurmctld or the API server busy).
 COMMAND_TIMEOUT_S = 30.0
-# After SIGKILL of a timed-out command, wait this long for it to be reaped.
-KILL_WAIT_S = 5.0
 # Agents answer a stop after the SIGTERM grace, SIGKILL and reaping: allow this much more.
 STOP_ANSWER_MARGIN_S = 10.0
-# Longest stderr line quoted in a detail.
-QUOTE_CHARS = 200
 
 Status = agent_pb2.CommandResult.Status
 SendStop = Callable[[str, agent_pb2.StopWorkersCommand, float], Awaitable[agent_pb2.CommandResult]]
@@ -72,8 +65,6 @@ _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?")
 # A namespace name (an RFC 1123 label).
 _NAMESPACE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
-# A klog line ("E1121 17:28:38.573130   26919 memcache.go:265] ...").
-_KLOG_LINE = re.compile(r"[IWEF][0-9]{4} [0-9:.]+ +[0-9]+ [^ ]+:[0-9]+\] ")
 # Top-level entries of a SLURM host list: "n[1-3,5],gpu7" -> "n[1-3,5]", "gpu7".
 _HOSTLIST_ENTRY = re.compile(r"(?:[^,\[]|\[[^\]]*\])+")
 
@@ -224,91 +215,6 @@ def _counts(counts: Mapping[str, int]) -> str:
     known = [key for key in _OUTCOME_ORDER if counts.get(key)]
     other = sorted(key for key in counts if key not in _OUTCOME_ORDER and counts[key])
     return ", ".join(f"{counts[key]} {key}" for key in known + other) or "none found"
-
-
-# ---------------------------------------------------------------- commands
-
-
-@dataclasses.dataclass(frozen=True)
-class CommandRun:
-    """One finished (or abandoned) run of an external command.
-
-    Attributes:
-        argv: the command line.
-        returncode: its exit status; None when it never ran or was killed at the timeout.
-        stdout: what it wrote to stdout.
-        failure: '' when it exited 0, else one line saying why not.
-    """
-
-    argv: tuple[str, ...]
-    returncode: int | None
-    stdout: str
-    failure: str
-
-    @property
-    def ok(self) -> bool:
-        return not self.failure
-
-    def shown(self) -> str:
-        """The command line for people: the executable's name and its arguments."""
-        return " ".join([Path(self.argv[0]).name, *self.argv[1:]])
-
-
-async def run_command(argv: Sequence[str], timeout_s: float) -> CommandRun:
-    """Run a command to its end, or kill it (and its process group) at ``timeout_s``.
-
-    Never raises for the command's sake: a missing executable, a nonzero exit
-    or the timeout is a CommandRun with ``failure`` set.
-    """
-    args = tuple(argv)
-    name = Path(args[0]).name
-    try:
-        # Its own session, so a timeout kills whatever it started too: those
-        # would otherwise hold the output pipes open and the wait with them.
-        process = await asyncio.create_subprocess_exec(
-            *args,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-        )
-    except FileNotFoundError:
-        where = args[0] if os.sep in args[0] else f"{args[0]!r} on PATH"
-        return CommandRun(args, None, "", f"{name} not found (looked for {where})")
-    except OSError as exc:
-        return CommandRun(args, None, "", f"{name} could not start: {exc.strerror or exc}")
-    try:
-        async with asyncio.timeout(timeout_s):
-            stdout_bytes, stderr_bytes = await process.communicate()
-    except TimeoutError:
-        await _kill(process)
-        return CommandRun(args, None, "", f"no answer within {timeout_s:g} s (killed)")
-    except asyncio.CancelledError:  # leave nothing running
-        await _kill(process)
-        raise
-    stdout = stdout_bytes.decode(errors="replace")
-    returncode = process.returncode
-    if returncode == 0:
-        return CommandRun(args, 0, stdout, "")
-    said = _first_line(stderr_bytes.decode(errors="replace")) or _first_line(stdout) or "no output"
-    return CommandRun(args, returncode, stdout, f"exit {returncode}: {said}")
-
-
-async def _kill(process: asyncio.subprocess.Process) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    try:
-        async with asyncio.timeout(KILL_WAIT_S):
-            await process.wait()
-    except TimeoutError:
-        logger.warning("pid %d did not go away within %.0f s of SIGKILL", process.pid, KILL_WAIT_S)
-
-
-def _first_line(text: str) -> str:
-    """The first line worth quoting: kubectl prefixes its own error with klog lines."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    line = next((line for line in lines if not _KLOG_LINE.match(line)), lines[0] if lines else "")
-    return line if len(line) <= QUOTE_CHARS else line[: QUOTE_CHARS - 3] + "..."
 
 
 def _failed(run: CommandRun) -> str:
