@@ -24,7 +24,6 @@ to ACKNOWLEDGED, for a person.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import logging
@@ -32,6 +31,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from clusterwatch.config import RecoverySettings
+from clusterwatch.coordinator.background import BackgroundTasks, every
 from clusterwatch.coordinator.event_log import EventLog
 from clusterwatch.coordinator.incidents import Incident, IncidentState, Kind
 from clusterwatch.coordinator.jobs import RUNNING, JobRecord
@@ -119,21 +119,14 @@ class Recovery:
         self._launcher = launcher
         self._wall = wall_clock
         self._restarted: dict[str, _Restarted] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._actions = BackgroundTasks()
 
     async def run(self, period_s: float = PERIOD_S) -> None:
         """Rounds forever (cancel to stop)."""
         try:
-            while True:
-                try:
-                    self.round()
-                except Exception:
-                    logger.exception("recovery round failed")
-                await asyncio.sleep(period_s)
+            await every(period_s, self.round, "recovery round")
         finally:
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._actions.close()
 
     def round(self) -> None:
         """Decide on new incidents, start their actions, and check restarted jobs."""
@@ -141,7 +134,7 @@ class Recovery:
         for incident in self._watchdog.book.live():
             decision = self.policy.decide(incident, now)
             if decision is not None:
-                self._start(self._carry_out(decision, incident), f"action on {incident.id}")
+                self._actions.start(self._carry_out(decision, incident), f"action on {incident.id}")
         self._track(now)
 
     async def restart(
@@ -274,14 +267,6 @@ class Recovery:
             self._event_log.save_action(record)
         except Exception:
             logger.exception("could not persist action %s", record.id)
-
-    def _start(self, work: Awaitable[object], name: str) -> None:
-        async def run() -> None:
-            await work
-
-        task = asyncio.get_running_loop().create_task(run(), name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
 
 def _is_hang(incident: Incident | None) -> bool:

@@ -12,7 +12,6 @@ Runs on the event loop, like everything that reads the job store.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import logging
@@ -20,6 +19,7 @@ from collections.abc import Callable, Mapping
 
 from clusterwatch import config
 from clusterwatch.config import DetectionSettings
+from clusterwatch.coordinator.background import BackgroundTasks, every
 from clusterwatch.coordinator.detection import Detection
 from clusterwatch.coordinator.diagnosis import SAID_OF_STATE, SendCommand, cause_from, diagnose
 from clusterwatch.coordinator.event_log import EventLog
@@ -77,7 +77,7 @@ class Watchdog:
         self._stragglers: collections.Counter[tuple[str, str]] = collections.Counter()
         self._hangs: collections.Counter[str] = collections.Counter()
         self._rank_failures: collections.Counter[str] = collections.Counter()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._diagnoses = BackgroundTasks()
         self._rounds = 0
         self._last_round_s = 0.0
 
@@ -151,20 +151,15 @@ class Watchdog:
     def forget(self, job: str) -> None:
         self.detection.forget(job)
 
-    async def run(self, jobs: Callable[[], Mapping[str, JobRecord]], nodes: dict[str, NodeRecord],
-                  period_s: float = DETECTION_PERIOD_S) -> None:  # fmt: skip
+    async def run(
+        self, jobs: Callable[[], Mapping[str, JobRecord]], nodes: dict[str, NodeRecord],
+        period_s: float = DETECTION_PERIOD_S,
+    ) -> None:  # fmt: skip
         """Rounds forever (cancel to stop); a failing round is logged and the next one runs."""
-        while True:
-            try:
-                self.round(jobs(), nodes)
-            except Exception:
-                logger.exception("detection round failed")
-            await asyncio.sleep(period_s)
+        await every(period_s, lambda: self.round(jobs(), nodes), "detection round")
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._diagnoses.close()
 
     def _count(self, change: Change) -> None:
         incident = change.incident
@@ -209,11 +204,9 @@ class Watchdog:
         ][:1]  # fmt: skip
         if not culprits and not healthy:
             return
-        task = asyncio.get_running_loop().create_task(
-            self._diagnose(incident.id, job.job, culprits, healthy), name=f"diagnose {incident.id}"
+        self._diagnoses.start(
+            self._diagnose(incident.id, job.job, culprits, healthy), f"diagnose {incident.id}"
         )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def _diagnose(
         self, incident_id: str, job: str, culprits: list[tuple[int, str]], healthy: list[tuple[int, str]]
