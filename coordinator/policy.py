@@ -100,6 +100,10 @@ class Policy:
         self.note_action(incident.job, action, now_unix_s)
         return decision
 
+    def retain(self, live_incident_ids: set[str]) -> None:
+        """Forget decisions about incidents that are no longer live (they never come back)."""
+        self._decided &= live_incident_ids
+
     def note_action(self, job: str, action: str, now_unix_s: float) -> None:
         """Count an action against the job's cooldown and restart budget (operator requests too)."""
         if action == ALERT:

@@ -131,7 +131,9 @@ class Recovery:
     def round(self) -> None:
         """Decide on new incidents, start their actions, and check restarted jobs."""
         now = self._wall()
-        for incident in self._watchdog.book.live():
+        live = self._watchdog.book.live()
+        self.policy.retain({incident.id for incident in live})
+        for incident in live:
             decision = self.policy.decide(incident, now)
             if decision is not None:
                 self._actions.start(self._carry_out(decision, incident), f"action on {incident.id}")

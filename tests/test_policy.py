@@ -74,3 +74,12 @@ def test_exclusion_names_the_incidents_nodes() -> None:
     decision = Policy(settings).decide(incident(Kind.NODE_UNREACHABLE), 100.0)
     assert decision is not None
     assert decision.exclude_nodes == ("n1",)
+
+
+def test_decisions_about_incidents_no_longer_live_are_forgotten() -> None:
+    policy = Policy(RecoverySettings(cooldown_s=0))
+    assert policy.decide(incident(n=1), 100.0) is not None
+    policy.retain({"hang-1"})
+    assert policy.decide(incident(n=1), 101.0) is None  # still live: decided once
+    policy.retain(set())
+    assert policy._decided == set()
