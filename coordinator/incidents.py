@@ -13,6 +13,8 @@ turns them into incidents:
   tracker resolves it once the job runs again. Latched findings (an XID error, an error-counter jump) are
   events, not conditions: their incidents stay until someone resolves them,
   and only a larger ``latch_value`` (the counter rose again) opens a new one.
+  A condition resolved by request while it still holds is not reopened
+  until it has cleared once.
 
 States (``IncidentState``), transitions::
 
@@ -167,6 +169,9 @@ class IncidentBook:
         self._by_id: dict[str, Incident] = {i.id: i for i in self._live.values()}
         # Latched keys someone resolved, with the latch value they had then.
         self._resolved_latches: dict[tuple[str | int, ...], float] = {}
+        # Condition keys resolved by request while the condition still held:
+        # not reopened until the condition has cleared once.
+        self._dismissed: set[tuple[str | int, ...]] = set()
         self._grace_until_unix_s = resolve_grace_until_unix_s
         self._serial = itertools.count(1)
 
@@ -196,6 +201,7 @@ class IncidentBook:
                     and incident.state != IncidentState.ACTING
                 ):
                     changes.append(self._resolve(incident, now_unix_s))
+        self._dismissed &= seen
         return changes
 
     def move(self, incident_id: str, target: IncidentState, now_unix_s: float) -> Change:
@@ -213,6 +219,8 @@ class IncidentBook:
                 f"incident {incident_id} is {incident.state.value}; it cannot become {target.value}"
             )
         if target == IncidentState.RESOLVED:
+            if incident.latch_value is None:
+                self._dismissed.add(incident.key)
             return self._resolve(incident, now_unix_s)
         incident.state = target
         incident.updated_unix_s = now_unix_s
@@ -237,6 +245,8 @@ class IncidentBook:
         return Change(incident)
 
     def _apply(self, finding: Finding, now_unix_s: float) -> Change | None:
+        if finding.key in self._dismissed:
+            return None  # resolved by a person while it held; new once it cleared
         incident = self._live.get(finding.key)
         if incident is None:
             resolved_at = self._resolved_latches.get(finding.key)

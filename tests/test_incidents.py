@@ -161,3 +161,15 @@ def test_the_proto_carries_everything_and_the_note_joins_the_summary() -> None:
     assert (list(message.ranks), list(message.nodes), list(message.gpus)) == ([3], ["n1"], ["GPU-1"])
     assert dict(message.evidence) == {"slowdown_ratio": 1.3}
     assert IncidentState.from_proto(message.state) == IncidentState.OPEN
+
+
+def test_a_condition_resolved_by_hand_stays_resolved_until_it_clears() -> None:
+    book = IncidentBook()
+    (first,) = book.observe([straggler()], 100.0)
+    book.move(first.incident.id, IncidentState.RESOLVED, 101.0)
+    assert book.observe([straggler()], 102.0) == []  # still holds: a person said it is handled
+    assert book.live() == []
+    assert book.observe([], 103.0) == []  # cleared
+    (again,) = book.observe([straggler()], 104.0)
+    assert again.opened
+    assert again.incident.id != first.incident.id
