@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Iterable
 from typing import Protocol
 
 from clusterwatch.agent.diagnose import DiagnosisTarget, ProcessDiagnoser
@@ -35,6 +36,9 @@ class WorkerLookup(Protocol):
 
     def worker_pids(self, job: str) -> dict[int, int]:
         """{pid: rank} of every process of ``job`` registered on the hook socket that may still run."""
+
+    def mark_stopping(self, pids: Iterable[int], why: str) -> None:
+        """These processes are being stopped on purpose (their exits are no rank failures)."""
 
 
 class CommandHandler:
@@ -198,6 +202,7 @@ class CommandHandler:
             stop.job, grace_s, ", then their launcher" if stop.stop_launcher else "",
             f": {stop.reason}" if stop.reason else "",
         )  # fmt: skip
+        lookup.mark_stopping(workers, stop.reason or "stop_workers command")
         report = await self._stopper.stop(stop.job, workers, grace_s, stop_launcher=stop.stop_launcher)
         message = report.summary()
         if stop.stop_launcher:

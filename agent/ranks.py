@@ -64,6 +64,8 @@ class RankEntry:
         collectives: the collectives of every step since the last report, merged.
         checkpoint_results: results not yet in a node report.
         said_goodbye: the hook announced a clean interpreter exit.
+        stopped_for: why clusterwatch stopped the process (a restart), "" if it did not:
+            its exit is then expected, not a rank failure.
         exit: how the process ended, once EXITED.
         pending_exit: an exit seen while the stream was still open (see RankRegistry.report_into).
         retire_after_report: a newer hook in the same process replaced this one.
@@ -80,6 +82,7 @@ class RankEntry:
     )
     collectives: CollectiveMerger = dataclasses.field(default_factory=CollectiveMerger)
     said_goodbye: bool = False
+    stopped_for: str = ""
     exit: training_pb2.RankExit | None = None
     pending_exit: ExitStatus | None = None
     retire_after_report: bool = False
@@ -138,6 +141,13 @@ class RankRegistry:
             return None
         running = [entry for entry in candidates if entry.state is RankState.RUNNING]
         return (running or candidates)[-1].pid
+
+    def mark_stopping(self, pids: Iterable[int], why: str) -> None:
+        """These processes are being stopped on purpose: their exits are reported as clean."""
+        stopping = set(pids)
+        for entry in self._entries.values():
+            if entry.pid in stopping:
+                entry.stopped_for = why
 
     def worker_pids(self, job: str) -> dict[int, int]:
         """Every registered process of ``job`` that may still run, as {pid: rank}, by rank.
@@ -297,7 +307,7 @@ class RankRegistry:
     def _mark_exited(entry: RankEntry, status: ExitStatus) -> None:
         entry.pending_exit = None
         entry.state = RankState.EXITED
-        entry.exit = _rank_exit(status, entry.said_goodbye)
+        entry.exit = _rank_exit(status, entry.said_goodbye, entry.stopped_for)
         logger.info(
             "rank %d of job %s (pid %d): %s%s",
             entry.identity.rank, entry.identity.job, entry.pid, status.description,
@@ -324,9 +334,16 @@ class RankRegistry:
             )
 
 
-def _rank_exit(status: ExitStatus, said_goodbye: bool) -> training_pb2.RankExit:
+def _rank_exit(status: ExitStatus, said_goodbye: bool, stopped_for: str) -> training_pb2.RankExit:
+    description = (
+        f"{status.description} (stopped by clusterwatch: {stopped_for})"
+        if stopped_for
+        else status.description
+    )
     rank_exit = training_pb2.RankExit(
-        timestamp_unix_seconds=status.timestamp_unix_s, clean=said_goodbye, description=status.description
+        timestamp_unix_seconds=status.timestamp_unix_s,
+        clean=said_goodbye or bool(stopped_for),
+        description=description,
     )
     if status.exit_code is not None:
         rank_exit.exit_code = status.exit_code

@@ -154,7 +154,9 @@ class JobRecord:
     """One training job.
 
     Attributes:
-        world_size / restart_count: from the newest accepted rank identity.
+        world_size / restart_count / min_nodes / max_nodes: from the newest
+            accepted rank identity (the node range is torchrun's --nnodes, 0
+            when unknown).
         collectives: per op, cumulative over every rank and instance (only
             grows, so it exports as Prometheus counters and a histogram);
             updated in place.
@@ -163,12 +165,18 @@ class JobRecord:
     job: str
     world_size: int
     restart_count: int = 0
+    min_nodes: int = 0
+    max_nodes: int = 0
     ranks: dict[int, RankRecord] = dataclasses.field(default_factory=dict)
     collectives: dict[str, CollectiveTotals] = dataclasses.field(default_factory=dict)
     last_report_mono_s: float = 0.0
 
     def running_ranks(self) -> list[RankRecord]:
         return [r for r in self.ranks.values() if r.state == RUNNING]
+
+    def nodes(self) -> list[str]:
+        """Nodes the job's ranks are on (running or not), sorted."""
+        return sorted({r.node_id for r in self.ranks.values()})
 
     def hosting_nodes(self) -> list[str]:
         """Nodes with a running rank of this job, sorted."""
@@ -328,6 +336,7 @@ class JobStore:
                 f"(restart {identity.restart_count}) is older than the rank's or the job's current one",
             )
         job.restart_count = identity.restart_count
+        job.min_nodes, job.max_nodes = identity.min_nodes, identity.max_nodes
         if identity.world_size != job.world_size:
             # A restart or relaunch with another world size: ranks beyond it are gone.
             job.world_size = identity.world_size

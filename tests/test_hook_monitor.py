@@ -19,6 +19,7 @@ import pytest
 from helpers import wait_for
 
 from clusterwatch.hook import TrainingMonitor
+from clusterwatch.hook.identity import launcher_nnodes
 from clusterwatch.v1 import hook_pb2, hook_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
@@ -257,3 +258,43 @@ def test_the_hooks_own_failures_are_counted_and_reported(peer: tuple[Peer, Path]
         assert "bug in the hook" in health.last_error
     finally:
         monitor.close()
+
+
+def test_the_loops_own_saves_are_reported_for_completion(peer: tuple[Peer, Path]) -> None:
+    servicer, path = peer
+    monitor = monitor_for(path)
+    try:
+        wait_for(lambda: monitor.connected, 10, "the hook to connect")
+        monitor.checkpoint_saved(9, "/ckpt/9", duration_s=0.5)  # saved on the loop's own schedule
+        monitor.checkpoint_failed(19, "disk full")
+        results = wait_for(
+            lambda: r if len(r := servicer.of_kind("checkpoint_result")) == 2 else None, 10, "both results"
+        )
+        saved, failed = (m.checkpoint_result for m in results)
+        assert (saved.step, saved.ok, saved.path, saved.duration_seconds, saved.command_id) == (
+            9,
+            True,
+            "/ckpt/9",
+            0.5,
+            "",
+        )
+        assert (failed.step, failed.ok, failed.error) == (19, False, "disk full")
+    finally:
+        monitor.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "expected"),
+    [
+        (["python", "-m", "torch.distributed.run", "--nnodes", "1:2", "train.py"], {}, (1, 2)),
+        (["torchrun", "--nnodes=4", "train.py"], {}, (4, 4)),
+        (["torchrun", "train.py"], {"PET_NNODES": "2:8"}, (2, 8)),
+        (["torchrun", "--nnodes", "3:1"], {}, (0, 0)),  # malformed: unknown
+        (["torchrun", "--nnodes", "x"], {}, (0, 0)),
+        (["bash", "run.sh"], {}, (0, 0)),
+    ],
+)
+def test_the_node_range_comes_from_the_launchers_command_line(
+    argv: list[str], environ: dict[str, str], expected: tuple[int, int]
+) -> None:
+    assert launcher_nnodes(environ, argv) == expected

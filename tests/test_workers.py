@@ -442,6 +442,20 @@ async def test_agent_stops_workers_registered_on_its_hook_socket(tmp_path: Path)
             assert harness.agent.commands.cordoned_jobs == {"j"}
             for pid in [w.pid for w in workers] + children:
                 assert not alive(pid)
+
+            def exits() -> list[training_pb2.RankExit] | None:
+                found = [
+                    r.exit
+                    for report in harness.coordinator.reports
+                    for r in report.ranks
+                    if r.HasField("exit")
+                ]
+                return found if len(found) == 2 else None
+
+            # Stopped on purpose: not rank failures.
+            for rank_exit in await eventually(exits, 30, "both exits in a node report"):
+                assert rank_exit.clean
+                assert rank_exit.description.endswith("(stopped by clusterwatch: test)")
         finally:
             for worker in workers:
                 if worker.poll() is None:

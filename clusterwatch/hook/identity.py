@@ -6,7 +6,8 @@ import dataclasses
 import os
 import socket
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from clusterwatch import __version__
 from clusterwatch.v1 import training_pb2
@@ -36,6 +37,42 @@ def job_name(explicit: str | None, environ: Mapping[str, str]) -> str:
     return run_id if run_id and run_id != "none" else "default"
 
 
+def parse_nnodes(spec: str) -> tuple[int, int]:
+    """torchrun's ``--nnodes`` value ("2" or "1:4") as (min, max); (0, 0) when malformed."""
+    low, _, high = spec.partition(":")
+    try:
+        min_nodes = int(low)
+        max_nodes = int(high) if high else min_nodes
+    except ValueError:
+        return 0, 0
+    if not 0 < min_nodes <= max_nodes:
+        return 0, 0
+    return min_nodes, max_nodes
+
+
+def launcher_nnodes(environ: Mapping[str, str], parent_argv: Sequence[str]) -> tuple[int, int]:
+    """The node range the rank's launcher runs with: torchrun's ``--nnodes``, else ``PET_NNODES``.
+
+    torchrun reads every flag from a ``PET_*`` variable too, which its workers
+    inherit. (0, 0) when neither says (not torchrun, or a single-node default).
+    """
+    for i, arg in enumerate(parent_argv):
+        if arg == "--nnodes" and i + 1 < len(parent_argv):
+            return parse_nnodes(parent_argv[i + 1])
+        if arg.startswith("--nnodes="):
+            return parse_nnodes(arg.removeprefix("--nnodes="))
+    return parse_nnodes(environ.get("PET_NNODES", ""))
+
+
+def parent_argv() -> list[str]:
+    """The parent process's command line (Linux); empty when it cannot be read."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return raw.decode(errors="replace").split("\0")
+
+
 @dataclasses.dataclass
 class RankInfo:
     """The rank's identity; ``refresh()`` fills what torch learns after start-up."""
@@ -50,15 +87,22 @@ class RankInfo:
     instance_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     backend: str = ""
     gpu_uuid: str = ""
+    min_nodes: int = 0
+    max_nodes: int = 0
 
     @classmethod
-    def from_environ(cls, job: str | None, environ: Mapping[str, str]) -> RankInfo:
+    def from_environ(
+        cls, job: str | None, environ: Mapping[str, str], launcher_argv: Sequence[str] = ()
+    ) -> RankInfo:
+        min_nodes, max_nodes = launcher_nnodes(environ, launcher_argv)
         return cls(
             job=job_name(job, environ),
             rank=_int_env(environ, "RANK", 0),
             local_rank=_int_env(environ, "LOCAL_RANK", 0),
             world_size=max(1, _int_env(environ, "WORLD_SIZE", 1)),
             restart_count=_int_env(environ, "TORCHELASTIC_RESTART_COUNT", 0),
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
         )
 
     def refresh(self) -> bool:
@@ -93,6 +137,8 @@ class RankInfo:
             hook_version=__version__,
             instance_id=self.instance_id,
             backend=self.backend,
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
         )
 
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from clusterwatch.hook import flight_recorder
 from clusterwatch.hook.checkpoint import CheckpointBook
 from clusterwatch.hook.health import HookHealth
-from clusterwatch.hook.identity import RankInfo, resolve_socket_path
+from clusterwatch.hook.identity import RankInfo, parent_argv, resolve_socket_path
 from clusterwatch.hook.transport import AgentLink
 from clusterwatch.v1 import hook_pb2, training_pb2
 
@@ -128,7 +128,7 @@ class TrainingMonitor:
     ) -> None:
         environ = os.environ if environ is None else environ
         self.health = HookHealth()
-        self.identity = RankInfo.from_environ(job, environ)
+        self.identity = RankInfo.from_environ(job, environ, parent_argv())
         self._lock = threading.Lock()
         self._step: int | None = None
         self._in_step = False
@@ -234,13 +234,19 @@ class TrainingMonitor:
         self._save_fn = save_fn
         self._save_deferred = deferred
 
-    def checkpoint_saved(self, step: int, path: str) -> None:
-        """A deferred checkpoint of ``step`` is on disk at ``path``."""
-        self._finish_deferred(step, path, "")
+    def checkpoint_saved(self, step: int, path: str, *, duration_s: float = 0.0) -> None:
+        """This rank's checkpoint of ``step`` is on disk at ``path``.
+
+        Either a deferred save the framework finished, or one the training
+        loop made on its own schedule: reported too, so that once every rank
+        saved ``step`` it is the job's newest complete checkpoint, where a
+        restart resumes. ``duration_s``: how long the save took (own saves).
+        """
+        self._finish_saved(step, path, "", duration_s)
 
     def checkpoint_failed(self, step: int, error: str) -> None:
-        """A deferred checkpoint of ``step`` could not be saved."""
-        self._finish_deferred(step, "", error)
+        """This rank's checkpoint of ``step`` (deferred, or the loop's own) could not be saved."""
+        self._finish_saved(step, "", error, 0.0)
 
     def watch(self, model: ModelT) -> ModelT:
         """Time a DistributedDataParallel model's gradient buckets; returns the model."""
@@ -375,11 +381,14 @@ class TrainingMonitor:
                     return
         self._report_saved(step, command_ids, path, error, time.monotonic() - started_s)
 
-    def _finish_deferred(self, step: int, path: str, error: str) -> None:
+    def _finish_saved(self, step: int, path: str, error: str, duration_s: float) -> None:
         with self.health.guard("checkpoint"):
-            command_ids, started_s = self._deferred.pop(step, ([], 0.0))
-            if command_ids:
+            deferred = self._deferred.pop(step, None)
+            if deferred is not None:
+                command_ids, started_s = deferred
                 self._report_saved(step, command_ids, path, error, time.monotonic() - started_s)
+            else:  # the loop's own save: no request to answer
+                self._report_saved(step, [""], path, error, duration_s)
 
     def _report_saved(
         self, step: int, command_ids: list[str], path: str, error: str, duration_s: float

@@ -60,8 +60,11 @@ class ClusterwatchCallback(TrainerCallback):
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self._saving_step is not None:
-            step, self._saving_step = self._saving_step, None
+        # A requested save, or the Trainer's own (save_steps): checkpoint-N holds steps 0..N-1.
+        step, self._saving_step = self._saving_step, None
+        if step is None and state.global_step > 0:
+            step = state.global_step - 1
+        if step is not None:
             self.monitor.checkpoint_saved(
                 step, os.path.join(args.output_dir or ".", f"checkpoint-{state.global_step}")
             )

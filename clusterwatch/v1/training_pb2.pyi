@@ -65,6 +65,8 @@ class RankIdentity(_message.Message):
     HOOK_VERSION_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
+    MIN_NODES_FIELD_NUMBER: _builtins.int
+    MAX_NODES_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     """Job name: TrainingMonitor(job=...), else CLUSTERWATCH_JOB, else
     TORCHELASTIC_RUN_ID, else "default".
@@ -85,6 +87,12 @@ class RankIdentity(_message.Message):
     """Random per TrainingMonitor; a new one means a new process."""
     backend: _builtins.str
     """"gloo", "nccl", ... once torch.distributed is initialised."""
+    min_nodes: _builtins.int
+    """The launcher's node range, torchrun --nnodes MIN[:MAX] (from the parent
+    torchrun's command line, else PET_NNODES); 0 when unknown. MIN < MAX:
+    an elastic job, which can re-form on fewer nodes down to MIN.
+    """
+    max_nodes: _builtins.int
     def __init__(
         self,
         *,
@@ -99,10 +107,12 @@ class RankIdentity(_message.Message):
         hook_version: _builtins.str = ...,
         instance_id: _builtins.str = ...,
         backend: _builtins.str = ...,
+        min_nodes: _builtins.int = ...,
+        max_nodes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "gpu_uuid", b"gpu_uuid", "hook_version", b"hook_version", "hostname", b"hostname", "instance_id", b"instance_id", "job", b"job", "local_rank", b"local_rank", "pid", b"pid", "rank", b"rank", "restart_count", b"restart_count", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "gpu_uuid", b"gpu_uuid", "hook_version", b"hook_version", "hostname", b"hostname", "instance_id", b"instance_id", "job", b"job", "local_rank", b"local_rank", "max_nodes", b"max_nodes", "min_nodes", b"min_nodes", "pid", b"pid", "rank", b"rank", "restart_count", b"restart_count", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
