@@ -151,12 +151,12 @@ class EventLog:
     def latest_checkpoints(self, since_unix_s: float = 0.0) -> dict[str, LatestCheckpoint]:
         """The newest complete checkpoint of every job that completed one since ``since_unix_s``."""
         rows = self._db.execute(
-            "SELECT c.job, c.step, c.completed_unix_s FROM checkpoints c "
+            "SELECT c.job, c.step, c.completed_unix_s, c.max_duration_s FROM checkpoints c "
             "JOIN (SELECT job, MAX(step) AS step FROM checkpoints GROUP BY job) newest "
             "ON c.job = newest.job AND c.step = newest.step WHERE c.completed_unix_s >= ?",
             (since_unix_s,),
         ).fetchall()
-        return {job: LatestCheckpoint(step, completed) for job, step, completed in rows}
+        return {job: LatestCheckpoint(step, completed, duration) for job, step, completed, duration in rows}
 
     def checkpoint(self, job: str, step: int) -> CompletedCheckpoint | None:
         row = self._db.execute(

@@ -41,7 +41,11 @@ class JobView:
     Attributes:
         step_rate: steps per second of the slowest running rank; None until known.
         collectives: per op, cumulative since the coordinator started.
-        checkpoint_results_total: results received per outcome ("ok", "failed").
+        latest_checkpoint: the newest complete checkpoint (with the slowest
+            rank's save time, where known).
+        checkpoint_results_total: per-rank results received per outcome ("ok", "failed").
+        checkpoints_total: checkpoints (steps) per outcome ("complete", "failed",
+            "incomplete"; see coordinator/checkpoints.py); outcomes not seen yet are absent.
     """
 
     job: str
@@ -51,6 +55,7 @@ class JobView:
     ranks: tuple[RankView, ...]
     collectives: Mapping[str, CollectiveTotals]
     checkpoint_results_total: Mapping[str, int]
+    checkpoints_total: Mapping[str, int]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -63,9 +68,8 @@ class TrainingView:
 
 def training_view(store: JobStore, checkpoints: CheckpointTracker, now_mono: float) -> TrainingView:
     """Views of every job, sorted by name (ranks by rank). Call on the event loop."""
-    results: dict[str, dict[str, int]] = {}
-    for (job_name, outcome), count in checkpoints.results_total.items():
-        results.setdefault(job_name, {})[outcome] = count
+    results = _per_job(checkpoints.results_total)
+    outcomes = _per_job(checkpoints.checkpoints_total)
     jobs = []
     for name in sorted(store.jobs):
         job = store.jobs[name]
@@ -78,9 +82,18 @@ def training_view(store: JobStore, checkpoints: CheckpointTracker, now_mono: flo
                 ranks=tuple(_rank_view(r) for _, r in sorted(job.ranks.items())),
                 collectives={op: totals.copy() for op, totals in job.collectives.items()},
                 checkpoint_results_total=results.get(name, {}),
+                checkpoints_total=outcomes.get(name, {}),
             )
         )
     return TrainingView(tuple(jobs), dict(store.rejected_total))
+
+
+def _per_job(counts: Mapping[tuple[str, str], int]) -> dict[str, dict[str, int]]:
+    """{(job, label): count} -> {job: {label: count}}, a copy."""
+    out: dict[str, dict[str, int]] = {}
+    for (job_name, label), count in counts.items():
+        out.setdefault(job_name, {})[label] = count
+    return out
 
 
 def _rank_view(r: RankRecord) -> RankView:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S
+from clusterwatch.coordinator.checkpoints import CHECKPOINT_OUTCOMES
 from clusterwatch.coordinator.job_views import JobView, RankView, TrainingView
 from clusterwatch.promtext import Exposition, Family, counter, escape, gauge, histogram
 from clusterwatch.v1 import training_pb2
@@ -103,14 +104,25 @@ JOB_RANKS = gauge(
     "The job's ranks by state (running, disconnected, exited, unknown). Any exited or disconnected rank in a "
     "job that should be training needs attention.",
 )
-JOB_CHECKPOINT_STEP = gauge(
-    "clusterwatch_job_latest_complete_checkpoint_step",
+LAST_COMPLETE_CHECKPOINT_STEP = gauge(
+    "clusterwatch_last_complete_checkpoint_step",
     "Newest step every rank checkpointed; a restart resumes from here. Far behind clusterwatch_rank_step: a "
     "failure now loses that much work.",
 )
 JOB_CHECKPOINT_TIME = gauge(
     "clusterwatch_job_latest_complete_checkpoint_timestamp_seconds",
     "When the newest complete checkpoint completed, Unix seconds. Old: checkpoints fail or are not taken.",
+)
+CHECKPOINT_DURATION = gauge(
+    "clusterwatch_checkpoint_duration_seconds",
+    "Slowest rank's save time of the newest complete checkpoint. Rising, or near the checkpoint interval: storage is slow and training stalls on saves.",
+)
+CHECKPOINTS = counter(
+    "clusterwatch_checkpoints_total",
+    "Checkpoints (steps of the job) by outcome: complete (every rank saved it); failed (a rank reported a "
+    "failed save; counted once, at the first failure, and also complete if a retry then saved it); incomplete "
+    "(no failure, but a newer checkpoint completed or newer pending ones pushed it out first). Rising failed "
+    "or incomplete: restarts resume from older steps; see the ranks' training logs.",
 )
 CHECKPOINT_RESULTS = counter(
     "clusterwatch_job_checkpoint_results_total",
@@ -124,7 +136,8 @@ RANK_REPORTS_REJECTED = counter(
 )
 
 TRAINING_FAMILIES: tuple[Family, ...] = (
-    JOB_WORLD_SIZE, JOB_RANKS, JOB_STEP_RATE, JOB_CHECKPOINT_STEP, JOB_CHECKPOINT_TIME, CHECKPOINT_RESULTS,
+    JOB_WORLD_SIZE, JOB_RANKS, JOB_STEP_RATE, LAST_COMPLETE_CHECKPOINT_STEP, JOB_CHECKPOINT_TIME,
+    CHECKPOINT_DURATION, CHECKPOINTS, CHECKPOINT_RESULTS,
     COLLECTIVES, COLLECTIVE_BYTES, COLLECTIVE_DURATION, RANK_INFO, RANK_STEP, RANK_STEP_DURATION, RANK_COMPUTE,
     RANK_COMMUNICATION, RANK_LAST_PROGRESS, RANK_HEARTBEAT, RANK_IN_COLLECTIVE, RANK_HOOK_ERRORS,
     RANK_HOOK_DROPPED, RANK_STEPS_DROPPED, BUS_BANDWIDTH, RANK_REPORTS_REJECTED,
@@ -156,9 +169,15 @@ def _write_job(exp: Exposition, job: JobView) -> None:
         exp.add(JOB_RANKS, f'{j},state="{name}"', states.get(state, 0))
     if job.step_rate is not None:
         exp.add(JOB_STEP_RATE, j, job.step_rate)
-    if job.latest_checkpoint is not None:
-        exp.add(JOB_CHECKPOINT_STEP, j, job.latest_checkpoint.step)
-        exp.add(JOB_CHECKPOINT_TIME, j, job.latest_checkpoint.completed_unix_s)
+    latest = job.latest_checkpoint
+    if latest is not None:
+        exp.add(LAST_COMPLETE_CHECKPOINT_STEP, j, latest.step)
+        exp.add(JOB_CHECKPOINT_TIME, j, latest.completed_unix_s)
+        if latest.max_duration_s is not None:
+            exp.add(CHECKPOINT_DURATION, j, latest.max_duration_s)
+    # Every outcome from 0, so that increase() sees a job's first failure.
+    for outcome in CHECKPOINT_OUTCOMES:
+        exp.add(CHECKPOINTS, f'{j},outcome="{outcome}"', job.checkpoints_total.get(outcome, 0))
     for outcome, count in sorted(job.checkpoint_results_total.items()):
         exp.add(CHECKPOINT_RESULTS, f'{j},result="{outcome}"', count)
     for op, totals in sorted(job.collectives.items()):

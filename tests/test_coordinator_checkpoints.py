@@ -31,12 +31,13 @@ def test_complete_only_when_every_rank_saved_the_step() -> None:
     assert done == CompletedCheckpoint(
         "j", 10, 3.0, ("/ckpt/step-10/rank-0.pt", "/ckpt/step-10/rank-1.pt", "/ckpt/step-10/rank-2.pt"), 3.0
     )
-    assert tracker.latest == {"j": LatestCheckpoint(10, 3.0)}
+    assert tracker.latest == {"j": LatestCheckpoint(10, 3.0, max_duration_s=3.0)}
     # Older or equal steps change nothing once a newer one is complete.
     for rank in range(3):
         assert tracker.record("j", 3, rank, checkpoint_ok(8, rank), now_unix_s=4.0) is None
     assert tracker.latest_step("j") == 10
     assert tracker.results_total == {("j", "ok"): 7}
+    assert tracker.checkpoints_total == {("j", "complete"): 1}
 
 
 def test_a_failed_rank_blocks_completion_until_it_succeeds() -> None:
@@ -62,9 +63,60 @@ def test_pending_steps_are_bounded_and_a_restored_latest_counts() -> None:
     assert tracker.message() == agent_pb2.JobCheckpoints(
         jobs=[agent_pb2.JobCheckpoints.Entry(job="j", step=103)]
     )
+    # 101 pushed out, 102 superseded; rank 1's late result for 101 was dropped uncounted.
+    assert tracker.checkpoints_total == {("j", "incomplete"): 2, ("j", "complete"): 1}
     tracker.forget("j")
     assert tracker.latest_step("j") == 103  # the complete step survives the job
     assert tracker.results_total == {}
+    assert tracker.checkpoints_total == {}
+
+
+def test_a_step_counts_failed_once_and_complete_if_a_retry_saves_it() -> None:
+    tracker = CheckpointTracker()
+    tracker.record("j", 3, 0, failed(4), now_unix_s=1.0)
+    tracker.record("j", 3, 0, failed(4), now_unix_s=1.0)  # the same rank again
+    tracker.record("j", 3, 1, failed(4), now_unix_s=1.0)  # another rank
+    assert tracker.checkpoints_total == {("j", "failed"): 1}
+    for rank in range(3):
+        tracker.record("j", 3, rank, checkpoint_ok(4, rank), now_unix_s=2.0)
+    assert tracker.checkpoints_total == {("j", "failed"): 1, ("j", "complete"): 1}
+    tracker.record("j", 3, 2, failed(4), now_unix_s=3.0)  # at the complete step: no outcome
+    assert tracker.checkpoints_total == {("j", "failed"): 1, ("j", "complete"): 1}
+    tracker.forget("j")
+    assert tracker.checkpoints_total == {}
+
+
+def test_a_superseded_step_counts_incomplete_unless_it_failed() -> None:
+    tracker = CheckpointTracker()
+    tracker.record("j", 2, 0, checkpoint_ok(5, 0), now_unix_s=1.0)  # rank 1 never saves step 5
+    tracker.record("j", 2, 1, failed(6), now_unix_s=1.0)  # step 6 already counted failed
+    tracker.record("j", 2, 0, checkpoint_ok(7, 0), now_unix_s=1.0)
+    assert tracker.record("j", 2, 1, checkpoint_ok(7, 1, duration_s=4.0), now_unix_s=2.0) is not None
+    assert tracker.checkpoints_total == {("j", "failed"): 1, ("j", "complete"): 1, ("j", "incomplete"): 1}
+    assert tracker.latest["j"] == LatestCheckpoint(7, 2.0, max_duration_s=4.0)
+    # A newer pending step is kept, uncounted, until it has an outcome.
+    tracker.record("j", 2, 0, checkpoint_ok(9, 0), now_unix_s=3.0)
+    tracker.record("j", 2, 0, checkpoint_ok(8, 0), now_unix_s=3.0)
+    tracker.record("j", 2, 1, checkpoint_ok(8, 1), now_unix_s=3.0)
+    assert tracker.checkpoints_total == {("j", "failed"): 1, ("j", "complete"): 2, ("j", "incomplete"): 1}
+    assert tracker.record("j", 2, 1, checkpoint_ok(9, 1), now_unix_s=4.0) is not None
+    assert tracker.checkpoints_total[("j", "complete")] == 3
+
+
+def test_a_step_pushed_out_of_the_pending_ones_counts_incomplete_unless_it_failed() -> None:
+    tracker = CheckpointTracker(max_pending_steps_per_job=2)
+    tracker.record("j", 2, 0, failed(1), now_unix_s=1.0)
+    tracker.record("j", 2, 0, checkpoint_ok(2, 0), now_unix_s=1.0)
+    tracker.record("j", 2, 0, checkpoint_ok(3, 0), now_unix_s=1.0)  # pushes out 1: failed already
+    assert tracker.checkpoints_total == {("j", "failed"): 1}
+    tracker.record("j", 2, 0, checkpoint_ok(4, 0), now_unix_s=1.0)  # pushes out 2
+    assert tracker.checkpoints_total == {("j", "failed"): 1, ("j", "incomplete"): 1}
+    # Older than every pending step: dropped at once, no outcome (not even failed).
+    tracker.record("j", 2, 1, failed(2), now_unix_s=1.0)
+    assert tracker.checkpoints_total == {("j", "failed"): 1, ("j", "incomplete"): 1}
+    tracker.record("other", 1, 0, checkpoint_ok(1, 0), now_unix_s=1.0)
+    tracker.forget("j")
+    assert tracker.checkpoints_total == {("other", "complete"): 1}
 
 
 def test_event_log_keeps_checkpoints_and_upgrades_an_old_database(tmp_path: Path) -> None:
@@ -81,8 +133,11 @@ def test_event_log_keeps_checkpoints_and_upgrades_an_old_database(tmp_path: Path
     log.add_checkpoint(CompletedCheckpoint("old", 5, 50.0, ("/o",), 1.0))
     log.close()
     log = EventLog(tmp_path)
-    assert log.latest_checkpoints() == {"a": LatestCheckpoint(20, 200.0), "old": LatestCheckpoint(5, 50.0)}
-    assert log.latest_checkpoints(since_unix_s=60.0) == {"a": LatestCheckpoint(20, 200.0)}
+    assert log.latest_checkpoints() == {
+        "a": LatestCheckpoint(20, 200.0, 3.5),
+        "old": LatestCheckpoint(5, 50.0, 1.0),
+    }
+    assert log.latest_checkpoints(since_unix_s=60.0) == {"a": LatestCheckpoint(20, 200.0, 3.5)}
     assert log.checkpoint("a", 10) == CompletedCheckpoint("a", 10, 100.0, ("/a/0", "/a/1"), 2.5)
     assert log.checkpoint("a", 11) is None
     log.close()

@@ -9,7 +9,16 @@ import math
 import pytest
 from helpers import Cluster, Coordinator, run_cli, samples_named, scrape
 from prometheus_client.parser import text_string_to_metric_families
-from training_builders import EXITED, T0, AgentStream, collective, poll_until, rank_report, step
+from training_builders import (
+    EXITED,
+    T0,
+    AgentStream,
+    checkpoint_ok,
+    collective,
+    poll_until,
+    rank_report,
+    step,
+)
 
 from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S, bus_factor
 from clusterwatch.coordinator.checkpoints import CheckpointTracker, LatestCheckpoint
@@ -101,9 +110,15 @@ def test_a_job_becomes_the_expected_samples() -> None:
     assert ranks[("train", "running")] == 2
     assert ranks[("old", "exited")] == 1
     assert m["clusterwatch_job_step_rate"] == [(j, pytest.approx(2.0))]
-    assert m["clusterwatch_job_latest_complete_checkpoint_step"] == [(j, 2.0)]
+    assert m["clusterwatch_last_complete_checkpoint_step"] == [(j, 2.0)]
     assert m["clusterwatch_job_latest_complete_checkpoint_timestamp_seconds"] == [(j, T0 + 5)]
+    assert "clusterwatch_checkpoint_duration_seconds" not in m  # its save time is unknown
     assert m["clusterwatch_job_checkpoint_results_total"] == [({**j, "result": "failed"}, 1.0)]
+    outcomes = {(lbl["job"], lbl["outcome"]): v for lbl, v in m["clusterwatch_checkpoints_total"]}
+    assert outcomes == {
+        ("old", "complete"): 0, ("old", "failed"): 0, ("old", "incomplete"): 0,
+        ("train", "complete"): 0, ("train", "failed"): 1, ("train", "incomplete"): 0,
+    }  # fmt: skip
     op = {**j, "op": "all_reduce"}
     assert m["clusterwatch_collectives_total"] == [(op, 4.0)]
     assert m["clusterwatch_collective_bytes_total"] == [(op, 32.0 * MIB)]
@@ -134,6 +149,23 @@ def test_a_job_becomes_the_expected_samples() -> None:
     assert m["clusterwatch_rank_reports_rejected_total"] == [
         ({"node": "node-c", "reason": "rank_out_of_range"}, 1.0)
     ]
+
+
+def test_a_completed_checkpoint_becomes_step_duration_and_outcomes() -> None:
+    tracker = CheckpointTracker()
+    tracker.record("train", 2, 0, checkpoint_ok(6, 0, duration_s=2.0), now_unix_s=T0)  # superseded by 8
+    tracker.record("train", 2, 0, checkpoint_ok(8, 0, duration_s=2.0), now_unix_s=T0)
+    tracker.record("train", 2, 1, checkpoint_ok(8, 1, duration_s=3.5), now_unix_s=T0 + 1)
+    exp = Exposition()
+    write_training(exp, training_view(two_rank_store(), tracker, now_mono=1.0))
+    m = parse(exp.render())
+    j = {"job": "train"}
+    assert m["clusterwatch_last_complete_checkpoint_step"] == [(j, 8.0)]
+    assert m["clusterwatch_job_latest_complete_checkpoint_timestamp_seconds"] == [(j, T0 + 1)]
+    assert m["clusterwatch_checkpoint_duration_seconds"] == [(j, 3.5)]  # the slowest rank
+    outcomes = {lbl["outcome"]: v for lbl, v in m["clusterwatch_checkpoints_total"] if lbl["job"] == "train"}
+    assert outcomes == {"complete": 1, "failed": 0, "incomplete": 1}
+    assert m["clusterwatch_job_checkpoint_results_total"] == [({**j, "result": "ok"}, 3.0)]
 
 
 def test_job_status_carries_ranks_without_step_collectives() -> None:
