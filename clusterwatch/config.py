@@ -105,9 +105,9 @@ class CoordinatorSettings:
 class DetectionSettings:
     """Detection thresholds of the coordinator (section ``[detection]``).
 
-    Unlike the other sections these change at run time: SIGHUP re-reads
-    them from the config file (and environment), and the
-    ``UpdateDetectionSettings`` API sets them by name.
+    These change at run time: SIGHUP re-reads them from the config file
+    (and environment), and the ``UpdateDetectionSettings`` API sets them by
+    name.
     """
 
     straggler_threshold_ratio: float = setting(
@@ -136,6 +136,10 @@ class DetectionSettings:
 
 
 ACTIONS = ("alert", "checkpoint", "restart", "checkpoint_and_restart", "exclude_node_and_restart")
+# The launcher adapters of coordinator/launchers.py (LAUNCHER_KINDS there).
+LAUNCHERS = ("torchrun", "slurm", "kubernetes")
+# A job's pods by default (launchers.DEFAULT_POD_SELECTOR); {job} is the job name.
+DEFAULT_POD_SELECTOR = "clusterwatch.io/job={job}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +147,13 @@ class RecoverySettings:
     """What the coordinator does about incidents (section ``[recovery]``).
 
     Each ``*_action`` is one of alert, checkpoint, restart,
-    checkpoint_and_restart, exclude_node_and_restart.
+    checkpoint_and_restart, exclude_node_and_restart. ``launcher`` says how a
+    job is restarted; only the options of the chosen launcher are used.
+
+    SIGHUP re-reads this section like ``[detection]``: the policy changes at
+    once, but the launcher and what it is built from (``restart_grace_s``,
+    ``slurm_job_ids``, ``scontrol``, ``kubernetes_*``, ``kubectl``) only
+    when the coordinator starts again.
     """
 
     hang_action: str = setting("restart", "on a hung job (it cannot checkpoint: resumes from the last complete one)",
@@ -154,14 +164,19 @@ class RecoverySettings:
         choices=ACTIONS,
     )
     straggler_action: str = setting(
-        "alert", "on a straggler that persists straggler_persist_s", choices=ACTIONS
+        "exclude_node_and_restart",
+        "on a straggler that persists straggler_persist_s: checkpoint, then restart without its node when "
+        "the job can run without it (elastic torchrun --nnodes MIN:MAX above MIN, or a SLURM/Kubernetes "
+        "launcher that replaces nodes), else alert",
+        choices=ACTIONS,
     )
     straggler_persist_s: float = setting(
         300.0, "a straggler must persist this long before its action", positive=True
     )
     node_failure_action: str = setting(
-        "alert",
-        "on an unreachable node, a critical XID, a lost GPU or a link down under a job",
+        "exclude_node_and_restart",
+        "on an unreachable node, a critical XID, a lost GPU or a link down under a job: restart without "
+        "that node when the job can run without it (as for straggler_action), else alert",
         choices=ACTIONS,
     )
     max_restarts_per_hour: int = setting(
@@ -174,6 +189,27 @@ class RecoverySettings:
     )
     dry_run: bool = setting(False, "only record what would be done; stop nothing")
     opt_out_jobs: list[str] = setting([], "jobs the policy never acts on (comma-separated)")
+    launcher: str = setting(
+        "torchrun",
+        "how a job is restarted: torchrun (the agents stop its workers, torchrun restarts them), "
+        "slurm (scontrol requeue), kubernetes (kubectl delete of its pods)",
+        choices=LAUNCHERS,
+    )
+    slurm_job_ids: list[str] = setting(
+        [],
+        "with launcher slurm: JOB=SLURM_JOB_ID pairs (comma-separated); a job not listed whose name is "
+        "numeric (torchrun --rdzv-id=$SLURM_JOB_ID) is that SLURM job",
+    )
+    scontrol: str = setting("scontrol", "with launcher slurm: the scontrol executable (path or name on PATH)")
+    kubernetes_namespace: str = setting(
+        "", "with launcher kubernetes: the jobs' namespace (empty: kubectl's current context's)"
+    )
+    kubernetes_pod_selector: str = setting(
+        DEFAULT_POD_SELECTOR, "with launcher kubernetes: label selector of a job's pods; {job} is its name"
+    )
+    kubectl: str = setting(
+        "kubectl", "with launcher kubernetes: the kubectl executable (path or name on PATH)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

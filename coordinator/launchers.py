@@ -88,9 +88,17 @@ class LaunchOutcome:
 
 
 class Launcher(Protocol):
-    """Restarts a job through the site's launcher."""
+    """Restarts a job through the site's launcher.
+
+    Attributes:
+        name: "torchrun", "slurm", "kubernetes".
+        replaces_nodes: a restart without some nodes gets others in their
+            place (a scheduler allocates them); False when the job must make
+            do with the nodes it has left (torchrun: only an elastic job can).
+    """
 
     name: str
+    replaces_nodes: bool
 
     async def restart(
         self, job: str, nodes: Sequence[str], exclude_nodes: Sequence[str], reason: str
@@ -119,6 +127,7 @@ class TorchrunLauncher:
     """
 
     name: str = "torchrun"
+    replaces_nodes: bool = False
 
     def __init__(
         self, send_stop: SendStop, *, grace_s: float = 10.0, answer_margin_s: float = STOP_ANSWER_MARGIN_S
@@ -266,6 +275,7 @@ class SlurmLauncher:
     """
 
     name: str = "slurm"
+    replaces_nodes: bool = True
 
     def __init__(
         self,
@@ -403,6 +413,7 @@ class KubernetesLauncher:
     """
 
     name: str = "kubernetes"
+    replaces_nodes: bool = True
 
     def __init__(
         self,

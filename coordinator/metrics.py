@@ -8,8 +8,7 @@ from collections.abc import Sequence
 from clusterwatch import __version__
 from clusterwatch.coordinator.incident_metrics import IncidentView, write_incidents
 from clusterwatch.coordinator.job_views import TrainingView
-from clusterwatch.coordinator.recovery import RecoveryCounts
-from clusterwatch.coordinator.recovery_metrics import write_recovery
+from clusterwatch.coordinator.recovery_metrics import RecoveryView, write_recovery
 from clusterwatch.coordinator.training_metrics import write_training
 from clusterwatch.coordinator.views import NodeView
 from clusterwatch.node_metrics import NODE_UP, register_node_families, write_node, write_node_info
@@ -36,7 +35,7 @@ def render(
     views: Sequence[NodeView],
     training: TrainingView | None = None,
     incidents: IncidentView | None = None,
-    recovery: RecoveryCounts | None = None,
+    recovery: RecoveryView | None = None,
 ) -> bytes:
     """The whole page. Hardware series come only from nodes that are up, so a
     node that went silent does not keep exporting its last values; training

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Collection
 
 from clusterwatch.config import RecoverySettings
 from clusterwatch.coordinator.incidents import Incident, Kind, Severity
@@ -32,6 +33,9 @@ EXCLUDE_NODE_AND_RESTART = "exclude_node_and_restart"
 RESTARTS = frozenset({RESTART, CHECKPOINT_AND_RESTART, EXCLUDE_NODE_AND_RESTART})
 HOUR_S = 3600.0
 NODE_KINDS = frozenset({Kind.NODE_UNREACHABLE, Kind.GPU_XID, Kind.GPU_LOST, Kind.INFINIBAND})
+# Kinds whose job still makes progress, so it can checkpoint before a restart
+# (a hung, crashed or node-less job cannot: it resumes from the last complete one).
+PROGRESSING_KINDS = frozenset({Kind.STRAGGLER, Kind.JOB_SLOWDOWN})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,3 +142,46 @@ class Policy:
                     f"(max {s.max_restarts_per_hour}); left to a person"
                 )
         return ""
+
+
+def checkpoints_first(action: str, kind: Kind | None) -> bool:
+    """Whether ``action`` on an incident of ``kind`` saves a coordinated checkpoint before anything else.
+
+    ``checkpoint`` always; the restarts that may checkpoint, only when the job
+    still makes progress (None: an operator's request, which does not).
+    """
+    if action == CHECKPOINT:
+        return True
+    return action in (CHECKPOINT_AND_RESTART, EXCLUDE_NODE_AND_RESTART) and kind in PROGRESSING_KINDS
+
+
+def exclusion_blocker(
+    job_nodes: Collection[str],
+    exclude: Collection[str],
+    *,
+    min_nodes: int,
+    max_nodes: int,
+    replaces_nodes: bool,
+) -> str:
+    """Why the job cannot run without ``exclude`` ("" when it can).
+
+    Args:
+        job_nodes: the nodes the job runs on.
+        exclude: the nodes to restart it without.
+        min_nodes / max_nodes: the launcher's node range (torchrun --nnodes;
+            0 when unknown).
+        replaces_nodes: the launcher gets other nodes in their place (SLURM,
+            Kubernetes): then nothing blocks.
+    """
+    if replaces_nodes:
+        return ""
+    left = len(set(job_nodes) - set(exclude))
+    if left == 0:
+        return "it has no other node to run on"
+    if min_nodes == 0:
+        return "its node range is unknown (not launched with torchrun --nnodes MIN:MAX)"
+    if min_nodes == max_nodes:
+        return f"it is not elastic (torchrun --nnodes {min_nodes})"
+    if left < min_nodes:
+        return f"it needs at least {min_nodes} nodes (torchrun --nnodes {min_nodes}:{max_nodes}) and would have {left}"
+    return ""

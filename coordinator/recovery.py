@@ -30,6 +30,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
+from clusterwatch import config
 from clusterwatch.config import RecoverySettings
 from clusterwatch.coordinator.background import BackgroundTasks, every
 from clusterwatch.coordinator.event_log import EventLog
@@ -39,10 +40,12 @@ from clusterwatch.coordinator.launchers import Launcher
 from clusterwatch.coordinator.policy import (
     ALERT,
     CHECKPOINT,
-    CHECKPOINT_AND_RESTART,
+    EXCLUDE_NODE_AND_RESTART,
     RESTARTS,
     Decision,
     Policy,
+    checkpoints_first,
+    exclusion_blocker,
 )
 from clusterwatch.coordinator.watchdog import Watchdog
 from clusterwatch.v1 import cluster_pb2
@@ -59,20 +62,44 @@ CheckpointNow = Callable[[str, float], Awaitable[int]]
 
 @dataclasses.dataclass
 class _Restarted:
-    """A restart under way, until the job runs past its resume step."""
+    """A restart under way, until the job runs past its resume step.
+
+    Attributes:
+        restart_count: the job's generation when it was restarted (the
+            resumed one is newer).
+        furthest_step: the furthest step a rank had finished: the steps from
+            resume_step to it are done again.
+        last_progress_unix_s: when the job last finished a step before the
+            restart; from then to the resume no training happened.
+        step_s: the job's step time then, to price the steps done again.
+    """
 
     incident_id: str
     job: str
+    reason: str
     restart_count: int
     resume_step: int
     furthest_step: int
     opened_unix_s: float
     started_unix_s: float
+    last_progress_unix_s: float
+    step_s: float
 
 
 @dataclasses.dataclass
 class RecoveryCounts:
-    """For /metrics: restarts by (job, reason kind), steps lost, last recovery time per job."""
+    """For /metrics, per job.
+
+    Attributes:
+        restarts: by (job, incident kind or "requested").
+        steps_lost: steps done again after restarts.
+        last_recovery_s: the latest recovery's incident -> resumed time.
+        actions: by (job, action, outcome).
+        unproductive_s: training time lost to faults: from the last step
+            before each restart to the resume, plus the steps done again.
+        first_seen_unix_s: when this coordinator first saw the job, the start
+            of its effective-training-time ratio.
+    """
 
     restarts: collections.Counter[tuple[str, str]] = dataclasses.field(default_factory=collections.Counter)
     steps_lost: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
@@ -80,6 +107,16 @@ class RecoveryCounts:
     actions: collections.Counter[tuple[str, str, str]] = dataclasses.field(
         default_factory=collections.Counter
     )
+    unproductive_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    first_seen_unix_s: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def effective_training_time_ratio(self, job: str, now_unix_s: float) -> float | None:
+        """Productive time / wall time since the job was first seen (the ETTR); None before any time passed."""
+        first_seen = self.first_seen_unix_s.get(job)
+        if first_seen is None or now_unix_s <= first_seen:
+            return None
+        wall_s = now_unix_s - first_seen
+        return max(0.0, 1.0 - self.unproductive_s.get(job, 0.0) / wall_s)
 
 
 class Recovery:
@@ -121,6 +158,11 @@ class Recovery:
         self._restarted: dict[str, _Restarted] = {}
         self._actions = BackgroundTasks()
 
+    def apply_settings(self, settings: RecoverySettings) -> None:
+        """New ``[recovery]`` settings (SIGHUP); decisions already made and the restart budget stay."""
+        self.settings = self.policy.settings = settings
+        logger.info("recovery settings now %s", config.as_strings(settings))
+
     async def run(self, period_s: float = PERIOD_S) -> None:
         """Rounds forever (cancel to stop)."""
         try:
@@ -131,6 +173,8 @@ class Recovery:
     def round(self) -> None:
         """Decide on new incidents, start their actions, and check restarted jobs."""
         now = self._wall()
+        for name in self._jobs():
+            self.counts.first_seen_unix_s.setdefault(name, now)
         live = self._watchdog.book.live()
         self.policy.retain({incident.id for incident in live})
         for incident in live:
@@ -156,12 +200,12 @@ class Recovery:
         )  # fmt: skip
         settled = self._settled_without_acting(decision)
         if settled is not None:
+            if incident is not None and incident.kind == Kind.RANK_FAILURE and settled[0] == DONE:
+                self._watch_launcher_restart(incident)
             return self._finish(record, *settled)
         self._save(record)
         try:
-            if decision.action == CHECKPOINT or (
-                decision.action == CHECKPOINT_AND_RESTART and not _is_hang(incident)
-            ):
+            if checkpoints_first(decision.action, incident.kind if incident else None):
                 step = await self._checkpoint_now(decision.job, CHECKPOINT_TIMEOUT_S)
                 record.detail = f"checkpoint complete at step {step}"
                 if decision.action == CHECKPOINT:
@@ -179,9 +223,68 @@ class Recovery:
             return SKIPPED, decision.skipped
         if decision.action == ALERT:
             return DONE, "alerted (the incident is the alert)"
+        # The policy's exclusions only; an operator may know of a replacement node.
+        is_policys = bool(decision.incident_id)
+        if (
+            is_policys
+            and decision.action == EXCLUDE_NODE_AND_RESTART
+            and (blocker := self._exclusion_blocker(decision))
+        ):
+            return (
+                SKIPPED,
+                f"alerted instead: job {decision.job} cannot run without {', '.join(decision.exclude_nodes)}: {blocker}",
+            )
         if self.settings.dry_run:
             return DONE, f"dry run: would {decision.action.replace('_', ' ')} job {decision.job}"
         return None
+
+    def _exclusion_blocker(self, decision: Decision) -> str:
+        job = self._jobs().get(decision.job)
+        if job is None:
+            return "it is gone"
+        return exclusion_blocker(
+            job.nodes(), decision.exclude_nodes, min_nodes=job.min_nodes, max_nodes=job.max_nodes,
+            replaces_nodes=self._launcher.replaces_nodes,
+        )  # fmt: skip
+
+    def _watch_launcher_restart(self, incident: Incident) -> None:
+        """A rank died: its launcher (torchrun --max-restarts) restarts the group; measure the recovery."""
+        job = self._jobs().get(incident.job)
+        if job is None or incident.job in self._restarted:
+            return
+        self._track_restart(self._restart_watch(job, incident, self._wall()))
+        self._watchdog.note_recovery(
+            incident.id,
+            f"waiting for the launcher to restart the worker group, resuming from step "
+            f"{self._restarted[incident.job].resume_step}",
+        )
+        if incident.state in (IncidentState.OPEN, IncidentState.ACKNOWLEDGED):
+            self._watchdog.move(incident.id, IncidentState.ACTING)
+
+    def _track_restart(self, watch: _Restarted) -> None:
+        self._restarted[watch.job] = watch
+        self.counts.restarts[(watch.job, watch.reason)] += 1
+
+    def _restart_watch(self, job: JobRecord, incident: Incident | None, started_unix_s: float) -> _Restarted:
+        """What recovery tracking needs to know about a job at its restart."""
+        latest = self._latest_checkpoint(job.job)
+        finished = [r.last_step for r in job.ranks.values() if r.last_step is not None]
+        step_times = sorted(s.step_s for s in finished)
+        return _Restarted(
+            incident_id=incident.id if incident else "",
+            job=job.job,
+            reason=incident.kind.value if incident else "requested",
+            restart_count=job.restart_count,
+            resume_step=latest + 1 if latest is not None else 0,
+            furthest_step=max((s.step for s in finished), default=0),
+            opened_unix_s=incident.opened_unix_s if incident else started_unix_s,
+            started_unix_s=started_unix_s,
+            last_progress_unix_s=max(
+                (r.last_progress_unix_s for r in job.ranks.values() if r.last_progress_unix_s),
+                default=started_unix_s,
+            ),
+            step_s=step_times[len(step_times) // 2] if step_times else 0.0,
+        )
 
     async def _restart(
         self, record: cluster_pb2.ActionRecord, incident: Incident | None
@@ -189,27 +292,22 @@ class Recovery:
         job = self._jobs().get(record.job)
         if job is None:
             return self._finish(record, FAILED, f"job {record.job} is gone")
-        resume = self._latest_checkpoint(record.job)
-        record.resume_step = resume + 1 if resume is not None else 0
+        watch = self._restart_watch(job, incident, self._wall())
+        record.resume_step = watch.resume_step
         if incident is not None and incident.state in (IncidentState.OPEN, IncidentState.ACKNOWLEDGED):
             self._watchdog.move(incident.id, IncidentState.ACTING)
-        nodes = sorted({r.node_id for r in job.ranks.values()})
-        started = self._wall()
-        outcome = await self._launcher.restart(record.job, nodes, list(record.exclude_nodes), record.reason)
+        outcome = await self._launcher.restart(
+            record.job, job.nodes(), list(record.exclude_nodes), record.reason
+        )
         prefix = f"{record.detail}; " if record.detail else ""
         if not outcome.ok:
             if incident is not None:
                 self._give_back(incident.id, f"restart failed: {outcome.detail}")
             return self._finish(record, FAILED, prefix + outcome.detail)
-        self.counts.restarts[(record.job, incident.kind.value if incident else "requested")] += 1
-        furthest = max((r.last_step.step for r in job.ranks.values() if r.last_step is not None), default=0)
-        self._restarted[record.job] = _Restarted(
-            incident.id if incident else "", record.job, job.restart_count, record.resume_step, furthest,
-            incident.opened_unix_s if incident else started, started,
-        )  # fmt: skip
+        self._track_restart(watch)
         where = (
             f"resumes from step {record.resume_step}"
-            if resume is not None
+            if record.resume_step
             else "starts over (no complete checkpoint)"
         )
         return self._finish(record, DONE, f"{prefix}{outcome.detail}; the job {where}")
@@ -224,6 +322,11 @@ class Recovery:
                 lost = max(0, restarted.furthest_step + 1 - restarted.resume_step)
                 self.counts.last_recovery_s[name] = recovery_s
                 self.counts.steps_lost[name] += lost
+                self.counts.unproductive_s[name] = (
+                    self.counts.unproductive_s.get(name, 0.0)
+                    + max(0.0, now_unix_s - restarted.last_progress_unix_s)
+                    + lost * restarted.step_s
+                )
                 logger.warning(
                     "job %s recovered: every rank past step %d, %.1f s after the incident opened; %d steps lost",
                     name, restarted.resume_step, recovery_s, lost,
@@ -269,10 +372,6 @@ class Recovery:
             self._event_log.save_action(record)
         except Exception:
             logger.exception("could not persist action %s", record.id)
-
-
-def _is_hang(incident: Incident | None) -> bool:
-    return incident is not None and incident.kind == Kind.HANG
 
 
 def _resumed(job: JobRecord, restarted: _Restarted) -> bool:

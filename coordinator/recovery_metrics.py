@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 from clusterwatch.coordinator.recovery import RecoveryCounts
 from clusterwatch.promtext import Exposition, counter, escape, gauge
 
 RESTARTS = counter(
     "clusterwatch_restarts_total",
-    "Restarts clusterwatch carried out, by job and the incident kind that caused them (requested: an "
-    "operator). Rising fast: the job keeps failing; the rate limit leaves it to a person.",
+    "Restarts of the job's worker group, by the incident kind that caused them: carried out by clusterwatch, "
+    "or by torchrun after a rank died (rank_failure); requested: an operator. Rising fast: the job keeps "
+    "failing; the rate limit leaves it to a person.",
 )
 ACTIONS = counter(
     "clusterwatch_actions_total",
@@ -26,18 +28,36 @@ RECOVERY = gauge(
     "clusterwatch_recovery_seconds",
     "The job's latest recovery: from the incident opening to every rank past the resume step after the restart.",
 )
-RECOVERY_FAMILIES = (RESTARTS, ACTIONS, STEPS_LOST, RECOVERY)
+ETTR = gauge(
+    "clusterwatch_job_effective_training_time_ratio",
+    "Effective training time ratio (ETTR): productive time / wall time since the coordinator first saw the "
+    "job. Unproductive: from the last step before each restart to the resume, plus the steps done again. "
+    "Below 0.9: faults cost the job more than a tenth of its time; checkpoint more often or fix the cause.",
+)
+RECOVERY_FAMILIES = (RESTARTS, ACTIONS, STEPS_LOST, RECOVERY, ETTR)
 
 
-def copy_counts(counts: RecoveryCounts) -> RecoveryCounts:
-    """A copy for the scrape thread (taken on the event loop)."""
-    return RecoveryCounts(
+@dataclasses.dataclass(frozen=True)
+class RecoveryView:
+    """Recovery counts as of one moment, for the scrape thread."""
+
+    counts: RecoveryCounts
+    effective_training_time_ratio: dict[str, float]
+
+
+def recovery_view(counts: RecoveryCounts, now_unix_s: float) -> RecoveryView:
+    """A copy taken on the event loop."""
+    copy = RecoveryCounts(
         collections.Counter(counts.restarts), collections.Counter(counts.steps_lost),
         dict(counts.last_recovery_s), collections.Counter(counts.actions),
+        dict(counts.unproductive_s), dict(counts.first_seen_unix_s),
     )  # fmt: skip
+    ratios = {job: counts.effective_training_time_ratio(job, now_unix_s) for job in counts.first_seen_unix_s}
+    return RecoveryView(copy, {job: ratio for job, ratio in ratios.items() if ratio is not None})
 
 
-def write_recovery(exp: Exposition, counts: RecoveryCounts) -> None:
+def write_recovery(exp: Exposition, view: RecoveryView) -> None:
+    counts = view.counts
     for family in RECOVERY_FAMILIES:
         exp.lines(family)
     for (job, reason), count in sorted(counts.restarts.items()):
@@ -48,3 +68,5 @@ def write_recovery(exp: Exposition, counts: RecoveryCounts) -> None:
         exp.add(STEPS_LOST, f'job="{escape(job)}"', count)
     for job, seconds in sorted(counts.last_recovery_s.items()):
         exp.add(RECOVERY, f'job="{escape(job)}"', seconds)
+    for job, ratio in sorted(view.effective_training_time_ratio.items()):
+        exp.add(ETTR, f'job="{escape(job)}"', ratio)

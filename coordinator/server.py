@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -25,10 +26,10 @@ from clusterwatch.coordinator.errors_interceptor import ErrorMappingInterceptor
 from clusterwatch.coordinator.event_log import EventLog
 from clusterwatch.coordinator.incident_metrics import IncidentView, incident_view
 from clusterwatch.coordinator.job_views import TrainingView, training_view
-from clusterwatch.coordinator.launchers import TorchrunLauncher
+from clusterwatch.coordinator.launchers import Launcher, SendStop, make_launcher, parse_slurm_job_ids
 from clusterwatch.coordinator.metrics import render
-from clusterwatch.coordinator.recovery import Recovery, RecoveryCounts
-from clusterwatch.coordinator.recovery_metrics import copy_counts
+from clusterwatch.coordinator.recovery import Recovery
+from clusterwatch.coordinator.recovery_metrics import RecoveryView, recovery_view
 from clusterwatch.coordinator.views import NodeView, node_views
 from clusterwatch.grpc_options import SERVER_OPTIONS
 from clusterwatch.http_server import MetricsHttpServer
@@ -38,6 +39,34 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 2.0
 RENDER_SNAPSHOT_TIMEOUT_S = 10.0
+# The [recovery] settings the launcher is built from: fixed until the coordinator restarts.
+LAUNCHER_FIELDS = (
+    "launcher",
+    "restart_grace_s",
+    "slurm_job_ids",
+    "scontrol",
+    "kubernetes_namespace",
+    "kubernetes_pod_selector",
+    "kubectl",
+)
+
+
+def launcher_from(settings: RecoverySettings, send_stop: SendStop) -> Launcher:
+    """The launcher adapter ``settings`` choose, with their options for it.
+
+    Raises:
+        ConfigError: a bad option of the chosen launcher, naming its key.
+    """
+    return make_launcher(
+        settings.launcher,
+        send_stop,
+        stop_grace_s=settings.restart_grace_s,
+        slurm_job_ids=parse_slurm_job_ids(settings.slurm_job_ids) if settings.launcher == "slurm" else None,
+        scontrol=settings.scontrol,
+        kubernetes_namespace=settings.kubernetes_namespace,
+        kubernetes_pod_selector=settings.kubernetes_pod_selector,
+        kubectl=settings.kubectl,
+    )
 
 
 class CoordinatorServer:
@@ -46,7 +75,10 @@ class CoordinatorServer:
     Args:
         settings: listen addresses, state directory, liveness.
         detection: detection thresholds (defaults when None).
-        recovery: the recovery policy (defaults when None).
+        recovery: the recovery policy and launcher (defaults when None).
+
+    Raises:
+        ConfigError: a bad option of the chosen launcher.
     """
 
     def __init__(
@@ -56,11 +88,12 @@ class CoordinatorServer:
         recovery: RecoverySettings | None = None,
     ) -> None:
         self.settings = settings
+        recovery = recovery or RecoverySettings()
+        launcher = launcher_from(recovery, self._send_stop)  # before anything is opened: it may raise
         self.core = Coordinator(
             EventLog(settings.state_dir), settings.unreachable_after_intervals, detection=detection
         )
         self.actions = Actions(self.core)
-        recovery = recovery or RecoverySettings()
         self.recovery = Recovery(
             recovery,
             watchdog=self.core.watchdog,
@@ -68,7 +101,7 @@ class CoordinatorServer:
             jobs=lambda: self.core.jobs.jobs,
             latest_checkpoint=self.core.checkpoints.latest_step,
             checkpoint_now=self.actions.checkpoint_now,
-            launcher=TorchrunLauncher(self._send_stop, grace_s=recovery.restart_grace_s),
+            launcher=launcher,
             wall_clock=time.time,
         )
         self.actions.recovery = self.recovery
@@ -79,6 +112,30 @@ class CoordinatorServer:
         self._http: MetricsHttpServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
+
+    def reload_recovery(self, settings: RecoverySettings) -> None:
+        """New ``[recovery]`` settings (SIGHUP): the policy's apply now, the launcher's at the next start.
+
+        A changed launcher setting (LAUNCHER_FIELDS) is logged and the value
+        in force kept, so ``self.recovery.settings`` describes the launcher in use.
+
+        Raises:
+            ConfigError: a bad option of the chosen launcher (nothing changes then).
+        """
+        launcher_from(settings, self._send_stop)  # only to check the options: building one does nothing
+        current = self.recovery.settings
+        changed = [name for name in LAUNCHER_FIELDS if getattr(settings, name) != getattr(current, name)]
+        if changed:
+            changes = ", ".join(
+                f"{name} {getattr(current, name)!r} -> {getattr(settings, name)!r}" for name in changed
+            )
+            logger.warning(
+                "recovery: the launcher is built at start: restart the coordinator to apply %s; "
+                "kept those in force, applied the rest",
+                changes,
+            )
+            settings = dataclasses.replace(settings, **{name: getattr(current, name) for name in changed})
+        self.recovery.apply_settings(settings)
 
     async def _send_stop(
         self, node_id: str, stop: agent_pb2.StopWorkersCommand, timeout_s: float
@@ -138,13 +195,13 @@ class CoordinatorServer:
         ).result(RENDER_SNAPSHOT_TIMEOUT_S)
         return render(views, training, incidents, recovery)
 
-    async def _views(self) -> tuple[list[NodeView], TrainingView, IncidentView, RecoveryCounts]:
+    async def _views(self) -> tuple[list[NodeView], TrainingView, IncidentView, RecoveryView]:
         core = self.core
         return (
             node_views(core.state),
             training_view(core.jobs, core.checkpoints, core.now()[0]),
             incident_view(core.watchdog, core.jobs.jobs),
-            copy_counts(self.recovery.counts),
+            recovery_view(self.recovery.counts, time.time()),
         )
 
     def _write_ready_file(self, path: Path) -> None:

@@ -211,11 +211,23 @@ class Cluster:
         socket: Path | None,
         env: dict[str, str] | None = None,
         max_restarts: int = 0,
+        elastic: tuple[str, str] | None = None,
     ) -> Process:
-        """A real ``torchrun --standalone`` job of ``nproc`` gloo workers, hooked to ``socket``
-        (in a session of its own: see ``session_processes``)."""
+        """A real torchrun job of ``nproc`` gloo workers, hooked to ``socket`` (in a session of
+        its own: see ``session_processes``): ``--standalone``, or with ``elastic=(rendezvous
+        endpoint, run id)`` one node of an elastic ``--nnodes 1:2`` job (see ``rendezvous_store``)."""
+        if elastic is None:
+            launch = ["--standalone"]
+        else:
+            endpoint, run_id = elastic
+            launch = [
+                "--nnodes=1:2", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+                # The store lives in the test, so either node can go; re-form as soon as one is
+                # there, and forget a node gone for 2 s (torchrun's default: 15 s).
+                "--rdzv-conf=is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2",
+            ]  # fmt: skip
         argv = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            sys.executable, "-m", "torch.distributed.run", *launch,
             f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", str(script), *args,
         ]  # fmt: skip
         job_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}

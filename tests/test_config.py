@@ -8,7 +8,8 @@ import pytest
 from helpers import run_cli
 
 from clusterwatch import config
-from clusterwatch.config import AgentSettings, CoordinatorSettings
+from clusterwatch.config import AgentSettings, CoordinatorSettings, RecoverySettings
+from clusterwatch.coordinator import launchers
 from clusterwatch.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,6 +64,53 @@ def test_bad_values_name_the_key(tables: dict[str, object], env: dict[str, str],
     assert str(info.value).startswith(f"{key}:")
 
 
+def test_recovery_defaults_and_launcher_settings() -> None:
+    defaults = config.load(RecoverySettings, file_tables={}, environ={})
+    assert (defaults.straggler_action, defaults.node_failure_action) == ("exclude_node_and_restart",) * 2
+    assert (defaults.hang_action, defaults.rank_failure_action) == ("restart", "alert")
+    assert (defaults.launcher, defaults.slurm_job_ids, defaults.scontrol) == ("torchrun", [], "scontrol")
+    assert (defaults.kubernetes_namespace, defaults.kubectl) == ("", "kubectl")
+    # config cannot import the coordinator, so it repeats these: they must agree.
+    assert config.LAUNCHERS == launchers.LAUNCHER_KINDS
+    assert defaults.kubernetes_pod_selector == launchers.DEFAULT_POD_SELECTOR
+
+    tables = {
+        "recovery": {"launcher": "slurm", "slurm_job_ids": ["llama=777"], "scontrol": "/opt/slurm/scontrol"}
+    }
+    env = {"CLUSTERWATCH_RECOVERY_SLURM_JOB_IDS": "llama=777, array=12_3"}
+    slurm = config.load(RecoverySettings, file_tables=tables, environ=env)
+    assert (slurm.launcher, slurm.scontrol) == ("slurm", "/opt/slurm/scontrol")
+    assert slurm.slurm_job_ids == ["llama=777", "array=12_3"]  # env over file
+    kubernetes = config.load(
+        RecoverySettings,
+        file_tables={},
+        environ={},
+        flags={
+            "launcher": "kubernetes",
+            "kubernetes_namespace": "ml",
+            "kubernetes_pod_selector": "app={job}",
+        },
+    )
+    assert (kubernetes.launcher, kubernetes.kubernetes_namespace) == ("kubernetes", "ml")
+    assert kubernetes.kubernetes_pod_selector == "app={job}"
+
+
+@pytest.mark.parametrize(
+    ("tables", "key"),
+    [
+        ({"recovery": {"launcher": "pbs"}}, launchers.LAUNCHER_KEY),
+        ({"recovery": {"launcher": ["slurm"]}}, "recovery.launcher"),
+        ({"recovery": {"slurm_job_ids": 777}}, "recovery.slurm_job_ids"),
+        ({"recovery": {"straggler_action": "exclude"}}, "recovery.straggler_action"),
+    ],
+)
+def test_bad_recovery_values_name_the_key(tables: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config.load(RecoverySettings, file_tables=tables, environ={})
+    assert info.value.key == key
+    assert str(info.value).startswith(f"{key}:")
+
+
 def test_config_file_errors(tmp_path: Path) -> None:
     broken = tmp_path / "broken.toml"
     broken.write_text("[agent\ninterval_s = 1")
@@ -103,6 +151,25 @@ def test_cli_bad_file_exits_2(tmp_path: Path) -> None:
     path.write_text('[client]\ncoordinator = "no-port"\n')
     result = run_cli("status", "--config", str(path))
     _assert_exit_2_naming(result.stderr, result.returncode, "client.coordinator")
+
+
+@pytest.mark.parametrize(
+    ("flags", "key"),
+    [
+        (["--launcher", "pbs"], "recovery.launcher"),
+        # Options of the chosen launcher are checked when the coordinator builds it.
+        (["--launcher", "slurm", "--slurm-job-ids", "llama"], "recovery.slurm_job_ids"),
+        (
+            ["--launcher", "kubernetes", "--kubernetes-pod-selector", "{node}"],
+            "recovery.kubernetes_pod_selector",
+        ),
+        (["--launcher", "kubernetes", "--kubernetes-namespace", "ML_Team"], "recovery.kubernetes_namespace"),
+    ],
+)
+def test_cli_bad_launcher_exits_2(tmp_path: Path, flags: list[str], key: str) -> None:
+    result = run_cli("coordinator", "--state-dir", str(tmp_path), *flags)
+    _assert_exit_2_naming(result.stderr, result.returncode, key)
+    assert not list(tmp_path.iterdir())  # refused before opening the state
 
 
 @pytest.mark.parametrize(

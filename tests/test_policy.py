@@ -8,7 +8,7 @@ import pytest
 
 from clusterwatch.config import RecoverySettings
 from clusterwatch.coordinator.incidents import Incident, IncidentState, Kind, Severity
-from clusterwatch.coordinator.policy import Policy
+from clusterwatch.coordinator.policy import Policy, checkpoints_first, exclusion_blocker
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -83,3 +83,58 @@ def test_decisions_about_incidents_no_longer_live_are_forgotten() -> None:
     assert policy.decide(incident(n=1), 101.0) is None  # still live: decided once
     policy.retain(set())
     assert policy._decided == set()
+
+
+@pytest.mark.parametrize(
+    ("nodes", "exclude", "node_range", "replaces", "blocked_by"),
+    [
+        (("a", "b"), ("a",), (1, 2), False, ""),
+        (("a", "b"), ("a",), (2, 2), False, "not elastic (torchrun --nnodes 2)"),
+        (
+            ("a", "b", "c"),
+            ("a", "b"),
+            (2, 3),
+            False,
+            "needs at least 2 nodes (torchrun --nnodes 2:3) and would have 1",
+        ),
+        (("a", "b"), ("a",), (0, 0), False, "node range is unknown"),
+        (("a",), ("a",), (1, 2), False, "no other node"),
+        (("a",), ("a",), (0, 0), True, ""),  # the scheduler finds another node
+    ],
+)
+def test_a_job_can_lose_a_node_only_if_it_is_elastic_enough_or_the_launcher_replaces_it(
+    nodes: tuple[str, ...],
+    exclude: tuple[str, ...],
+    node_range: tuple[int, int],
+    replaces: bool,
+    blocked_by: str,
+) -> None:
+    blocker = exclusion_blocker(
+        nodes, exclude, min_nodes=node_range[0], max_nodes=node_range[1], replaces_nodes=replaces
+    )
+    assert (blocker == "") == (blocked_by == "")
+    assert blocked_by in blocker
+
+
+def test_only_a_job_still_making_progress_checkpoints_before_its_restart() -> None:
+    assert checkpoints_first("checkpoint", Kind.HANG)
+    assert checkpoints_first("exclude_node_and_restart", Kind.STRAGGLER)
+    assert checkpoints_first("checkpoint_and_restart", Kind.JOB_SLOWDOWN)
+    assert not checkpoints_first("checkpoint_and_restart", Kind.HANG)  # a hung job cannot save
+    assert not checkpoints_first("exclude_node_and_restart", Kind.NODE_UNREACHABLE)
+    assert not checkpoints_first("restart", Kind.STRAGGLER)
+    assert not checkpoints_first("exclude_node_and_restart", None)  # an operator's request
+
+
+def test_defaults_exclude_stragglers_and_failed_nodes_and_restart_hangs() -> None:
+    policy = Policy(RecoverySettings(cooldown_s=0, straggler_persist_s=10))
+    decisions = {
+        kind: policy.decide(incident(kind, n), 200.0)
+        for n, kind in enumerate((Kind.HANG, Kind.RANK_FAILURE, Kind.STRAGGLER, Kind.GPU_XID))
+    }
+    assert {kind: d.action for kind, d in decisions.items() if d is not None} == {
+        Kind.HANG: "restart",
+        Kind.RANK_FAILURE: "alert",
+        Kind.STRAGGLER: "exclude_node_and_restart",
+        Kind.GPU_XID: "exclude_node_and_restart",
+    }

@@ -7,6 +7,7 @@ After each job, the process table is scanned for anything left of the job's sess
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,7 @@ def test_a_hang_is_restarted_from_the_last_complete_checkpoint(cluster: Cluster,
     assert recovery.value > 0
     (lost,) = samples_named(metrics, "clusterwatch_steps_lost_total", job="hangs")
     assert lost.value >= int(STALL_STEP) - saved - 1
+    assert [i.summary for i in incidents(coordinator) if i.kind == "rank_failure"] == []  # stopped on purpose
     assert session_processes(job.pid) == []
 
 
@@ -130,3 +132,55 @@ def test_dry_run_records_the_restart_and_kills_nothing(cluster: Cluster, tmp_pat
     assert {p.pid for p in session_processes(job.pid)} == pids  # nothing killed
     job.stop()
     wait_for(lambda: session_processes(job.pid) == [], 30, "nothing left of the job")
+
+
+@pytest.fixture
+def rendezvous_endpoint() -> Iterator[str]:
+    """A c10d rendezvous store outside both nodes' launchers, as an elastic job needs: either node may go."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield f"127.0.0.1:{store.port}"
+    del store
+
+
+def test_a_persistent_straggler_is_checkpointed_and_its_node_left_out_of_the_elastic_job(
+    cluster: Cluster, tmp_path: Path, rendezvous_endpoint: str
+) -> None:
+    coordinator = cluster.coordinator(
+        "--cooldown-s", "0", "--restart-grace-s", "3", "--straggler-persist-s", "2"
+    )  # fmt: skip
+    jobs: dict[str, Process] = {}
+    for node in ("node-a", "node-b"):
+        cluster.agent(coordinator, node)
+        wait_for(cluster.socket_path(node).exists, 30, f"{node}'s hook socket")
+    for node in ("node-a", "node-b"):
+        slow = ["--slow-local-rank", "1", "--slow-factor", "1.6"] if node == "node-a" else []
+        jobs[node] = cluster.torchrun(
+            TRAIN, "--out-dir", str(tmp_path / node), "--job", "elastic", "--until-file", str(tmp_path / "stop"),
+            "--compute-ms", "40", "--checkpoint-dir", str(tmp_path / "ckpt"), *slow,
+            nproc=2, socket=cluster.socket_path(node), max_restarts=2, env=RESTARTABLE_GLOO,
+            elastic=(rendezvous_endpoint, "elastic"),
+        )  # fmt: skip
+
+    def resolved() -> cluster_pb2.Incident | None:
+        return next(
+            (i for i in incidents(coordinator) if i.kind == "straggler" and i.state == RESOLVED), None
+        )
+
+    straggler = wait_for(resolved, 240, "the straggler to be left out and the job to recover")
+    assert list(straggler.nodes) == ["node-a"]
+    (exclusion,) = [a for a in actions(coordinator, "elastic") if a.action == "exclude_node_and_restart"]
+    assert exclusion.outcome == "done", exclusion.detail
+    assert list(exclusion.exclude_nodes) == ["node-a"]
+    saved = exclusion.resume_step - 1
+    assert f"checkpoint complete at step {saved}" in exclusion.detail  # saved at a common step first
+    jobs["node-a"].wait(60)  # its launcher was stopped: it exits by itself
+    (tmp_path / "stop").touch()
+    assert jobs["node-b"].wait(120) == 0, jobs["node-b"].log()
+    results = [json.loads((tmp_path / "node-b" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["start_step"] for r in results] == [saved + 1, saved + 1]  # the re-formed job of 2 ranks
+    assert not (tmp_path / "node-a").exists()  # the slow node never finished
+    assert [i.summary for i in incidents(coordinator) if i.kind == "rank_failure"] == []  # stopped on purpose
+    for job in jobs.values():
+        assert session_processes(job.pid) == []

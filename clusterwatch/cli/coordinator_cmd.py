@@ -24,7 +24,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="run the coordinator (cluster state, detection, incidents, API, /metrics)",
         description="Receive node reports from agents, track node liveness, detect stragglers, hangs and "
         "failures, keep events and incidents in SQLite, serve the ClusterService API and Prometheus "
-        "/metrics. SIGHUP re-reads the [detection] thresholds from the config file.",
+        "/metrics. SIGHUP re-reads the [detection] and [recovery] settings from the config file and "
+        "environment (flags still win); a changed launcher or launcher option needs a restart.",
     )
     add_settings_flags(parser, CoordinatorSettings)
     add_settings_flags(parser, DetectionSettings)
@@ -42,16 +43,24 @@ def run(args: argparse.Namespace) -> int:
     server = CoordinatorServer(settings, detection, recovery)
 
     async def main(stop: asyncio.Event) -> None:
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_detection, server, args)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_settings, server, args)
         await server.run(stop)
 
     run_until_signalled(main)
     return 0
 
 
-def reload_detection(server: CoordinatorServer, args: argparse.Namespace) -> None:
-    """SIGHUP: thresholds from the config file and environment again (flags still win)."""
+def reload_settings(server: CoordinatorServer, args: argparse.Namespace) -> None:
+    """SIGHUP: [detection] and [recovery] from the config file and environment again (flags still win).
+
+    Each section is kept as it is when its new values are invalid; the launcher
+    and its options stay as they were at start (see CoordinatorServer.reload_recovery).
+    """
     try:
         server.core.watchdog.apply_settings(settings_from_args(args, DetectionSettings))
     except ConfigError as exc:
         logger.error("SIGHUP: kept the detection settings in force; invalid configuration: %s", exc)
+    try:
+        server.reload_recovery(settings_from_args(args, RecoverySettings))
+    except ConfigError as exc:
+        logger.error("SIGHUP: kept the recovery settings in force; invalid configuration: %s", exc)

@@ -35,6 +35,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compute-ms", type=float, default=5.0)
     parser.add_argument("--allreduce-bytes", type=int, default=1 << 20)
     parser.add_argument("--slow-rank", type=int, default=-1, help="this rank's compute takes longer")
+    parser.add_argument(
+        "--slow-local-rank",
+        type=int,
+        default=-1,
+        help="this local rank computes slower (the fault stays on its node)",
+    )
     parser.add_argument("--slow-factor", type=float, default=1.0, help="...by this factor (1.3: +30 %%)")
     parser.add_argument(
         "--stall-rank", type=int, default=-1, help="this rank stalls before an all-reduce (first launch only)"
@@ -85,6 +91,7 @@ def main() -> None:
             tracker.take_step = broken_take_step  # type: ignore[method-assign,assignment]
 
     world_size = dist.get_world_size()
+    slow = rank == args.slow_rank or int(os.environ.get("LOCAL_RANK", "-1")) == args.slow_local_rank
 
     def train_step(step: int) -> bool:
         """One step; True when every rank is to stop after it.
@@ -98,7 +105,7 @@ def main() -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        time.sleep(args.compute_ms / 1000 * (args.slow_factor if rank == args.slow_rank else 1.0))
+        time.sleep(args.compute_ms / 1000 * (args.slow_factor if slow else 1.0))
         first_generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if rank == args.stall_rank and step == args.stall_step and first_generation:
             while args.stall_until_file is not None and not args.stall_until_file.exists():
