@@ -332,6 +332,13 @@ class Recovery:
                     name, restarted.resume_step, recovery_s, lost,
                 )  # fmt: skip
                 if restarted.incident_id and self._watchdog.book.get(restarted.incident_id) is not None:
+                    self._watchdog.note_recovery(
+                        restarted.incident_id,
+                        f"recovered {recovery_s:.1f} s after it opened: every rank past step "
+                        f"{restarted.resume_step}, {lost} steps done again",
+                        {"recovery_seconds": recovery_s, "steps_lost": float(lost),
+                         "resume_step": float(restarted.resume_step)},
+                    )  # fmt: skip
                     self._watchdog.move(restarted.incident_id, IncidentState.RESOLVED)
             elif now_unix_s - restarted.started_unix_s > self.settings.recovery_timeout_s:
                 del self._restarted[name]

@@ -139,12 +139,14 @@ class Watchdog:
         self._persist([change.incident])
         return change.incident
 
-    def note_recovery(self, incident_id: str, note: str) -> None:
-        """Say on a live incident what recovery did or why it did not (persisted)."""
+    def note_recovery(self, incident_id: str, note: str, evidence: Mapping[str, float] | None = None) -> None:
+        """Say on a live incident what recovery did or why it did not, with its numbers (persisted)."""
         incident = self.book.get(incident_id)
         if incident is None:
             return
         incident.recovery_note = note
+        if evidence:
+            incident.evidence = {**incident.evidence, **evidence}
         incident.updated_unix_s = self._wall()
         self._persist([incident])
 

@@ -1,73 +1,95 @@
-"""`clusterwatch demo`: a coordinator and two simulated agents, stopped by Ctrl-C or --duration."""
+"""`clusterwatch demo`: two simulated nodes, an elastic torchrun job, a straggler and a hang, both recovered."""
 
 from __future__ import annotations
 
-import signal
+import json
 import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 from helpers import clusterwatch_cmd, run_cli, wait_for
 
-from clusterwatch.client import ClusterClient
-from clusterwatch.v1 import cluster_pb2
+from clusterwatch.cli.demo_faults import Fault, parse_fault
+from clusterwatch.cli.demo_training import CHECKPOINT_EVERY, DIR_ENV
+from clusterwatch.errors import ConfigError
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = pytest.mark.timeout(300)
 
 
-def test_demo_runs_two_simulated_nodes_until_ctrl_c(tmp_path: Path) -> None:
-    log = tmp_path / "demo.log"
+def demo_processes() -> list[psutil.Process]:
+    """Processes a demo started (they carry its work directory in their environment)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if DIR_ENV in process.environ():
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_the_demo_detects_and_recovers_from_a_straggler_and_a_hang(tmp_path: Path) -> None:
+    log, summary_path = tmp_path / "demo.log", tmp_path / "summary.json"
     with log.open("wb") as out:
         demo = subprocess.Popen(
-            clusterwatch_cmd("demo", "--grpc-port", "0", "--metrics-port", "0", "--interval", "0.3"),
+            clusterwatch_cmd("demo", "--grpc-port", "0", "--metrics-port", "0", "--summary-json", str(summary_path)),
             stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
         line = wait_for(
             lambda: next((ln for ln in log.read_text().splitlines() if "clusterwatch status --coordinator" in ln), None),
-            30, "the demo to print how to run status",
+            60, "the demo to say where its coordinator is",
         )  # fmt: skip
-        address = line.split("--coordinator", 1)[1].strip()
-        with ClusterClient(address) as client:
-            wait_for(
-                lambda: sorted(n.node_id for n in client.snapshot().nodes
-                               if n.state == cluster_pb2.NodeState.NODE_STATE_UP) == ["demo-node-0", "demo-node-1"],
-                30, "both demo nodes up",
-            )  # fmt: skip
-            gpus = [n.report.gpu_inventory for n in client.snapshot().nodes]
-            # The demo's training job reports through demo-node-0's agent.
-            job = wait_for(
-                lambda: next((j for j in client.snapshot().jobs if j.job == "demo-train" and len(j.ranks) == 3
-                              and all(r.last_step.step > 0 for r in j.ranks)), None),
-                60, "the demo training job's three ranks",
-            )  # fmt: skip
-            # Rank 2 computes 30 % longer: the coordinator names it.
-            straggler = wait_for(
-                lambda: next((i for i in client.incidents() if i.kind == "straggler"), None),
-                90, "the demo's straggler incident",
-            )  # fmt: skip
-        assert list(straggler.ranks) == [2]
-        assert straggler.cause == "compute"
-        assert all(inv.simulated and inv.backend == "sim" for inv in gpus)
-        assert {r.node_id for r in job.ranks} == {"demo-node-0"}
-        status = run_cli("status", "--coordinator", address)
-        assert status.returncode == 0
-        assert "demo-node-0" in status.stdout
-        assert "(sim)" in status.stdout
-        assert "demo-train" in status.stdout
-        demo.send_signal(signal.SIGINT)
-        assert demo.wait(timeout=30) == 0
+        status = run_cli("status", "--coordinator", line.split("--coordinator", 1)[1].strip())
+        assert demo.wait(timeout=240) == 0, log.read_text()
     finally:
         if demo.poll() is None:
             demo.kill()
+    assert status.returncode == 0
+    assert "demo-node-0" in status.stdout
+    assert "(sim)" in status.stdout
     output = log.read_text()
-    assert "/metrics" in output
-    assert output.rstrip().endswith("clusterwatch demo: stopped")
+    for expected in ("detected  straggler: rank 1 on demo-node-0", "exclude node and restart: checkpoint complete",
+                     "detected  hang", "resumed   every rank past step", "finished  all 150 steps"):  # fmt: skip
+        assert expected in output, output
+    summary = json.loads(summary_path.read_text())
+    assert summary["final_world_size"] == 2  # demo-node-0 was left out
+    straggler, hang = summary["faults"]
+    assert (straggler["cause"], straggler["action"]) == ("compute", "exclude node and restart")
+    assert hang["action"] == "restart"
+    for fault in (straggler, hang):
+        assert fault["recovery_s"] > 0
+        assert 0 <= fault["steps_lost"] <= CHECKPOINT_EVERY
+    assert 0 < summary["effective_training_time_ratio"] < 1
+    assert summary["coordinated_checkpoint_delay_steps"] >= 0
+    assert wait_for(lambda: demo_processes() == [], 30, "nothing left of the demo")
 
 
-def test_demo_stops_by_itself_after_duration() -> None:
+def test_without_training_the_demo_runs_the_services_until_its_duration() -> None:
     result = run_cli(
         "demo", "--grpc-port", "0", "--metrics-port", "0", "--duration", "2", "--no-train", timeout_s=60
     )
     assert result.returncode == 0, result.stderr
     assert "stopped" in result.stdout
+    assert demo_processes() == []
+
+
+def test_a_fault_is_tied_to_the_slot_of_the_rank_it_names() -> None:
+    assert parse_fault("straggler@step=30,rank=1,factor=1.4", 2, 2) == Fault("straggler", 30, 1, 0, 1, 1.4)
+    assert parse_fault("hang@step=80,rank=3", 2, 2) == Fault("hang", 80, 3, 1, 1, 1.0)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["crash@step=1,rank=0", "hang@step=1", "hang@step=1,rank=4", "straggler@step=1,rank=0,factor=0.5",
+     "hang@step=x,rank=0", "hang@step=1,rank=0,when=now"],
+)  # fmt: skip
+def test_a_bad_fault_is_refused_naming_the_flag(spec: str) -> None:
+    with pytest.raises(ConfigError, match="--inject"):
+        parse_fault(spec, 2, 2)
+    result = run_cli("demo", "--inject", spec, timeout_s=60)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1
+    assert "--inject" in result.stderr

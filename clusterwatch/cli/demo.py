@@ -1,4 +1,15 @@
-"""``clusterwatch demo``: a coordinator and two simulated-GPU agents on loopback."""
+"""``clusterwatch demo``: detection and recovery end to end, on this machine.
+
+A coordinator, two agents with simulated GPUs (two "nodes") and, per node,
+``torchrun --nnodes 1:2 --nproc-per-node 2`` training a small DDP model over
+gloo with periodic checkpoints. Faults are injected on schedule (``--inject``;
+by default a straggler, then a hang). The coordinator detects each, names
+the rank, node and cause, and recovers: the straggler's node is checkpointed
+and left out of the elastic job, the hung job is restarted from its last
+complete checkpoint. A live timeline is printed, then a summary; exit 0
+once training completes. With ``--no-train``: the coordinator and agents
+only, until Ctrl-C or ``--duration``.
+"""
 
 from __future__ import annotations
 
@@ -7,67 +18,291 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
+
+from clusterwatch.cli import demo_faults, demo_training
+from clusterwatch.cli.demo_timeline import FaultOutcome, Timeline
+from clusterwatch.client import ClusterClient
 
 DEMO_NODES = ("demo-node-0", "demo-node-1")
+RANKS_PER_NODE = 2
+JOB = "demo-train"
 START_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
+POLL_S = 0.25
+# Recovery tuned for a demo that lasts a minute (production defaults are minutes).
+DEMO_RECOVERY = ("--straggler-persist-s", "2", "--cooldown-s", "0", "--restart-grace-s", "2")
+# Elastic rendezvous through a store the demo hosts, so either node may go; a node gone for 2 s
+# is forgotten (torchrun's default: 15 s) and the job re-forms 1 s after the first node is back.
+RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "demo",
-        help="run a coordinator and two agents with simulated GPUs on this machine",
-        description="Start a coordinator and two agents (demo-node-0, demo-node-1) with simulated GPUs "
-        "on 127.0.0.1, print where to look, and run until Ctrl-C or --duration.",
+        help="detection and recovery end to end: two simulated-GPU nodes, an elastic torchrun job, injected faults",
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
     )
     parser.add_argument(
         "--grpc-port", type=int, default=50051, help="coordinator gRPC port (0: any free port)"
     )
     parser.add_argument("--metrics-port", type=int, default=9470, help="coordinator /metrics port (0: any)")
     parser.add_argument("--sim-gpus", type=int, default=4, help="simulated GPUs per node (default: 4)")
-    parser.add_argument("--interval", type=float, default=1.0, help="report interval in seconds (default: 1)")
+    parser.add_argument(
+        "--interval", type=float, default=0.5, help="report interval in seconds (default: 0.5)"
+    )
     parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     parser.add_argument(
         "--state-dir", type=Path, default=None, help="coordinator state (default: a temp dir)"
     )
     parser.add_argument(
-        "--train",
-        action=argparse.BooleanOptionalAction,
-        default=importlib.util.find_spec("torch") is not None,
-        help="also run a 3-rank gloo training job with the clusterwatch hook on demo-node-0 "
-        "(default: when torch is installed)",
-    )
+        "--train", action=argparse.BooleanOptionalAction, default=importlib.util.find_spec("torch") is not None,
+        help="run the training job with faults (default: when torch is installed)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--inject", action="append", metavar="KIND@step=N,rank=R[,factor=F]",
+        help="a fault to inject: straggler or hang, at a step, on a rank of the first launch (repeatable; "
+        f"default: {' '.join(demo_faults.DEFAULT_FAULTS)}; 'none' for none)",
+    )  # fmt: skip
+    parser.add_argument("--steps", type=int, default=150, help="steps the job trains (default: 150)")
+    parser.add_argument("--summary-json", type=Path, help="also write the summary to this file")
     parser.set_defaults(run=run)
     return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    specs = args.inject or list(demo_faults.DEFAULT_FAULTS)
+    faults = [
+        demo_faults.parse_fault(spec, len(DEMO_NODES), RANKS_PER_NODE) for spec in specs if spec != "none"
+    ]
+    processes: list[subprocess.Popen[bytes]] = []
+    jobs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="clusterwatch-demo-") as tmp:
+        workdir = Path(tmp)
+        # The timeline tells the story: the services log only errors unless asked for more.
+        child_log = "error" if args.log_level == "info" else args.log_level
+        try:
+            ports = _start_cluster(args, workdir, child_log, processes)
+            address = f"127.0.0.1:{ports['grpc_port']}"
+            metrics_url = f"http://127.0.0.1:{ports['metrics_port']}/metrics"
+            _print_banner(args, address, metrics_url, faults)
+            if not args.train:
+                return _idle(processes, args.duration)
+            return _train(args, workdir, (address, metrics_url), faults, (processes, jobs))
+        except KeyboardInterrupt:
+            print("clusterwatch demo: interrupted")
+            return 130
+        except RuntimeError as exc:
+            print(f"clusterwatch demo: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            with contextlib.suppress(KeyboardInterrupt):
+                _stop(processes, jobs)
+
+
+def _start_cluster(
+    args: argparse.Namespace, workdir: Path, log_level: str, processes: list[subprocess.Popen[bytes]]
+) -> dict[str, int]:
+    """The coordinator and the agents; the coordinator's ports."""
+    ready_file = workdir / "coordinator.ready"
+    coordinator = _start(
+        ["coordinator", "--listen", f"127.0.0.1:{args.grpc_port}",
+         "--metrics-listen", f"127.0.0.1:{args.metrics_port}", "--state-dir", str(args.state_dir or workdir / "state"),
+         "--ready-file", str(ready_file), *DEMO_RECOVERY],
+        log_level,
+    )  # fmt: skip
+    processes.append(coordinator)
+    ports = _wait_ready(ready_file, coordinator)
+    for node in DEMO_NODES:
+        processes.append(_start(
+            ["agent", "--coordinator", f"127.0.0.1:{ports['grpc_port']}", "--node-id", node,
+             "--gpu-backend", "sim", "--sim-gpus", str(args.sim_gpus), "--interval", str(args.interval),
+             "--socket", str(workdir / f"{node}.sock")],
+            log_level,
+        ))  # fmt: skip
+    return ports
+
+
+def _print_banner(
+    args: argparse.Namespace, address: str, metrics_url: str, faults: list[demo_faults.Fault]
+) -> None:
+    lines = [
+        f"clusterwatch demo: a coordinator and {len(DEMO_NODES)} agents with simulated GPUs are running."
+    ]
+    if args.train:
+        lines.append(
+            f"  job {JOB}: torchrun --nnodes 1:2 --nproc-per-node {RANKS_PER_NODE} on each node, {args.steps} steps, "
+            f"a checkpoint every {demo_training.CHECKPOINT_EVERY} steps"
+        )
+        lines.append("  faults:      " + ("; ".join(f.label for f in faults) or "none"))
+    lines += [
+        f"  API (gRPC):  {address}",
+        f"  metrics:     {metrics_url}",
+        f"  try:         clusterwatch status --coordinator {address}",
+        f"               clusterwatch incidents --all --coordinator {address}",
+    ]
+    if not args.train:
+        lines.append(
+            "Press Ctrl-C to stop"
+            + (f" (stopping by itself after {args.duration:g} s)." if args.duration else ".")
+        )
+    print("\n".join(lines), flush=True)
+
+
+def _idle(processes: list[subprocess.Popen[bytes]], duration_s: float | None) -> int:
+    deadline = time.monotonic() + duration_s if duration_s else None
+    while deadline is None or time.monotonic() < deadline:
+        _check_alive(processes)
+        time.sleep(POLL_S)
+    print("clusterwatch demo: stopped")
+    return 0
+
+
+def _train(
+    args: argparse.Namespace,
+    workdir: Path,
+    endpoints: tuple[str, str],
+    faults: list[demo_faults.Fault],
+    children: tuple[list[subprocess.Popen[bytes]], list[subprocess.Popen[bytes]]],
+) -> int:
+    """Run the job to completion, printing the timeline, then the summary.
+
+    Args:
+        endpoints: the coordinator's gRPC address and /metrics URL.
+        children: the services (checked to stay up) and the list the jobs go in.
+    """
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in its __all__
+
+    address, metrics_url = endpoints
+    services, jobs = children
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    started = time.time()
+    jobs.extend(
+        _start_training(workdir, node, f"127.0.0.1:{store.port}", args.steps, faults)
+        for node in range(len(DEMO_NODES))
+    )
+    print("timeline (seconds since start):", flush=True)
+    deadline = time.monotonic() + args.duration if args.duration else None
+    with ClusterClient(address) as client:
+        timeline = Timeline(client, JOB, workdir / demo_training.EVENTS_FILE, started)
+        while any(job.poll() is None for job in jobs):
+            _check_alive(services)
+            timeline.poll()
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError(f"training did not complete within --duration {args.duration:g} s")
+            time.sleep(POLL_S)
+        _settle(timeline)
+        done = workdir / demo_training.DONE_FILE
+        if not done.exists():
+            for node in range(len(DEMO_NODES)):
+                print(
+                    (workdir / f"train-node-{node}.log").read_text(errors="replace")[-3000:], file=sys.stderr
+                )
+            raise RuntimeError("the training job ended without completing its steps (its logs are above)")
+        summary = _summary(timeline, json.loads(done.read_text()), _ettr(metrics_url), time.time() - started)
+    _print_summary(summary)
+    if args.summary_json:
+        args.summary_json.write_text(json.dumps(summary, indent=2))
+    del store
+    return 0
+
+
+def _settle(timeline: Timeline) -> None:
+    """A last look: the coordinator may learn of the final steps a report after the job ended."""
+    deadline = time.monotonic() + 2 * POLL_S * 4
+    while time.monotonic() < deadline:
+        timeline.poll()
+        time.sleep(POLL_S)
 
 
 def _start(argv: list[str], log_level: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "clusterwatch", *argv, "--log-level", log_level])
 
 
-def _start_training(tmp: Path, socket: Path) -> subprocess.Popen[bytes]:
-    """torchrun with two gloo ranks of clusterwatch.cli.demo_training, hooked to ``socket``.
-
-    Its output goes to ``tmp/demo-train.log``, shown if the job dies.
-    """
+def _start_training(
+    workdir: Path, node: int, rendezvous: str, steps: int, faults: list[demo_faults.Fault]
+) -> subprocess.Popen[bytes]:
+    """One node's torchrun (elastic, 1 to 2 nodes), hooked to that node's agent; output to train-node-N.log."""
+    socket = workdir / f"{DEMO_NODES[node]}.sock"
     deadline = time.monotonic() + START_TIMEOUT_S
     while not socket.exists() and time.monotonic() < deadline:  # else the hooks start unconnected
         time.sleep(0.05)
     env = {
-        **os.environ, "CLUSTERWATCH_AGENT_SOCKET": str(socket), "OMP_NUM_THREADS": "1",
-        "CLUSTERWATCH_DEMO_CHECKPOINTS": str(tmp),
+        **os.environ, "CLUSTERWATCH_AGENT_SOCKET": str(socket), "OMP_NUM_THREADS": "1", "CLUSTERWATCH_JOB": JOB,
+        demo_training.NODE_ENV: str(node), demo_training.DIR_ENV: str(workdir),
+        demo_training.STEPS_ENV: str(steps), demo_faults.ENV: demo_faults.to_json(faults),
+        # torch 2.13 + gloo: without it the first group torchrun restarts fails to connect (see README).
+        "TORCH_GLOO_LAZY_INIT": "1",
     }  # fmt: skip
-    with (tmp / "demo-train.log").open("wb") as log:  # the child keeps its own copy
+    with (workdir / f"train-node-{node}.log").open("wb") as log:  # the child keeps its own copy
         return subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-             "--module", "clusterwatch.cli.demo_training"],
-            env=env, stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", f"--nproc-per-node={RANKS_PER_NODE}",
+             "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={JOB}", f"--rdzv-conf={RDZV_CONF}",
+             "--max-restarts=3", "--module", "clusterwatch.cli.demo_training"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
+
+
+def _ettr(metrics_url: str) -> float | None:
+    prefix = f'clusterwatch_job_effective_training_time_ratio{{job="{JOB}"}} '
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:  # noqa: S310 - our http:// URL
+        for line in response.read().decode().splitlines():
+            if line.startswith(prefix):
+                return float(line.removeprefix(prefix))
+    return None
+
+
+def _summary(timeline: Timeline, done: dict[str, int], ettr: float | None, wall_s: float) -> dict[str, Any]:
+    delays = timeline.checkpoint_delays()
+    return {
+        "steps": done["steps"],
+        "final_world_size": done["world_size"],
+        "wall_seconds": wall_s,
+        "effective_training_time_ratio": ettr,
+        "faults": [vars(outcome) for outcome in timeline.outcomes()],
+        "coordinated_checkpoint_delay_steps": max(
+            (d["save_s"] / d["step_s"] for d in delays if d["step_s"]), default=None
+        ),
+    }
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f} s"
+
+    print(
+        f"\nsummary: {summary['steps']} steps trained in {summary['wall_seconds']:.0f} s, "
+        f"finishing on {summary['final_world_size']} ranks"
+    )
+    print(
+        f"  {'fault':42} {'detected after':>14} {'cause':>10} {'recovered in':>13} {'onset->resumed':>15} {'steps lost':>10}  action"
+    )
+    for fault in (FaultOutcome(**f) for f in summary["faults"]):
+        print(
+            f"  {fault.label:42} {seconds(fault.detection_s):>14} {fault.cause or '-':>10} {seconds(fault.recovery_s):>13} "
+            f"{seconds(fault.onset_to_resumed_s):>15} {'-' if fault.steps_lost is None else fault.steps_lost:>10}  "
+            f"{fault.action or '-'}"
+        )
+    ettr = summary["effective_training_time_ratio"]
+    print(f"  effective training time ratio (ETTR): {'-' if ettr is None else f'{ettr:.2f}'}")
+    delay = summary["coordinated_checkpoint_delay_steps"]
+    if delay is not None:
+        print(
+            f"  a coordinated checkpoint delayed the job by {delay:.2f} steps (slowest rank's save / step time)"
+        )
+
+
+def _check_alive(processes: list[subprocess.Popen[bytes]]) -> None:
+    for p in processes:
+        if p.poll() is not None:
+            raise RuntimeError(f"a clusterwatch service (pid {p.pid}) exited with code {p.returncode}")
 
 
 def _wait_ready(ready_file: Path, process: subprocess.Popen[bytes]) -> dict[str, int]:
@@ -81,75 +316,24 @@ def _wait_ready(ready_file: Path, process: subprocess.Popen[bytes]) -> dict[str,
     raise RuntimeError(f"the coordinator did not start within {START_TIMEOUT_S:.0f} s")
 
 
-def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
+def _stop(processes: list[subprocess.Popen[bytes]], jobs: list[subprocess.Popen[bytes]]) -> None:
+    """The training jobs first (each torchrun with its whole session), then the agents and the coordinator."""
+    for job in jobs:
+        _kill_session(job, signal.SIGTERM)
     for p in processes:
         if p.poll() is None:
             p.terminate()
     deadline = time.monotonic() + STOP_GRACE_S
-    for p in processes:
+    for p in jobs + processes:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+    for job in jobs:
+        _kill_session(job, signal.SIGKILL)  # whatever a torchrun left behind
 
 
-def run(args: argparse.Namespace) -> int:
-    processes: list[subprocess.Popen[bytes]] = []
-    with tempfile.TemporaryDirectory(prefix="clusterwatch-demo-") as tmp:
-        state_dir = args.state_dir or Path(tmp) / "state"
-        ready_file = Path(tmp) / "coordinator.ready"
-        child_log = "warning" if args.log_level == "info" else args.log_level
-        try:
-            coordinator = _start(
-                ["coordinator", "--listen", f"127.0.0.1:{args.grpc_port}",
-                 "--metrics-listen", f"127.0.0.1:{args.metrics_port}",
-                 "--state-dir", str(state_dir), "--ready-file", str(ready_file)],
-                child_log,
-            )  # fmt: skip
-            processes.append(coordinator)
-            ports = _wait_ready(ready_file, coordinator)
-            address = f"127.0.0.1:{ports['grpc_port']}"
-            for node in DEMO_NODES:
-                processes.append(_start(
-                    ["agent", "--coordinator", address, "--node-id", node, "--gpu-backend", "sim",
-                     "--sim-gpus", str(args.sim_gpus), "--interval", str(args.interval),
-                     "--socket", str(Path(tmp) / f"{node}.sock")],
-                    child_log,
-                ))  # fmt: skip
-            if args.train:
-                processes.append(_start_training(Path(tmp), Path(tmp) / f"{DEMO_NODES[0]}.sock"))
-            print(
-                f"clusterwatch demo: coordinator and {len(DEMO_NODES)} agents with simulated GPUs are running"
-                + (", and a 3-rank training job (demo-train) on demo-node-0; rank 2 is a straggler.\n" if args.train else ".\n")
-                +
-                f"  API (gRPC):  {address}\n"
-                f"  metrics:     http://127.0.0.1:{ports['metrics_port']}/metrics\n"
-                f"  try:         clusterwatch status --coordinator {address}\n"
-                + (f"               clusterwatch incidents --coordinator {address}\n" if args.train else "")
-                +
-                "Press Ctrl-C to stop" + (f" (stopping by itself after {args.duration:g} s)." if args.duration else "."),
-                flush=True,
-            )  # fmt: skip
-            deadline = time.monotonic() + args.duration if args.duration else None
-            while deadline is None or time.monotonic() < deadline:
-                for p in processes:
-                    if p.poll() is not None:
-                        print(
-                            f"clusterwatch demo: a process exited with code {p.returncode}", file=sys.stderr
-                        )
-                        training_log = Path(tmp) / "demo-train.log"
-                        if training_log.exists():
-                            print(training_log.read_text(errors="replace")[-3000:], file=sys.stderr)
-                        return 1
-                time.sleep(0.2)
-        except KeyboardInterrupt:
-            pass
-        except RuntimeError as exc:
-            print(f"clusterwatch demo: {exc}", file=sys.stderr)
-            return 1
-        finally:
-            with contextlib.suppress(KeyboardInterrupt):
-                _stop(processes)
-    print("clusterwatch demo: stopped")
-    return 0
+def _kill_session(job: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(job.pid, sig)  # started with start_new_session: its pid is its group's
