@@ -28,9 +28,17 @@ ACTIVE = "ACTIVE"
 
 
 def rank_failure(job: JobRecord) -> Finding | None:
-    """The job's ranks that exited uncleanly in this generation, minus the launcher's collateral."""
+    """The job's ranks that exited uncleanly in this generation, minus the launcher's collateral.
+
+    A rank of an older generation not yet replaced by its restarted instance
+    is that generation's failure (already found), not a new one.
+    """
     failed = sorted(
-        (r for r in job.ranks.values() if r.state == EXITED and _unclean(r)),
+        (
+            r
+            for r in job.ranks.values()
+            if r.state == EXITED and _unclean(r) and r.identity.restart_count == job.restart_count
+        ),
         key=lambda r: (r.exit.timestamp_unix_seconds if r.exit else 0.0, r.rank),
     )
     if not failed:

@@ -252,7 +252,11 @@ class Recovery:
         job = self._jobs().get(incident.job)
         if job is None or incident.job in self._restarted:
             return
-        self._track_restart(self._restart_watch(job, incident, self._wall()))
+        watch = self._restart_watch(job, incident, self._wall())
+        generation = incident.key[-1]  # the failed generation (the finding's key ends with it)
+        if isinstance(generation, int):  # the restarted group may have reported already
+            watch.restart_count = min(watch.restart_count, generation)
+        self._track_restart(watch)
         self._watchdog.note_recovery(
             incident.id,
             f"waiting for the launcher to restart the worker group, resuming from step "

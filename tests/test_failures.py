@@ -71,6 +71,20 @@ def test_clean_exits_are_not_failures() -> None:
     assert rank_failure(job_with({})) is None
 
 
+def test_a_crashed_rank_not_yet_replaced_after_the_restart_is_no_new_failure() -> None:
+    job = job_with(
+        {1: training_pb2.RankExit(timestamp_unix_seconds=1000.2, exit_code=3, description="exit code 3")}
+    )
+    first = rank_failure(job)
+    assert first is not None
+    store = JobStore()
+    store.jobs["train"] = job
+    # The restarted group's rank 0 reports first; rank 1's record is still the crashed one.
+    store.ingest("node-0", [rank_report(0, world_size=4, restart_count=1, steps=[step(1)])], 12.0, 1002.0)
+    assert job.restart_count == 1
+    assert rank_failure(job) is None
+
+
 def node(node_id: str, report: node_pb2.NodeReport | None, previous: node_pb2.NodeReport | None = None,
          state: int = NodeState.NODE_STATE_UP) -> NodeRecord:  # fmt: skip
     return NodeRecord(node_id=node_id, state=state, report=report, previous=previous, last_sequence=7)

@@ -1,5 +1,6 @@
 """Recovery on real torchrun jobs (gloo): a hang is detected, the workers are stopped, torchrun
-restarts them and the hooks resume from the newest complete checkpoint; the safety rules hold.
+restarts them and the hooks resume from the newest complete checkpoint; the safety rules hold. A rank
+that dies is restarted by torchrun itself; clusterwatch alerts and measures the recovery.
 
 After each job, the process table is scanned for anything left of the job's session.
 """
@@ -16,6 +17,7 @@ from helpers import (
     Coordinator,
     Process,
     checkpoint_and_wait,
+    ranks_of,
     samples_named,
     scrape,
     session_processes,
@@ -30,6 +32,8 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 TRAIN = Path(__file__).parent / "hook_workers" / "train_ddp.py"
 RESOLVED = cluster_pb2.IncidentState.INCIDENT_STATE_RESOLVED
 STALL_STEP = "60"
+# Past the checkpoint the test asks for once the ranks are past step 5 (about 2 s of steps ahead).
+CRASH_STEP = "100"
 # Without lazy init, the first group torchrun restarts here (torch 2.13, --standalone, gloo) fails in
 # connectFullMesh ("Connection refused": a peer address from the previous group) and the next one hangs
 # in it; with it the restarted group connects at its first collective. Measured on this machine.
@@ -96,6 +100,60 @@ def test_a_hang_is_restarted_from_the_last_complete_checkpoint(cluster: Cluster,
     (lost,) = samples_named(metrics, "clusterwatch_steps_lost_total", job="hangs")
     assert lost.value >= int(STALL_STEP) - saved - 1
     assert [i.summary for i in incidents(coordinator) if i.kind == "rank_failure"] == []  # stopped on purpose
+    assert session_processes(job.pid) == []
+
+
+def test_a_rank_crash_is_restarted_by_torchrun_and_its_recovery_measured(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    coordinator, socket = start(cluster)
+    until = tmp_path / "stop"
+    job = cluster.torchrun(
+        TRAIN, "--out-dir", str(tmp_path / "out"), "--job", "crashes", "--until-file", str(until),
+        "--compute-ms", "40", "--checkpoint-dir", str(tmp_path / "ckpt"), "--crash-rank", "1",
+        "--crash-step", CRASH_STEP, nproc=2, socket=socket, max_restarts=1, env=RESTARTABLE_GLOO,
+    )  # fmt: skip
+    wait_for_ranks_past(coordinator, "crashes", 2, 5, 120)
+    first_pids = {r.identity.pid for r in ranks_of(coordinator, "crashes").values()}
+    saved = checkpoint_and_wait(coordinator, "crashes", 60)
+    assert saved < int(CRASH_STEP)
+
+    def recovered() -> cluster_pb2.Incident | None:
+        return next(
+            (i for i in incidents(coordinator) if i.kind == "rank_failure" and i.state == RESOLVED), None
+        )
+
+    crash = wait_for(recovered, 120, "torchrun to restart the crashed group and the incident to resolve")
+    metrics = scrape(coordinator.metrics_url)  # soon after the recovery: the ratio climbs back towards 1
+    assert 1 in crash.ranks
+    assert crash.summary.startswith("job crashes: rank 1 on node-a "), crash.summary  # the first to exit
+    assert crash.evidence["exit_code"] == 3
+    # Resolved by recovery (the incident was ACTING, waiting on the launcher), not by the condition clearing.
+    assert crash.evidence["resume_step"] == saved + 1
+    assert crash.evidence["recovery_seconds"] > 0
+    assert [i.id for i in incidents(coordinator) if i.kind == "rank_failure"] == [
+        crash.id
+    ]  # one crash, one incident
+    (alert,) = [a for a in actions(coordinator, "crashes") if a.incident_id == crash.id]
+    assert (alert.action, alert.outcome) == ("alert", "done"), alert.detail
+    assert not alert.dry_run
+    assert [i.summary for i in incidents(coordinator) if i.kind == "hang"] == []  # torchrun acted first
+    assert [
+        s.value
+        for s in samples_named(metrics, "clusterwatch_restarts_total", job="crashes", reason="rank_failure")
+    ] == [1]
+    (recovery,) = samples_named(metrics, "clusterwatch_recovery_seconds", job="crashes")
+    assert recovery.value > 0
+    (lost,) = samples_named(metrics, "clusterwatch_steps_lost_total", job="crashes")
+    assert lost.value >= int(CRASH_STEP) - saved - 1
+    (ettr,) = samples_named(metrics, "clusterwatch_job_effective_training_time_ratio", job="crashes")
+    assert 0 < ettr.value < 1
+    assert not first_pids & {p.pid for p in session_processes(job.pid)}  # nothing left of the crashed group
+    until.touch()
+    assert job.wait(120) == 0, job.log()
+    results = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["start_step"] for r in results] == [saved + 1, saved + 1]  # the hooks' resume_step()
+    assert not first_pids & {r["pid"] for r in results}
     assert session_processes(job.pid) == []
 
 

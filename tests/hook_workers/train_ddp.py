@@ -47,6 +47,13 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--stall-step", type=int, default=-1)
     parser.add_argument("--stall-until-file", type=Path, help="the stall lasts until this file exists")
+    parser.add_argument(
+        "--crash-rank",
+        type=int,
+        default=-1,
+        help="this rank exits with 3 before an all-reduce (first launch only)",
+    )
+    parser.add_argument("--crash-step", type=int, default=-1)
     parser.add_argument("--break-hook", action="store_true", help="make the hook's own step code fail")
     parser.add_argument("--checkpoint-dir", type=Path)
     parser.add_argument("--no-monitor", action="store_true")
@@ -110,6 +117,8 @@ def main() -> None:
         if rank == args.stall_rank and step == args.stall_step and first_generation:
             while args.stall_until_file is not None and not args.stall_until_file.exists():
                 time.sleep(0.05)
+        if rank == args.crash_rank and step == args.crash_step and first_generation:
+            os._exit(3)  # at once, no cleanup: as a segfault or an OOM kill leaves its peers
         payload[0] = 2.0 if args.until_file is not None and args.until_file.exists() else 1.0
         dist.all_reduce(payload)
         stop = bool(payload[0].item() > world_size)
