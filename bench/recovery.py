@@ -1,12 +1,12 @@
 """Recovery in the demo: detection and recovery times, steps lost, checkpoint delay, over several runs.
 
 Usage:
-    python -m bench.recovery [--runs 3] [--steps 150]
+    python -m bench.recovery [--runs 3] [--steps 150] [--inject KIND@step=N,rank=R ...]
 
 Runs ``clusterwatch demo`` (a coordinator, two simulated-GPU agents, an
 elastic ``torchrun --nnodes 1:2 --nproc-per-node 2`` job per node, a
 straggler at step 30 and a hang at step 80) --runs times, one after the
-other, and reads each run's summary. Prints JSON: per fault kind, each run's
+other (with --inject: those faults instead), and reads each run's summary. Prints JSON: per fault kind, each run's
 detection latency (onset -> incident), recovery time (detection -> every
 rank past the resume step), onset -> resumed and steps lost; each run's ETTR
 and wall time; and the largest coordinated-checkpoint delay in steps (the
@@ -30,9 +30,10 @@ from clusterwatch.cli.demo_training import CHECKPOINT_EVERY
 DEMO_TIMEOUT_S = 600
 
 
-def run_demo(steps: int, summary_path: Path) -> dict[str, Any]:
+def run_demo(steps: int, inject: list[str], summary_path: Path) -> dict[str, Any]:
     argv = [sys.executable, "-m", "clusterwatch", "demo", "--grpc-port", "0", "--metrics-port", "0",
             "--steps", str(steps), "--summary-json", str(summary_path)]  # fmt: skip
+    argv += [arg for spec in inject for arg in ("--inject", spec)]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, check=False)
     if result.returncode != 0:
         raise RuntimeError(
@@ -46,11 +47,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0] if __doc__ else None)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--inject", action="append", default=[], help="faults, as for clusterwatch demo")
     args = parser.parse_args()
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in range(args.runs):
-            runs.append(run_demo(args.steps, Path(tmp) / f"summary-{n}.json"))
+            runs.append(run_demo(args.steps, args.inject, Path(tmp) / f"summary-{n}.json"))
     by_kind: dict[str, dict[str, list[float | None]]] = {}
     for summary in runs:
         for fault in summary["faults"]:

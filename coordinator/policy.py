@@ -14,6 +14,9 @@ Safety, in the order it is checked:
 
 Each incident is decided once (a straggler only once it persisted
 ``straggler_persist_s``); a skipped decision is recorded like a taken one.
+Whether a job can do without a node (``exclusion_blocker``) and whether it
+can checkpoint first (``checkpoints_first``) are decided here too, as pure
+functions the executor calls with what it knows of the job and launcher.
 """
 
 from __future__ import annotations

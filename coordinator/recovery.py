@@ -9,17 +9,21 @@ ListActions API) and, unless skipped or in dry-run mode, an action:
   workers (torchrun restarts the group, the hooks resume from the newest
   complete checkpoint);
 - ``checkpoint_and_restart``: a checkpoint first (waited for, with a
-  timeout; a hung job cannot checkpoint, so hangs restart directly), then
-  the restart;
-- ``exclude_node_and_restart``: the restart, with the incident's nodes
-  stopped for good (their launcher too) so an elastic job re-forms without
-  them.
+  timeout) when the job still makes progress (a hung, crashed or node-less
+  job cannot checkpoint: it resumes from the last complete one), then the
+  restart;
+- ``exclude_node_and_restart``: the same, with the incident's nodes stopped
+  for good (their launcher too) so an elastic job re-forms without them;
+  only if the job can run without them (policy.exclusion_blocker), else
+  the incident is alerted and says why.
 
-A restarted job is recovered when every rank of a newer generation has
-finished a step at or past the resume step: the incident is resolved then,
-and the recovery time (incident opened -> resumed) and the steps lost are
-counted. One that has not recovered within ``recovery_timeout_s`` goes back
-to ACKNOWLEDGED, for a person.
+An ``alert`` on a rank failure still tracks the restart torchrun makes by
+itself. A restarted job is recovered when every rank of a newer generation
+has finished a step at or past the resume step: the incident is resolved
+then, with the recovery time (incident opened -> resumed) and the steps lost
+in its evidence and counted, with the unproductive time the ETTR is made of.
+One that has not recovered within ``recovery_timeout_s`` goes back to
+ACKNOWLEDGED, for a person.
 """
 
 from __future__ import annotations
