@@ -179,16 +179,23 @@ def summarise_stops(
 
     A node is fine when its agent answered OK and no process survived SIGKILL
     (a survivor, stuck in the kernel, keeps torchrun from restarting cleanly).
+    An excluded node that did not answer is no failure: it is being left out
+    because it failed (unreachable, often); the detail names it.
     """
     if not answers:
         return LaunchOutcome(False, f"job {job!r}: no nodes to stop workers on")
     per_node: dict[str, str] = {}
     problems: dict[str, str] = {}  # node -> why it is not fine
     outcomes: collections.Counter[str] = collections.Counter()
+    unanswered_excluded: list[str] = []
     slowest_s = 0.0
     for node, answer in answers.items():
         if isinstance(answer, str):
-            per_node[node] = problems[node] = answer
+            per_node[node] = answer
+            if node in excluded:
+                unanswered_excluded.append(f"{node} ({answer})")
+            else:
+                problems[node] = answer
             continue
         slowest_s = max(slowest_s, answer.duration_seconds)
         counts = collections.Counter(p.outcome for p in answer.stopped)
@@ -208,13 +215,19 @@ def summarise_stops(
             per_node[node] = done + ("; launcher stopped, node cordoned" if node in excluded else "")
         if why:
             problems[node] = why
-    fine = len(answers) - len(problems)
+    fine = len(answers) - len(problems) - len(unanswered_excluded)
     detail = (
         f"stopped {sum(outcomes.values())} processes of job {job!r} on {fine}/{len(answers)} nodes "
         f"({_counts(outcomes)}) in {slowest_s:.1f} s"
     )
-    if left_out := sorted(node for node in excluded if node in answers and node not in problems):
+    if left_out := sorted(
+        node
+        for node in excluded
+        if node in answers and node not in problems and not isinstance(answers[node], str)
+    ):
         detail += f"; left out {len(left_out)} nodes (launcher stopped, cordoned): {', '.join(left_out)}"
+    if unanswered_excluded:
+        detail += f"; left out without an answer, not stopped: {', '.join(unanswered_excluded)}"
     if problems:
         detail += "".join(f"; {node}: {why}" for node, why in problems.items())
     return LaunchOutcome(not problems, detail, per_node)

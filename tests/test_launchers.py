@@ -481,6 +481,22 @@ def test_stop_summary_names_every_problem() -> None:
     assert not summarise_stops("llama", {}, ()).ok
 
 
+def test_an_excluded_node_that_does_not_answer_is_left_out_all_the_same() -> None:
+    answers: dict[str, agent_pb2.CommandResult | str] = {
+        "node-a": agent_pb2.CommandResult(
+            status=Status.STATUS_OK, duration_seconds=1.0, stopped=stopped("sigterm")
+        ),
+        "node-b": "not connected",  # unreachable: the reason it is left out
+    }
+    outcome = summarise_stops("llama", answers, excluded={"node-b"})
+    assert outcome.ok, outcome.detail
+    assert outcome.detail == (
+        "stopped 1 processes of job 'llama' on 1/2 nodes (1 sigterm) in 1.0 s; "
+        "left out without an answer, not stopped: node-b (not connected)"
+    )
+    assert not summarise_stops("llama", answers, excluded=()).ok  # a node that must restart
+
+
 async def test_torchrun_stops_every_node_and_the_launcher_on_excluded_ones() -> None:
     sent: list[tuple[str, agent_pb2.StopWorkersCommand, float]] = []
 
@@ -501,9 +517,10 @@ async def test_torchrun_stops_every_node_and_the_launcher_on_excluded_ones() -> 
         ("node-b", "llama", 5.0, True, "hang incident hang-1", 15.0),
         ("node-c", "llama", 5.0, True, "hang incident hang-1", 15.0),
     ]
-    assert not outcome.ok
+    assert outcome.ok  # node-c is being left out; that it cannot be reached is why, not a failure
     assert outcome.detail.endswith(
-        "; left out 1 nodes (launcher stopped, cordoned): node-b; node-c: not connected"
+        "; left out 1 nodes (launcher stopped, cordoned): node-b; "
+        "left out without an answer, not stopped: node-c (not connected)"
     )
 
 
