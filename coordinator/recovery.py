@@ -252,9 +252,12 @@ class Recovery:
         )  # fmt: skip
 
     def _watch_launcher_restart(self, incident: Incident) -> None:
-        """A rank died: its launcher (torchrun --max-restarts) restarts the group; measure the recovery."""
+        """A rank died: its launcher (torchrun --max-restarts) restarts the group; measure the recovery.
+
+        Not for an opted-out job: its incidents are left as they are, to people.
+        """
         job = self._jobs().get(incident.job)
-        if job is None or incident.job in self._restarted:
+        if job is None or incident.job in self._restarted or incident.job in self.settings.opt_out_jobs:
             return
         watch = self._restart_watch(job, incident, self._wall())
         generation = incident.key[-1]  # the failed generation (the finding's key ends with it)

@@ -42,7 +42,11 @@ def test_the_demo_detects_and_recovers_from_a_straggler_and_a_hang(tmp_path: Pat
             lambda: next((ln for ln in log.read_text().splitlines() if "clusterwatch status --coordinator" in ln), None),
             60, "the demo to say where its coordinator is",
         )  # fmt: skip
-        status = run_cli("status", "--coordinator", line.split("--coordinator", 1)[1].strip())
+        address = line.split("--coordinator", 1)[1].strip()
+        status = wait_for(
+            lambda: (s if "demo-node-1" in (s := run_cli("status", "--coordinator", address)).stdout else None),
+            60, "both demo nodes in clusterwatch status",
+        )  # fmt: skip
         assert demo.wait(timeout=240) == 0, log.read_text()
     finally:
         if demo.poll() is None:
