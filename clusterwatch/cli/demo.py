@@ -37,6 +37,8 @@ JOB = "demo-train"
 START_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
 POLL_S = 0.25
+# After the job ends: the coordinator learns of the last steps within a report or two.
+SETTLE_S = 2.0
 # Recovery tuned for a demo that lasts a minute (production defaults are minutes).
 DEMO_RECOVERY = ("--straggler-persist-s", "2", "--cooldown-s", "0", "--restart-grace-s", "2")
 # Elastic rendezvous through a store the demo hosts, so either node may go; a node gone for 2 s
@@ -216,7 +218,7 @@ def _train(
 
 def _settle(timeline: Timeline) -> None:
     """A last look: the coordinator may learn of the final steps a report after the job ended."""
-    deadline = time.monotonic() + 2 * POLL_S * 4
+    deadline = time.monotonic() + SETTLE_S
     while time.monotonic() < deadline:
         timeline.poll()
         time.sleep(POLL_S)
