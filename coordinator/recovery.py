@@ -227,10 +227,9 @@ class Recovery:
             return SKIPPED, decision.skipped
         if decision.action == ALERT:
             return DONE, "alerted (the incident is the alert)"
-        # The policy's exclusions only; an operator may know of a replacement node.
-        is_policys = bool(decision.incident_id)
+        # Only the policy's exclusions (they have an incident): an operator may know of a replacement node.
         if (
-            is_policys
+            decision.incident_id
             and decision.action == EXCLUDE_NODE_AND_RESTART
             and (blocker := self._exclusion_blocker(decision))
         ):

@@ -13,13 +13,12 @@ import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from clusterwatch.client import ClusterClient
 from clusterwatch.v1 import cluster_pb2
 
 RESOLVED = cluster_pb2.IncidentState.INCIDENT_STATE_RESOLVED
-# Incidents of these kinds are the faults' (a straggler's job may show a slowdown too, which is no fault).
-FAULT_KINDS = {"straggler": "straggler", "hang": "hang"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,13 +59,11 @@ class Timeline:
     events_path: Path
     started_unix_s: float
     emit: Callable[[str], None] = print
-    _events_read: int = 0
-    _faults: list[dict[str, object]] = dataclasses.field(default_factory=list)
-    _checkpoints: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    _incident_states: dict[str, int] = dataclasses.field(default_factory=dict)
-    _incidents: dict[str, cluster_pb2.Incident] = dataclasses.field(default_factory=dict)
-    _actions_seen: dict[str, str] = dataclasses.field(default_factory=dict)
-    _actions: dict[str, cluster_pb2.ActionRecord] = dataclasses.field(default_factory=dict)
+    _events_read: int = dataclasses.field(default=0, init=False)
+    _faults: list[dict[str, Any]] = dataclasses.field(default_factory=list, init=False)
+    _checkpoints: list[dict[str, float]] = dataclasses.field(default_factory=list, init=False)
+    _incidents: dict[str, cluster_pb2.Incident] = dataclasses.field(default_factory=dict, init=False)
+    _actions: dict[str, cluster_pb2.ActionRecord] = dataclasses.field(default_factory=dict, init=False)
 
     def poll(self) -> None:
         self._read_events()
@@ -101,11 +98,10 @@ class Timeline:
         self._events_read = len(lines)
 
     def _incident(self, incident: cluster_pb2.Incident) -> None:
+        before = self._incidents.get(incident.id)
         self._incidents[incident.id] = incident
-        before = self._incident_states.get(incident.id)
-        if before == incident.state:
+        if before is not None and before.state == incident.state:
             return
-        self._incident_states[incident.id] = incident.state
         if before is None:
             where = f"rank {', '.join(map(str, incident.ranks))} on {', '.join(incident.nodes)}"
             self._line(
@@ -124,10 +120,10 @@ class Timeline:
                 self._line(incident.resolved_unix_seconds, f"resolved  {incident.kind} ({incident.id})")
 
     def _action(self, record: cluster_pb2.ActionRecord) -> None:
+        before = self._actions.get(record.id)
         self._actions[record.id] = record
-        if self._actions_seen.get(record.id) == record.outcome or record.outcome == "pending":
+        if record.outcome == "pending" or (before is not None and before.outcome == record.outcome):
             return
-        self._actions_seen[record.id] = record.outcome
         self._line(
             record.finished_unix_seconds or record.decided_unix_seconds,
             f"{record.outcome:9} {record.action.replace('_', ' ')}: {record.detail}",
@@ -137,9 +133,9 @@ class Timeline:
         """Each injected fault with the first incident of its kind opened after it."""
         outcomes = []
         used: set[str] = set()
-        for fault in sorted(self._faults, key=lambda f: float(str(f["unix_s"]))):
-            onset = float(str(fault["unix_s"]))
-            kind = FAULT_KINDS[str(fault["kind"])]
+        for fault in sorted(self._faults, key=lambda f: float(f["unix_s"])):
+            onset = float(fault["unix_s"])
+            kind = fault["kind"]  # the incident kind that fault opens
             incident = min(
                 (
                     i
@@ -150,7 +146,7 @@ class Timeline:
                 default=None,
             )
             if incident is None:
-                outcomes.append(FaultOutcome(str(fault["label"]), onset))
+                outcomes.append(FaultOutcome(fault["label"], onset))
                 continue
             used.add(incident.id)
             recovered = "recovery_seconds" in incident.evidence
@@ -161,7 +157,7 @@ class Timeline:
             ]
             outcomes.append(
                 FaultOutcome(
-                    label=str(fault["label"]),
+                    label=fault["label"],
                     onset_unix_s=onset,
                     incident_id=incident.id,
                     cause=incident.cause,
