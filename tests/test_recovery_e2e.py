@@ -34,6 +34,7 @@ RESOLVED = cluster_pb2.IncidentState.INCIDENT_STATE_RESOLVED
 STALL_STEP = "60"
 # Past the checkpoint the test asks for once the ranks are past step 5 (about 2 s of steps ahead).
 CRASH_STEP = "100"
+UNFLUSHED_STEPS = 12  # steps a killed rank may not have reported: two flush intervals
 # Without lazy init, the first group torchrun restarts here (torch 2.13, --standalone, gloo) fails in
 # connectFullMesh ("Connection refused": a peer address from the previous group) and the next one hangs
 # in it; with it the restarted group connects at its first collective. Measured on this machine.
@@ -145,7 +146,10 @@ def test_a_rank_crash_is_restarted_by_torchrun_and_its_recovery_measured(
     (recovery,) = samples_named(metrics, "clusterwatch_recovery_seconds", job="crashes")
     assert recovery.value > 0
     (lost,) = samples_named(metrics, "clusterwatch_steps_lost_total", job="crashes")
-    assert lost.value >= int(CRASH_STEP) - saved - 1
+    # The steps after the checkpoint up to the crash are done again; a rank that dies loses the reports it had not yet
+    # flushed (every 0.25 s, about six 40 ms steps), so the coordinator may have seen a little less.
+    assert int(CRASH_STEP) - saved - 1 - UNFLUSHED_STEPS <= lost.value <= int(CRASH_STEP) - saved
+    assert lost.value == crash.evidence["steps_lost"]
     (ettr,) = samples_named(metrics, "clusterwatch_job_effective_training_time_ratio", job="crashes")
     assert 0 < ettr.value < 1
     assert not first_pids & {p.pid for p in session_processes(job.pid)}  # nothing left of the crashed group
