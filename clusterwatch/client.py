@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import TracebackType
 
 import grpc
@@ -27,6 +28,20 @@ class ClusterClient:
     def snapshot(self, summary_only: bool = False) -> cluster_pb2.ClusterSnapshot:
         request = cluster_pb2.GetSnapshotRequest(summary_only=summary_only)
         return self._stub.GetSnapshot(request, timeout=self.timeout_s, wait_for_ready=True)
+
+    def watch(self, interval_s: float = 0.0) -> Iterator[cluster_pb2.ClusterSnapshot]:
+        """Snapshots as the coordinator sends them: one now, then one every ``interval_s``
+        (0: the coordinator's default of 1 s), until :meth:`close` or the stream breaks.
+
+        The stream has no deadline: it lasts as long as the caller reads. It does not
+        wait for an unreachable coordinator: that fails at once with UNAVAILABLE.
+
+        Raises:
+            grpc.RpcError: the stream ended (UNAVAILABLE when the coordinator went away,
+                CANCELLED after :meth:`close`).
+        """
+        request = cluster_pb2.WatchRequest(interval_seconds=interval_s)
+        yield from self._stub.Watch(request)
 
     def events(self, after_id: int = 0, limit: int = 0, node_id: str = "") -> list[cluster_pb2.Event]:
         request = cluster_pb2.ListEventsRequest(after_id=after_id, limit=limit, node_id=node_id)

@@ -32,3 +32,15 @@ def active_reasons(mask: int) -> list[str]:
         (reasons newer than this table) are ignored.
     """
     return [name for name, bit in CLOCK_EVENT_REASONS if mask & bit]
+
+
+SLOWDOWN_REASONS = frozenset(
+    {"hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"}
+)
+"""Reasons that mean the GPU is running slower than it should. ``sw_power_cap`` is
+left out: every busy GPU sits at its power cap now and then."""
+
+
+def slowdown_reasons(mask: int) -> list[str]:
+    """The reasons in ``mask`` that slow the GPU down (see SLOWDOWN_REASONS), in bit order."""
+    return [name for name in active_reasons(mask) if name in SLOWDOWN_REASONS]

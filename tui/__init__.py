@@ -1,1 +1,1 @@
-"""`clusterwatch top`, the terminal view of the cluster (not built yet; see the open issues)."""
+"""`clusterwatch top`: the terminal view of the whole cluster, on the coordinator's Watch stream."""

@@ -16,6 +16,7 @@ from clusterwatch.cli import (
     restart_cmd,
     simulate,
     status,
+    top,
 )
 from clusterwatch.errors import ConfigError
 
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         agent_cmd,
         coordinator_cmd,
         status,
+        top,
         incidents,
         checkpoint_cmd,
         restart_cmd,

@@ -14,10 +14,10 @@ from google.protobuf.json_format import MessageToDict
 from clusterwatch.cli.common import add_settings_flags, settings_from_args
 from clusterwatch.client import ClusterClient
 from clusterwatch.config import ClientSettings
-from clusterwatch.v1 import cluster_pb2, training_pb2
+from clusterwatch.humanize import ago, bandwidth, duration, rank_state, size_bytes
+from clusterwatch.v1 import cluster_pb2
 
 NodeState = cluster_pb2.NodeState
-RankState = training_pb2.RankState
 # Ops whose bus bandwidth the rank rows show (the gradient all-reduce).
 ALL_REDUCE_OPS = ("all_reduce", "ddp_all_reduce")
 
@@ -68,23 +68,6 @@ def node_summary(node: cluster_pb2.NodeStatus) -> dict[str, Any]:
     return summary
 
 
-def _bytes(n: float | None, suffix: str = "") -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f}{unit}{suffix}" if unit == "B" else f"{n:.1f}{unit}{suffix}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _ago(ts: float | None, now: float) -> str:
-    if not ts:
-        return "never"
-    seconds = max(0.0, now - ts)
-    return f"{seconds:.1f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
-
-
 def format_table(rows: list[dict[str, Any]], now: float) -> str:
     header = ("NODE", "STATE", "GPUS", "GPU UTIL", "GPU MEM", "HOST MEM", "NET RX", "NET TX", "IB RX", "IB TX",
               "LAST SEEN")  # fmt: skip
@@ -96,13 +79,13 @@ def format_table(rows: list[dict[str, Any]], now: float) -> str:
             r["state"],
             f"{r['gpus']}{' (sim)' if r['gpu_simulated'] else ''}",
             "-" if util is None else f"{util * 100:.0f}%",
-            f"{_bytes(r['gpu_memory_used_bytes'])}/{_bytes(r['gpu_memory_total_bytes'])}" if r["gpus"] else "-",
-            f"{_bytes(r['host_memory_used_bytes'])}/{_bytes(r['host_memory_total_bytes'])}",
-            _bytes(r["network_receive_bytes_per_second"], "/s"),
-            _bytes(r["network_transmit_bytes_per_second"], "/s"),
-            _bytes(r["infiniband_receive_bytes_per_second"], "/s"),
-            _bytes(r["infiniband_transmit_bytes_per_second"], "/s"),
-            _ago(r["last_seen_unix_seconds"], now),
+            f"{size_bytes(r['gpu_memory_used_bytes'])}/{size_bytes(r['gpu_memory_total_bytes'])}" if r["gpus"] else "-",
+            f"{size_bytes(r['host_memory_used_bytes'])}/{size_bytes(r['host_memory_total_bytes'])}",
+            size_bytes(r["network_receive_bytes_per_second"], "/s"),
+            size_bytes(r["network_transmit_bytes_per_second"], "/s"),
+            size_bytes(r["infiniband_receive_bytes_per_second"], "/s"),
+            size_bytes(r["infiniband_transmit_bytes_per_second"], "/s"),
+            ago(r["last_seen_unix_seconds"], now),
         ))  # fmt: skip
     return _align(lines)
 
@@ -112,39 +95,6 @@ def _align(lines: list[tuple[Any, ...]]) -> str:
     return "\n".join(
         "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in lines
     )
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 1:
-        return f"{seconds * 1000:.0f}ms"
-    return f"{seconds:.2f}s" if seconds < 100 else f"{seconds:.0f}s"
-
-
-def _bandwidth(bytes_per_s: float | None) -> str:
-    # Decimal units, as nccl-tests and link speeds are quoted.
-    if bytes_per_s is None:
-        return "-"
-    for unit, scale in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
-        if bytes_per_s >= scale:
-            value = bytes_per_s / scale
-            return f"{value:.1f}{unit}" if value < 100 else f"{value:.0f}{unit}"
-    return f"{bytes_per_s:.0f}B/s"
-
-
-def _rank_state(rank: cluster_pb2.RankStatus) -> str:
-    """The rank's state, with what matters about it: the collective it is in, or how it ended."""
-    if rank.state == RankState.RANK_STATE_EXITED:
-        return f"exited: {rank.exit.description}" if rank.exit.description else "exited"
-    if rank.state == RankState.RANK_STATE_DISCONNECTED:
-        return "hook disconnected"
-    if rank.state == RankState.RANK_STATE_RUNNING:
-        if rank.heartbeat.HasField("collective"):
-            c = rank.heartbeat.collective
-            return f"in {c.op} #{c.sequence} {_duration(c.elapsed_seconds)}"
-        return "running"
-    return "unknown"
 
 
 def format_jobs(jobs: list[cluster_pb2.JobStatus]) -> str:
@@ -169,11 +119,11 @@ def format_jobs(jobs: list[cluster_pb2.JobStatus]) -> str:
                 rank.identity.rank,
                 rank.node_id,
                 "-" if last is None else last.step,
-                _duration(None if last is None else last.step_seconds),
-                _duration(None if last is None else last.compute_seconds),
-                _duration(None if last is None else last.communication_seconds),
-                _bandwidth(max(busbw) if busbw else None),
-                _rank_state(rank),
+                duration(None if last is None else last.step_seconds),
+                duration(None if last is None else last.compute_seconds),
+                duration(None if last is None else last.communication_seconds),
+                bandwidth(max(busbw) if busbw else None),
+                rank_state(rank),
             ))  # fmt: skip
         blocks.append(f"JOB {job.job}  world size {job.world_size}  {rate}  {checkpoint}\n{_align(lines)}")
     return "\n\n".join(blocks)

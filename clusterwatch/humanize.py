@@ -1,0 +1,65 @@
+"""Numbers for people: byte sizes, durations, bandwidths and ages, as `status` and `top` show them."""
+
+from __future__ import annotations
+
+from clusterwatch.v1 import cluster_pb2, training_pb2
+
+RankState = training_pb2.RankState
+
+
+def size_bytes(n: float | None, suffix: str = "") -> str:
+    """Binary units (memory sizes): ``512B``, ``1.5GiB``; ``-`` when unknown."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f}{unit}{suffix}" if unit == "B" else f"{n:.1f}{unit}{suffix}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def ago(timestamp_unix_s: float | None, now_unix_s: float) -> str:
+    """``3.2s ago``, ``5m ago``; ``never`` for an unset timestamp."""
+    if not timestamp_unix_s:
+        return "never"
+    seconds = max(0.0, now_unix_s - timestamp_unix_s)
+    return f"{seconds:.1f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
+
+
+def duration(seconds: float | None) -> str:
+    """``850ms``, ``1.25s``, ``300s``; ``-`` when unknown."""
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    return f"{seconds:.2f}s" if seconds < 100 else f"{seconds:.0f}s"
+
+
+def bandwidth(bytes_per_s: float | None) -> str:
+    """Decimal units, as nccl-tests and link speeds are quoted: ``12.5GB/s``; ``-`` when unknown."""
+    if bytes_per_s is None:
+        return "-"
+    for unit, scale in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bytes_per_s >= scale:
+            value = bytes_per_s / scale
+            return f"{value:.1f}{unit}" if value < 100 else f"{value:.0f}{unit}"
+    return f"{bytes_per_s:.0f}B/s"
+
+
+def percent(ratio: float | None) -> str:
+    """A 0-1 ratio as ``87%``; ``-`` when unknown."""
+    return "-" if ratio is None else f"{ratio:.0%}"
+
+
+def rank_state(rank: cluster_pb2.RankStatus) -> str:
+    """The rank's state, with what matters about it: the collective it is in, or how it ended."""
+    if rank.state == RankState.RANK_STATE_EXITED:
+        return f"exited: {rank.exit.description}" if rank.exit.description else "exited"
+    if rank.state == RankState.RANK_STATE_DISCONNECTED:
+        return "hook disconnected"
+    if rank.state == RankState.RANK_STATE_RUNNING:
+        if rank.heartbeat.HasField("collective"):
+            c = rank.heartbeat.collective
+            return f"in {c.op} #{c.sequence} {duration(c.elapsed_seconds)}"
+        return "running"
+    return "unknown"

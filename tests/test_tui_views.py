@@ -1,0 +1,121 @@
+"""The TUI's views as data: rows, marks and rates built from snapshots, without a terminal."""
+
+from __future__ import annotations
+
+import pytest
+
+from clusterwatch.sim.snapshot import SyntheticCluster, synthetic_snapshot
+from clusterwatch.tui.feed import Disconnected, Update
+from clusterwatch.tui.history import sparkline
+from clusterwatch.tui.state import TopState
+from clusterwatch.tui.views import gpus, incidents, network, nodes, ranks, summary
+from clusterwatch.tui.views.rows import Tone
+from clusterwatch.v1 import cluster_pb2
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def state_after(ticks: int, cluster: SyntheticCluster | None = None) -> TopState:
+    cluster = cluster or SyntheticCluster()
+    state = TopState()
+    for tick in range(ticks):
+        snapshot = synthetic_snapshot(cluster, tick)
+        state.apply(Update(snapshot, list(snapshot.incidents) if tick == 0 else None))
+    return state
+
+
+def test_sparkline_scales_and_keeps_the_newest() -> None:
+    assert sparkline([0.0, 0.5, 1.0], 3) == "▁▅█"
+    assert sparkline([0.0, 0.5, 1.0], 2) == "▅█"  # the newest
+    assert sparkline([1.0], 3) == "  █"  # right-aligned: the present is on the right
+    assert sparkline([2.0, 4.0], 2, low=None) == "▁█"  # the range of the values shown
+    assert sparkline([], 2) == "  "
+
+
+def test_the_hung_rank_is_named_with_the_collective_its_peers_wait_in() -> None:
+    rows = {r.key: r for r in ranks.rank_rows(state_after(2))}
+    hung = rows["llama-8b/24"]  # node 3's first GPU: the unreachable node
+    assert hung.tone is Tone.ERROR
+    assert hung.cells[8].text.startswith("HUNG: missing all_reduce #")
+    assert "(31 peers waiting)" in hung.cells[8].text
+    straggler = rows["llama-8b/11"]
+    assert straggler.tone is Tone.WARNING
+    assert straggler.cells[8].text.startswith("STRAGGLER (gpu_thermal)")
+    slow = float(straggler.cells[6].text.removesuffix("x"))
+    assert 1.08 < slow < 1.2  # compute time over the job's median
+    others = [r for k, r in rows.items() if k not in {"llama-8b/11", "llama-8b/24"}]
+    assert {r.tone for r in others} == {Tone.PLAIN}
+
+
+def test_port_rates_come_from_each_nodes_last_two_reports() -> None:
+    state = TopState()
+    cluster = SyntheticCluster()
+    state.apply(Update(synthetic_snapshot(cluster, 0)))
+    assert {r.cells[4].text for r in network.network_rows(state)} == {"-"}  # one report: no rate yet
+    state.apply(Update(synthetic_snapshot(cluster, 1)))
+    state.apply(Update(synthetic_snapshot(cluster, 1)))  # the same reports again: rates stay
+    rows = {r.key: r for r in network.network_rows(state)}
+    assert rows["gpu-node-0000/eth0"].cells[4].text == "2.0MB/s"  # 2,000,000 bytes in 1 s
+    assert rows["gpu-node-0000/mlx5_0:1"].cells[5].text == "5.0GB/s"
+    assert rows["gpu-node-0002/mlx5_0:1"].cells[6].text == "90,000"  # the congested port's transmit wait
+    assert rows["gpu-node-0002/mlx5_0:1"].cells[6].tone is Tone.WARNING
+    assert rows["gpu-node-0003/eth0"].cells[4].text == "-"  # the unreachable node sent nothing new
+
+
+def test_a_counter_that_went_backwards_gives_no_rate() -> None:
+    state = TopState()
+    cluster = SyntheticCluster()
+    state.apply(Update(synthetic_snapshot(cluster, 5)))
+    state.apply(Update(synthetic_snapshot(cluster, 2)))  # counters lower: the agent restarted
+    rows = {r.key: r for r in network.network_rows(state)}
+    assert rows["gpu-node-0000/eth0"].cells[4].text == "-"
+
+
+def test_nodes_show_errors_throttling_and_history() -> None:
+    state = state_after(5)
+    rows = {r.key: r for r in nodes.node_rows(state)}
+    assert rows["gpu-node-0001"].cells[8].text == "throttle@3"
+    assert rows["gpu-node-0001"].cells[8].tone is Tone.WARNING
+    assert rows["gpu-node-0003"].tone is Tone.ERROR  # unreachable
+    assert rows["gpu-node-0003"].cells[1].text == "unreach"
+    assert len(rows["gpu-node-0000"].cells[4].text.strip()) == 5  # five reports, five points
+    assert len(rows["gpu-node-0003"].cells[4].text.strip()) == 1  # one report, repeated: one point
+
+
+def test_header_counts_and_the_disconnection() -> None:
+    state = state_after(1)
+    s = summary.summarize(state.snapshot)
+    assert (s.nodes_up, s.nodes_total, s.gpus) == (3, 4, 32)
+    assert s.open_incidents == {"critical": 2, "warning": 1}
+    state.apply(Disconnected(1000.0, "connection refused"))
+    first = summary.header_cells(state, "c:1", now_unix_s=1012.0)[0]
+    assert first.tone is Tone.ERROR
+    assert "(12s): connection refused" in first.text
+    assert "nodes 3/4 up" in [c.text for c in summary.header_cells(state, "c:1", 1012.0)]  # last known
+
+
+def test_gpu_grid_marks_throttled_gpus_and_counts_them() -> None:
+    grid = gpus.gpu_grid(state_after(1))
+    assert [len(n.gpus) for n in grid] == [8, 8, 8, 8]
+    assert [(n.node_id, g.index) for n in grid for g in n.gpus if g.slowdown] == [("gpu-node-0001", 3)]
+    line = " ".join(c.text for c in gpus.gpu_summary(grid))
+    assert "32 GPUs on 4 nodes" in line
+    assert "1 throttled: gpu-node-0001/gpu3 sw_thermal_slowdown+hw_thermal_slowdown" in line
+
+
+def test_incidents_keep_resolved_ones_and_show_evidence_and_stacks() -> None:
+    state = state_after(1)
+    resolved = cluster_pb2.Incident(id="old-1", kind="hang", severity="critical", summary="long ago",
+                                    state=cluster_pb2.INCIDENT_STATE_RESOLVED, opened_unix_seconds=1.0)  # fmt: skip
+    state.apply(Update(synthetic_snapshot(SyntheticCluster(), 1), [resolved]))
+    rows = incidents.incident_rows(state)
+    assert rows[0].key == "old-1"  # oldest first
+    assert rows[0].tone is Tone.MUTED
+    hang = incidents.find(state, "hang-91c2-1")
+    assert hang is not None
+    action = cluster_pb2.ActionRecord(action="restart", outcome="done", detail="stopped 32 workers in 1.2 s")
+    text = incidents.incident_detail(hang, [action]).plain
+    assert "stalled_seconds" in text
+    assert "restart: done  stopped 32 workers in 1.2 s" in text
+    assert "wait (torch/distributed/distributed_c10d.py:3252)" in text
+    assert "unavailable: deadline" in incidents.incident_detail(hang, "unavailable: deadline").plain
