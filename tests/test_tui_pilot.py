@@ -150,6 +150,7 @@ async def test_actions_ask_first_and_readonly_offers_none(cluster: Cluster) -> N
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("3")
         await until(pilot, lambda: len(table(app, "#rank-table").rows) == 8, 30, "8 ranks")
+        await pilot.press("home")  # rank 0, on tui-0
         await pilot.press("c")
         assert isinstance(app.screen, ConfirmScreen)
         assert f"Checkpoint job {JOB}?" in app.screen.question

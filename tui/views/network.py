@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 from clusterwatch.humanize import bandwidth
 from clusterwatch.tui.state import TopState
-from clusterwatch.tui.views.rows import Cell, Column, Row, Tone, number
+from clusterwatch.tui.views.rows import Cell, Column, Row, SortValue, Tone, number
 from clusterwatch.v1 import node_pb2
 
 COLUMNS = (
@@ -33,21 +35,34 @@ class _Counters:
 
 
 def network_rows(state: TopState) -> list[Row]:
-    rows = []
+    rows: list[Row] = []
     for node in state.snapshot.nodes:
-        report = node.report
-        previous = state.previous_reports.get(node.node_id)
-        before = _ports(previous) if previous is not None else {}
-        elapsed_s = (
-            report.timestamp_unix_seconds - previous.timestamp_unix_seconds if previous is not None else 0.0
+        measured = functools.cache(
+            functools.partial(_measure, node.report, state.previous_reports.get(node.node_id))
         )
-        for name, (kind, up, speed, now) in _ports(report).items():
-            then = before.get(name)
-            rates = _rates(then[3], now, elapsed_s) if then is not None else (None, None, None, None)
-            rows.append(
-                _row(node.node_id, name=name, kind=kind, up=up, speed=speed, counters=now, rates=rates)
-            )
+        names = [nic.device for nic in node.report.nics]
+        names += [f"{port.device}:{port.port}" for port in node.report.ib_ports]
+        rows.extend(_row(node.node_id, name, measured) for name in names)
     return rows
+
+
+Rates = tuple[float | None, float | None, float | None, float | None]
+"""Receive and transmit bytes/s, transmit wait ticks/s, errors/s."""
+
+
+def _measure(
+    report: node_pb2.NodeReport, previous: node_pb2.NodeReport | None
+) -> dict[str, tuple[Port, Rates]]:
+    """Every port of one node with its rates since the node's previous report."""
+    before = _ports(previous) if previous is not None else {}
+    elapsed_s = (
+        report.timestamp_unix_seconds - previous.timestamp_unix_seconds if previous is not None else 0.0
+    )
+    measured = {}
+    for name, port in _ports(report).items():
+        then = before.get(name)
+        measured[name] = (port, _rates(then[3], port[3], elapsed_s) if then is not None else (None,) * 4)
+    return measured
 
 
 Port = tuple[str, bool | None, float | None, _Counters]
@@ -75,9 +90,7 @@ def _ports(report: node_pb2.NodeReport) -> dict[str, Port]:
     return ports
 
 
-def _rates(
-    then: _Counters, now: _Counters, elapsed_s: float
-) -> tuple[float | None, float | None, float | None, float | None]:
+def _rates(then: _Counters, now: _Counters, elapsed_s: float) -> Rates:
     def rate(a: int | None, b: int | None) -> float | None:
         if a is None or b is None or elapsed_s <= 0 or b < a:  # b < a: the counter was reset
             return None
@@ -91,31 +104,36 @@ def _rates(
     )
 
 
-def _row(
-    node_id: str,
-    *,
-    name: str,
-    kind: str,
-    up: bool | None,
-    speed: float | None,
-    counters: _Counters,
-    rates: tuple[float | None, float | None, float | None, float | None],
-) -> Row:
-    rx, tx, wait, errors_per_s = rates
-    link = ("-", Tone.MUTED) if up is None else ("up", Tone.GOOD) if up else ("down", Tone.ERROR)
-    cells = (
-        Cell(node_id),
-        Cell(name, Tone.ACCENT if kind == "ib" else Tone.PLAIN),
-        Cell(*link),
-        Cell(bandwidth(speed)),
-        Cell(bandwidth(rx)),
-        Cell(bandwidth(tx)),
-        Cell("-" if wait is None else f"{wait:,.0f}", Tone.WARNING if wait else Tone.PLAIN),
-        Cell(f"{counters.errors:,}", Tone.WARNING if counters.errors else Tone.MUTED),
-        Cell(
-            "-" if errors_per_s is None else f"{errors_per_s:.1f}", Tone.ERROR if errors_per_s else Tone.PLAIN
-        ),
-    )
-    sort_values = (node_id, name, link[0], number(speed), number(rx), number(tx), number(wait),
-                   counters.errors, number(errors_per_s))  # fmt: skip
-    return Row(f"{node_id}/{name}", cells, sort_values, Tone.ERROR if up is False else Tone.PLAIN)
+def _row(node_id: str, name: str, measured: Callable[[], dict[str, tuple[Port, Rates]]]) -> Row:
+    def cells() -> tuple[Cell, ...]:
+        (kind, up, speed, counters), (rx, tx, wait, errors_per_s) = measured()[name]
+        link = ("-", Tone.MUTED) if up is None else ("up", Tone.GOOD) if up else ("down", Tone.ERROR)
+        return (
+            Cell(node_id),
+            Cell(name, Tone.ACCENT if kind == "ib" else Tone.PLAIN),
+            Cell(*link),
+            Cell(bandwidth(speed)),
+            Cell(bandwidth(rx)),
+            Cell(bandwidth(tx)),
+            Cell("-" if wait is None else f"{wait:,.0f}", Tone.WARNING if wait else Tone.PLAIN),
+            Cell(f"{counters.errors:,}", Tone.WARNING if counters.errors else Tone.MUTED),
+            Cell(
+                "-" if errors_per_s is None else f"{errors_per_s:.1f}",
+                Tone.ERROR if errors_per_s else Tone.PLAIN,
+            ),
+        )
+
+    def sort_values() -> tuple[SortValue, ...]:
+        (_, up, speed, counters), rates = measured()[name]
+        link = "-" if up is None else "up" if up else "down"
+        return (
+            node_id,
+            name,
+            link,
+            number(speed),
+            *(number(r) for r in rates[:3]),
+            counters.errors,
+            number(rates[3]),
+        )
+
+    return Row(f"{node_id}/{name}", cells, sort_values, first_sort=node_id)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 
@@ -9,7 +11,7 @@ from clusterwatch.gpu_reasons import slowdown_reasons
 from clusterwatch.humanize import ago, bandwidth, percent
 from clusterwatch.tui.history import sparkline
 from clusterwatch.tui.state import TopState
-from clusterwatch.tui.views.rows import Cell, Column, Row, Tone, number
+from clusterwatch.tui.views.rows import Cell, Column, Row, SortValue, Tone, number
 from clusterwatch.v1 import cluster_pb2, node_pb2
 
 HISTORY_WIDTH = 12
@@ -44,56 +46,85 @@ def node_rows(state: TopState, now_unix_s: float | None = None) -> list[Row]:
     return [_node_row(node, state, now) for node in state.snapshot.nodes]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _NodeNumbers:
+    utilization: float | None
+    memory: float | None
+    hottest_celsius: float | None
+    power_watts: float | None
+    cpu: float | None
+    rates: tuple[float | None, ...]
+    errors: str
+    errors_tone: Tone
+
+    @classmethod
+    def of(cls, node: cluster_pb2.NodeStatus) -> _NodeNumbers:
+        gpus = node.report.gpus
+        total = sum(g.memory_total_bytes for g in gpus if g.HasField("memory_total_bytes"))
+        used = sum(g.memory_used_bytes for g in gpus if g.HasField("memory_used_bytes"))
+        temps = [g.temperature_celsius for g in gpus if g.HasField("temperature_celsius")]
+        watts = [g.power_watts for g in gpus if g.HasField("power_watts")]
+        host = node.report.host
+        errors, errors_tone = _errors(gpus)
+        return cls(
+            utilization=_mean([g.utilization_ratio for g in gpus if g.HasField("utilization_ratio")]),
+            memory=used / total if total else None,
+            hottest_celsius=max(temps) if temps else None,
+            power_watts=sum(watts) if watts else None,
+            cpu=host.cpu_utilization_ratio if host.HasField("cpu_utilization_ratio") else None,
+            rates=(
+                node.network_receive_bytes_per_second
+                if node.HasField("network_receive_bytes_per_second")
+                else None,
+                node.network_transmit_bytes_per_second
+                if node.HasField("network_transmit_bytes_per_second")
+                else None,
+                node.infiniband_receive_bytes_per_second
+                if node.HasField("infiniband_receive_bytes_per_second")
+                else None,
+                node.infiniband_transmit_bytes_per_second
+                if node.HasField("infiniband_transmit_bytes_per_second")
+                else None,
+            ),
+            errors=errors,
+            errors_tone=errors_tone,
+        )
+
+
 def _node_row(node: cluster_pb2.NodeStatus, state: TopState, now: float) -> Row:
-    gpus = node.report.gpus
-    util = _mean([g.utilization_ratio for g in gpus if g.HasField("utilization_ratio")])
-    used = sum(g.memory_used_bytes for g in gpus if g.HasField("memory_used_bytes"))
-    total = sum(g.memory_total_bytes for g in gpus if g.HasField("memory_total_bytes"))
-    memory = used / total if total else None
-    temps = [g.temperature_celsius for g in gpus if g.HasField("temperature_celsius")]
-    hottest = max(temps) if temps else None
-    watts = [g.power_watts for g in gpus if g.HasField("power_watts")]
-    power = sum(watts) if watts else None
-    cpu = (
-        node.report.host.cpu_utilization_ratio if node.report.host.HasField("cpu_utilization_ratio") else None
-    )
     state_name, state_tone = STATE_NAMES.get(node.state, ("?", Tone.MUTED))
-    errors, errors_tone = _errors(gpus)
-    rates = [
-        node.network_receive_bytes_per_second if node.HasField("network_receive_bytes_per_second") else None,
-        node.network_transmit_bytes_per_second
-        if node.HasField("network_transmit_bytes_per_second")
-        else None,
-        node.infiniband_receive_bytes_per_second
-        if node.HasField("infiniband_receive_bytes_per_second")
-        else None,
-        node.infiniband_transmit_bytes_per_second
-        if node.HasField("infiniband_transmit_bytes_per_second")
-        else None,
-    ]
-    cells = (
-        Cell(node.node_id),
-        Cell(state_name, state_tone),
-        Cell(str(len(gpus)) if gpus else "-"),
-        Cell(percent(util)),
-        Cell(sparkline(state.node_utilization.series(node.node_id), HISTORY_WIDTH, 0.0, 1.0), Tone.ACCENT),
-        Cell(percent(memory)),
-        Cell(
-            "-" if hottest is None else f"{hottest:.0f}°C",
-            Tone.WARNING if (hottest or 0) >= HOT_CELSIUS else Tone.PLAIN,
-        ),
-        Cell(_watts(power)),
-        Cell(errors, errors_tone),
-        Cell(percent(cpu)),
-        *(Cell(bandwidth(r)) for r in rates),
-        Cell(ago(node.last_seen_unix_seconds, now).removesuffix(" ago")),
-    )
-    sort_values = (
-        node.node_id, state_name, len(gpus), number(util), number(util), number(memory), number(hottest),
-        number(power), errors, number(cpu), *(number(r) for r in rates), -node.last_seen_unix_seconds,
-    )  # fmt: skip
+    numbers = functools.cache(lambda: _NodeNumbers.of(node))
+
+    def cells() -> tuple[Cell, ...]:
+        n = numbers()
+        hot = Tone.WARNING if (n.hottest_celsius or 0) >= HOT_CELSIUS else Tone.PLAIN
+        return (
+            Cell(node.node_id),
+            Cell(state_name, state_tone),
+            Cell(str(len(node.report.gpus)) if node.report.gpus else "-"),
+            Cell(percent(n.utilization)),
+            Cell(
+                sparkline(state.node_utilization.series(node.node_id), HISTORY_WIDTH, 0.0, 1.0), Tone.ACCENT
+            ),
+            Cell(percent(n.memory)),
+            Cell("-" if n.hottest_celsius is None else f"{n.hottest_celsius:.0f}°C", hot),
+            Cell(_watts(n.power_watts)),
+            Cell(n.errors, n.errors_tone),
+            Cell(percent(n.cpu)),
+            *(Cell(bandwidth(r)) for r in n.rates),
+            Cell(ago(node.last_seen_unix_seconds, now).removesuffix(" ago")),
+        )
+
+    def sort_values() -> tuple[SortValue, ...]:
+        n = numbers()
+        return (
+            node.node_id, state_name, len(node.report.gpus), number(n.utilization), number(n.utilization),
+            number(n.memory), number(n.hottest_celsius), number(n.power_watts), n.errors, number(n.cpu),
+            *(number(r) for r in n.rates), -node.last_seen_unix_seconds,
+        )  # fmt: skip
+
     row_tone = Tone.ERROR if node.state == cluster_pb2.NODE_STATE_UNREACHABLE else Tone.PLAIN
-    return Row(node.node_id, cells, sort_values, row_tone)
+    return Row(node.node_id, cells, sort_values, row_tone, first_sort=node.node_id)
 
 
 def _errors(gpus: Sequence[node_pb2.GpuSample]) -> tuple[str, Tone]:

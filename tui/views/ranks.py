@@ -8,7 +8,7 @@ import statistics
 from clusterwatch.humanize import bandwidth, duration, rank_state
 from clusterwatch.tui.history import sparkline
 from clusterwatch.tui.state import TopState
-from clusterwatch.tui.views.rows import Cell, Column, Row, Tone, number
+from clusterwatch.tui.views.rows import Cell, Column, Row, SortValue, Tone, number
 from clusterwatch.v1 import cluster_pb2, training_pb2
 
 ALL_REDUCE_OPS = ("all_reduce", "ddp_all_reduce")
@@ -36,56 +36,89 @@ def rank_rows(state: TopState) -> list[Row]:
         stragglers = {r: i for i in incidents if i.kind == "straggler" for r in i.ranks}
         hung = {r: i for i in incidents if i.kind == "hang" for r in i.ranks}
         missing = _missing_collective(job, set(hung))
-        compute = [r.last_step.compute_seconds for r in job.ranks if r.HasField("last_step")]
-        typical = statistics.median(compute) if compute else None
+        typical = _TypicalCompute(job)
         for rank in job.ranks:
-            rows.append(_rank_row(job.job, rank=rank, typical_compute_s=typical,
-                                  straggling=stragglers.get(rank.identity.rank),
-                                  hung=hung.get(rank.identity.rank), missing=missing))  # fmt: skip
+            number_of = rank.identity.rank
+            rows.append(_rank_row(job.job, rank, typical, straggling=stragglers.get(number_of),
+                                  hung=hung.get(number_of), missing=missing))  # fmt: skip
     return rows
+
+
+class _TypicalCompute:
+    """The median compute time of a job's ranks, worked out once and only if a slowdown is shown."""
+
+    def __init__(self, job: cluster_pb2.JobStatus) -> None:
+        self._job = job
+        self._seconds: float | None = None
+
+    def slowdown(self, rank: cluster_pb2.RankStatus) -> float | None:
+        if not rank.HasField("last_step"):
+            return None
+        if self._seconds is None:
+            compute = [r.last_step.compute_seconds for r in self._job.ranks if r.HasField("last_step")]
+            self._seconds = statistics.median(compute)
+        return rank.last_step.compute_seconds / self._seconds if self._seconds else None
 
 
 def _rank_row(
     job: str,
-    *,
     rank: cluster_pb2.RankStatus,
-    typical_compute_s: float | None,
+    typical: _TypicalCompute,
+    *,
     straggling: cluster_pb2.Incident | None,
     hung: cluster_pb2.Incident | None,
     missing: str,
 ) -> Row:
-    last = rank.last_step if rank.HasField("last_step") else None
-    slowdown = last.compute_seconds / typical_compute_s if last is not None and typical_compute_s else None
-    busbw = [b.bus_bandwidth_bytes_per_second for b in rank.bandwidth if b.op in ALL_REDUCE_OPS]
-    text, tone = rank_state(rank), Tone.PLAIN
+    mark, tone = "", Tone.PLAIN
     if hung is not None:
-        text, tone = f"HUNG: {missing or hung.cause} · {text}", Tone.ERROR
+        mark, tone = f"HUNG: {missing or hung.cause} · ", Tone.ERROR
     elif straggling is not None:
-        text, tone = f"STRAGGLER ({straggling.cause}) · {text}", Tone.WARNING
-    elif rank.state == training_pb2.RANK_STATE_EXITED and not rank.exit.clean:
-        tone = Tone.ERROR
+        mark, tone = f"STRAGGLER ({straggling.cause}) · ", Tone.WARNING
     elif rank.state != training_pb2.RANK_STATE_RUNNING:
-        tone = Tone.MUTED
+        failed = rank.state == training_pb2.RANK_STATE_EXITED and not rank.exit.clean
+        tone = Tone.ERROR if failed else Tone.MUTED
     number_of = rank.identity.rank
-    cells = (
-        Cell(str(number_of)),
-        Cell(rank.node_id),
-        Cell("-" if last is None else str(last.step)),
-        Cell(duration(None if last is None else last.step_seconds)),
-        Cell(duration(None if last is None else last.compute_seconds)),
-        Cell(duration(None if last is None else last.communication_seconds)),
-        Cell("-" if slowdown is None else f"{slowdown:.2f}x"),
-        Cell(bandwidth(max(busbw) if busbw else None)),
-        Cell(text),
-        Cell(job),
-    )
-    sort_values = (
-        number_of, rank.node_id, number(None if last is None else last.step),
-        number(None if last is None else last.step_seconds), number(None if last is None else last.compute_seconds),
-        number(None if last is None else last.communication_seconds), number(slowdown),
-        number(max(busbw) if busbw else None), text, job,
-    )  # fmt: skip
-    return Row(f"{job}/{number_of}", cells, sort_values, tone)
+
+    def busbw() -> float | None:
+        return max(
+            (b.bus_bandwidth_bytes_per_second for b in rank.bandwidth if b.op in ALL_REDUCE_OPS), default=None
+        )
+
+    def cells() -> tuple[Cell, ...]:
+        last = rank.last_step if rank.HasField("last_step") else None
+        slowdown = typical.slowdown(rank)
+        return (
+            Cell(str(number_of)),
+            Cell(rank.node_id),
+            Cell("-" if last is None else str(last.step)),
+            Cell(duration(None if last is None else last.step_seconds)),
+            Cell(duration(None if last is None else last.compute_seconds)),
+            Cell(duration(None if last is None else last.communication_seconds)),
+            Cell("-" if slowdown is None else f"{slowdown:.2f}x"),
+            Cell(bandwidth(busbw())),
+            Cell(mark + rank_state(rank)),
+            Cell(job),
+        )
+
+    def sort_values() -> tuple[SortValue, ...]:
+        if rank.HasField("last_step"):
+            last = rank.last_step
+            step_values: tuple[SortValue, ...] = (
+                last.step,
+                last.step_seconds,
+                last.compute_seconds,
+                last.communication_seconds,
+            )
+        else:
+            step_values = (number(None),) * 4
+        slowdown = number(typical.slowdown(rank))
+        return (number_of, rank.node_id, *step_values, slowdown, number(busbw()), STATE_ORDER[tone], job)
+
+    return Row(f"{job}/{number_of}", cells, sort_values, tone, first_sort=number_of)
+
+
+STATE_ORDER = {Tone.ERROR: 0, Tone.WARNING: 1, Tone.PLAIN: 2, Tone.ACCENT: 2, Tone.GOOD: 2, Tone.MUTED: 3}
+"""Sorting by STATE: hung and failed ranks first, then stragglers, running, and the rest."""
 
 
 def _missing_collective(job: cluster_pb2.JobStatus, hung_ranks: set[int]) -> str:

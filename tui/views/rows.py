@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from enum import StrEnum
 
 SortValue = float | str
@@ -35,15 +36,50 @@ class Column:
     """Takes the width the other columns leave (at least ``width``)."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class Row:
-    key: str
-    """Stable across updates: the cursor follows it."""
-    cells: tuple[Cell, ...]
-    sort_values: tuple[SortValue, ...]
-    """One per column: what sorting by that column compares."""
-    tone: Tone = Tone.PLAIN
-    """The whole row's tone (a straggler, a hung rank), under the cells' own."""
+    """One line of a table, built lazily.
+
+    A 1,000-node cluster has 8,000 rank rows and a screen shows 60, so a row
+    starts as its key, tone and the first column's sort value; its cells are
+    formatted when drawn (or filtered) and its other sort values computed
+    when the table sorts by another column.
+    """
+
+    __slots__ = ("_cells", "_make_cells", "_make_sort_values", "_sort_values", "first_sort", "key", "tone")
+
+    def __init__(
+        self,
+        key: str,
+        cells: tuple[Cell, ...] | Callable[[], tuple[Cell, ...]],
+        sort_values: tuple[SortValue, ...] | Callable[[], tuple[SortValue, ...]],
+        tone: Tone = Tone.PLAIN,
+        first_sort: SortValue | None = None,
+    ) -> None:
+        self.key = key
+        """Stable across updates: the cursor follows it."""
+        self.tone = tone
+        """The whole row's tone (a straggler, a hung rank), under the cells' own."""
+        self.first_sort = first_sort
+        """The first column's sort value, known up front (None: ask ``sort_values``)."""
+        self._make_cells = cells
+        self._make_sort_values = sort_values
+        self._cells = cells if isinstance(cells, tuple) else None
+        self._sort_values = sort_values if isinstance(sort_values, tuple) else None
+
+    @property
+    def cells(self) -> tuple[Cell, ...]:
+        if self._cells is None:
+            assert callable(self._make_cells)  # noqa: S101 - set in __init__
+            self._cells = self._make_cells()
+        return self._cells
+
+    def sort_value(self, column: int) -> SortValue:
+        if column == 0 and self.first_sort is not None:
+            return self.first_sort
+        if self._sort_values is None:
+            assert callable(self._make_sort_values)  # noqa: S101 - set in __init__
+            self._sort_values = self._make_sort_values()
+        return self._sort_values[column]
 
     def matches(self, needle: str) -> bool:
         """Whether any cell contains ``needle`` (lower case)."""

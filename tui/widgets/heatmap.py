@@ -48,6 +48,8 @@ class GpuHeatmap(ScrollView):
         super().__init__(id=id)
         self._grid: list[NodeGpus] = []
         self._palette: list[Style] = []
+        """Utilisation shades, idle to busy, until the theme changes."""
+        self._styles: dict[str, Style] = {}
 
     def show(self, grid: list[NodeGpus]) -> None:
         self._grid = grid
@@ -75,12 +77,21 @@ class GpuHeatmap(ScrollView):
     def notify_style_update(self) -> None:
         super().notify_style_update()
         self._palette = []  # the theme changed
+        self._styles = {}
+
+    def _style(self, name: str) -> Style:
+        """The widget's own style ("") or a component's over it, looked up once per theme."""
+        style = self._styles.get(name)
+        if style is None:
+            base = self.rich_style
+            style = self._styles[name] = base + self.get_component_rich_style(name) if name else base
+        return style
 
     def _shade(self, utilization: float) -> Style:
         if not self._palette:
             idle = self.get_component_styles("heatmap--idle").color
             busy = self.get_component_styles("heatmap--busy").color
-            background = self.rich_style.bgcolor
+            background = self._style("").bgcolor
             self._palette = [
                 Style(color=idle.blend(busy, step / (_STEPS - 1)).rich_color, bgcolor=background)
                 for step in range(_STEPS)
@@ -89,30 +100,31 @@ class GpuHeatmap(ScrollView):
 
     def _cell(self, gpu: GpuCell) -> Segment:
         if gpu.slowdown:
-            return Segment("▲" * _CELL, self.rich_style + self.get_component_rich_style("heatmap--throttled"))
+            return Segment("▲" * _CELL, self._style("heatmap--throttled"))
         if gpu.utilization_ratio is None:
-            return Segment("·" * _CELL, self.rich_style + self.get_component_rich_style("heatmap--label"))
+            return Segment("·" * _CELL, self._style("heatmap--label"))
         shade = _SHADES[max(0, min(len(_SHADES) - 1, int(gpu.utilization_ratio * len(_SHADES))))]
         return Segment(shade * _CELL, self._shade(gpu.utilization_ratio))
 
     def render_line(self, y: int) -> Strip:
         width = self.scrollable_content_region.width
-        label_style = self.rich_style + self.get_component_rich_style("heatmap--label")
+        label_style = self._style("heatmap--label")
+        base = self._style("")
         if y < _LEGEND_LINES:
             legend: list[Segment] = [Segment("utilisation ".rjust(self._label_width()), label_style)]
             for percent in (0, 25, 50, 75, 100):
                 legend += [self._cell(GpuCell(0, percent / 100, ())), Segment(f" {percent}%  ", label_style)]
             legend += [self._cell(GpuCell(0, 1.0, ("x",))), Segment(" throttled  ", label_style),
                        self._cell(GpuCell(0, None, ())), Segment(" no data", label_style)]  # fmt: skip
-            return Strip(legend).crop_extend(0, width, self.rich_style)
+            return Strip(legend).crop_extend(0, width, base)
         per_line = self._nodes_per_line(width)
         first = (int(self.scroll_y) + y - _LEGEND_LINES) * per_line
         nodes: Sequence[NodeGpus] = self._grid[first : first + per_line]
         if not nodes:
-            return Strip.blank(width, self.rich_style)
+            return Strip.blank(width, base)
         label = nodes[0].node_id[: self._label_width() - 1].ljust(self._label_width())
         segments = [Segment(label, label_style)]
         for node in nodes:
             segments.extend(self._cell(gpu) for gpu in node.gpus)
-            segments.append(Segment(" ", self.rich_style))
-        return Strip(segments).crop_extend(0, width, self.rich_style)
+            segments.append(Segment(" ", base))
+        return Strip(segments).crop_extend(0, width, base)

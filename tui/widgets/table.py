@@ -22,10 +22,15 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from clusterwatch.tui.views.rows import Column, Row, Tone
+from clusterwatch.tui.views.rows import Column, Row, SortValue, Tone
 
 _GAP = 1
 _HEADER_LINES = 1
+
+
+def _sortable(value: SortValue) -> tuple[bool, SortValue]:
+    """Numbers before text, so a column mixing them still sorts."""
+    return isinstance(value, str), value
 
 
 class RowTable(ScrollView, can_focus=True):
@@ -116,6 +121,9 @@ class RowTable(ScrollView, can_focus=True):
         self._filter = ""
         self._cursor_key: str | None = None
         self._styles: dict[str, Style] = {}
+        """Rich styles by tone (and "" for the widget's own), until the theme changes."""
+        self._column_widths: tuple[int, list[int]] | None = None
+        """(viewport width, the columns' widths in it)."""
         self.set_reactive(RowTable.sort_column, sort_column)
         self.set_reactive(RowTable.sort_descending, sort_descending)
 
@@ -146,8 +154,7 @@ class RowTable(ScrollView, can_focus=True):
             [r for r in self._all_rows if r.matches(self._filter)] if self._filter else list(self._all_rows)
         )
         column = min(self.sort_column, len(self.columns) - 1)
-        rows.sort(key=lambda r: (isinstance(r.sort_values[column], str), r.sort_values[column]),
-                  reverse=self.sort_descending)  # fmt: skip
+        rows.sort(key=lambda r: _sortable(r.sort_value(column)), reverse=self.sort_descending)
         self._rows = rows
         if self._cursor_key is None or self._cursor_index() is None:
             self._move_cursor_to(0 if rows else None)
@@ -159,14 +166,15 @@ class RowTable(ScrollView, can_focus=True):
         return max(fixed, viewport_width)
 
     def _widths(self) -> list[int]:
-        widths = [c.width for c in self.columns]
-        spare = (
-            self._content_width(self.scrollable_content_region.width) - sum(widths) - _GAP * (len(widths) - 1)
-        )
-        flexible = [i for i, c in enumerate(self.columns) if c.flexible]
-        for i in flexible:
-            widths[i] += spare // len(flexible)
-        return widths
+        viewport = self.scrollable_content_region.width
+        if self._column_widths is None or self._column_widths[0] != viewport:
+            widths = [c.width for c in self.columns]
+            spare = self._content_width(viewport) - sum(widths) - _GAP * (len(widths) - 1)
+            flexible = [i for i, c in enumerate(self.columns) if c.flexible]
+            for i in flexible:
+                widths[i] += spare // len(flexible)
+            self._column_widths = (viewport, widths)
+        return self._column_widths[1]
 
     def on_resize(self, event: events.Resize) -> None:
         self.virtual_size = Size(self._content_width(event.size.width), len(self._rows) + _HEADER_LINES)
@@ -243,10 +251,16 @@ class RowTable(ScrollView, can_focus=True):
             style = self._styles[name] = self.get_component_rich_style(f"rowtable--{name}")
         return style
 
+    def _base_style(self) -> Style:
+        style = self._styles.get("")
+        if style is None:
+            style = self._styles[""] = self.rich_style  # worked out from every ancestor: keep it
+        return style
+
     def render_line(self, y: int) -> Strip:
         widths = self._widths()
         scroll_x, scroll_y = int(self.scroll_x), int(self.scroll_y)
-        base = self.rich_style
+        base = self._base_style()
         if y < _HEADER_LINES:
             titles = [self._title(i, c) for i, c in enumerate(self.columns)]
             style = base + self._style("header")
