@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pty
+import select
+import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from helpers import Cluster, Coordinator, Process, clusterwatch_cmd
@@ -199,3 +205,45 @@ async def test_losing_the_coordinator_shows_since_when_and_it_reconnects(cluster
         assert again.address == coordinator.address
         await until(pilot, lambda: "disconnected" not in header(app), 30, "the reconnection")
         assert header(app).startswith(f"● {coordinator.address}")
+
+
+def test_demo_top_shows_the_demo_in_a_terminal_and_quits_on_q(tmp_path: Path) -> None:
+    """`clusterwatch demo --top` in a real pseudo-terminal: top draws the demo's nodes, q quits, the demo stops."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the demo, with a terminal of its own
+        os.environ.update(TERM="xterm-256color", COLUMNS="120", LINES="40")
+        argv = clusterwatch_cmd("demo", "--top", "--no-train", "--grpc-port", "0", "--metrics-port", "0",
+                                "--duration", "60", "--state-dir", str(tmp_path / "state"))  # fmt: skip
+        os.execv(argv[0], argv)  # noqa: S606 - our own CLI, no shell
+    screen = bytearray()
+
+    def read_until(done: Callable[[], bool], timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not done() and time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.1)[0]:
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except OSError:  # the child closed the terminal
+                    return done()
+                if not chunk:
+                    return done()
+                screen.extend(chunk)
+        return done()
+
+    try:
+        assert read_until(lambda: b"nodes 2/2 up" in screen, 60), screen[-2000:].decode(errors="replace")
+        os.write(fd, b"q")
+        read_until(lambda: False, 2)  # drain while it quits
+        exited, status = 0, 0
+        deadline = time.monotonic() + 30
+        while exited == 0 and time.monotonic() < deadline:
+            exited, status = os.waitpid(pid, os.WNOHANG)
+            read_until(lambda: False, 0.2)
+        assert exited == pid, "the demo did not stop when top quit"
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert b"clusterwatch demo: a coordinator and 2 agents" in screen  # the log, printed after top
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)

@@ -22,10 +22,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from clusterwatch.cli import demo_faults, demo_training
 from clusterwatch.cli.demo_timeline import FaultOutcome, Timeline
@@ -75,6 +77,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )  # fmt: skip
     parser.add_argument("--steps", type=int, default=150, help="steps the job trains (default: 150)")
     parser.add_argument("--summary-json", type=Path, help="also write the summary to this file")
+    parser.add_argument(
+        "--top", action="store_true",
+        help="watch it live in clusterwatch top; the timeline and summary are printed when top quits",
+    )  # fmt: skip
     parser.set_defaults(run=run)
     return parser
 
@@ -94,10 +100,14 @@ def run(args: argparse.Namespace) -> int:
             ports = _start_cluster(args, workdir, child_log, processes)
             address = f"127.0.0.1:{ports['grpc_port']}"
             metrics_url = f"http://127.0.0.1:{ports['metrics_port']}/metrics"
-            _print_banner(args, address, metrics_url, faults)
-            if not args.train:
-                return _idle(processes, args.duration)
-            return _train(args, workdir, (address, metrics_url), faults, (processes, jobs))
+
+            def demo() -> int:
+                _print_banner(args, address, metrics_url, faults)
+                if not args.train:
+                    return _idle(processes, args.duration)
+                return _train(args, workdir, (address, metrics_url), faults, (processes, jobs))
+
+            return _under_top(address, demo, workdir / "demo.log") if args.top else demo()
         except KeyboardInterrupt:
             print("clusterwatch demo: interrupted")
             return 130
@@ -109,16 +119,45 @@ def run(args: argparse.Namespace) -> int:
                 _stop(processes, jobs)
 
 
+def _under_top(address: str, demo: Callable[[], int], log_path: Path) -> int:
+    """Run the demo in a thread, its timeline into ``log_path``, and clusterwatch top on it
+    in the terminal; when top quits, print the timeline (the demo stops with top)."""
+    from clusterwatch.tui.app import TopApp  # Textual loads only for --top
+
+    outcome: list[int] = []
+    terminal = sys.stdout  # redirect_stdout below swaps sys.stdout for every thread
+
+    def in_background() -> None:
+        with log_path.open("w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            try:
+                outcome.append(demo())
+            except RuntimeError as exc:  # the services stopped under it when top quit early
+                print(f"clusterwatch demo: {exc}")
+                outcome.append(1)
+
+    thread = threading.Thread(target=in_background, name="clusterwatch-demo", daemon=True)
+    thread.start()
+    TopApp(address).run()
+    finished = not thread.is_alive()
+    for log in (log_path.with_name("services.log"), log_path):
+        print(log.read_text() if log.exists() else "", end="", file=terminal)
+    if not finished:
+        print("clusterwatch demo: stopped with top, before it finished", file=terminal)
+    return outcome[0] if finished and outcome else 0
+
+
 def _start_cluster(
     args: argparse.Namespace, workdir: Path, log_level: str, processes: list[subprocess.Popen[bytes]]
 ) -> dict[str, int]:
-    """The coordinator and the agents; the coordinator's ports."""
+    """The coordinator and the agents; the coordinator's ports. Under --top the terminal
+    is top's: the services' logs go to services.log, printed when top quits."""
+    errors = (workdir / "services.log").open("wb") if args.top else None
     ready_file = workdir / "coordinator.ready"
     coordinator = _start(
         ["coordinator", "--listen", f"127.0.0.1:{args.grpc_port}",
          "--metrics-listen", f"127.0.0.1:{args.metrics_port}", "--state-dir", str(args.state_dir or workdir / "state"),
          "--ready-file", str(ready_file), *DEMO_RECOVERY],
-        log_level,
+        log_level, errors,
     )  # fmt: skip
     processes.append(coordinator)
     ports = _wait_ready(ready_file, coordinator)
@@ -127,7 +166,7 @@ def _start_cluster(
             ["agent", "--coordinator", f"127.0.0.1:{ports['grpc_port']}", "--node-id", node,
              "--gpu-backend", "sim", "--sim-gpus", str(args.sim_gpus), "--interval", str(args.interval),
              "--socket", str(workdir / f"{node}.sock")],
-            log_level,
+            log_level, errors,
         ))  # fmt: skip
     return ports
 
@@ -224,8 +263,11 @@ def _settle(timeline: Timeline) -> None:
         time.sleep(POLL_S)
 
 
-def _start(argv: list[str], log_level: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "clusterwatch", *argv, "--log-level", log_level])
+def _start(argv: list[str], log_level: str, errors: IO[bytes] | None = None) -> subprocess.Popen[bytes]:
+    """A clusterwatch service; its log to ``errors`` (default: this terminal)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "clusterwatch", *argv, "--log-level", log_level], stderr=errors
+    )
 
 
 def _start_training(
