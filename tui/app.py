@@ -256,6 +256,8 @@ class TopApp(App[None]):
 
     @on(RowTable.Chosen)
     def _row_chosen(self, event: RowTable.Chosen) -> None:
+        if event.key is None:
+            return
         if event.table.id == "nodes":
             node = self.state.node(event.key)
             if node is not None:

@@ -61,7 +61,11 @@ class TopState:
         for job in snapshot.jobs:
             if job.HasField("step_rate") and job.step_rate > 0:
                 self.job_step_time.record(job.job, 1.0 / job.step_rate)
-        self.node_utilization.keep_only({n.node_id for n in snapshot.nodes})
+        node_ids = {n.node_id for n in snapshot.nodes}
+        for gone in self._newest_reports.keys() - node_ids:
+            del self._newest_reports[gone]
+            self.previous_reports.pop(gone, None)
+        self.node_utilization.keep_only(node_ids)
         self.job_step_time.keep_only({j.job for j in snapshot.jobs})
 
     def incidents(self) -> list[cluster_pb2.Incident]:

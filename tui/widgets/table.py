@@ -33,6 +33,17 @@ def _sortable(value: SortValue) -> tuple[bool, SortValue]:
     return isinstance(value, str), value
 
 
+class _RowMessage(Message):
+    def __init__(self, table: RowTable, key: str | None) -> None:
+        super().__init__()
+        self.table = table
+        self.key = key
+
+    @property
+    def control(self) -> RowTable:
+        return self.table
+
+
 class RowTable(ScrollView, can_focus=True):
     """Columns, rows, a cursor, sorting and a filter.
 
@@ -86,25 +97,11 @@ class RowTable(ScrollView, can_focus=True):
     sort_column: reactive[int] = reactive(0)
     sort_descending: reactive[bool] = reactive(False)
 
-    class Highlighted(Message):
-        def __init__(self, table: RowTable, key: str | None) -> None:
-            super().__init__()
-            self.table = table
-            self.key = key
+    class Highlighted(_RowMessage):
+        """The cursor moved to the row ``key`` (None: no rows)."""
 
-        @property
-        def control(self) -> RowTable:
-            return self.table
-
-    class Chosen(Message):
-        def __init__(self, table: RowTable, key: str) -> None:
-            super().__init__()
-            self.table = table
-            self.key = key
-
-        @property
-        def control(self) -> RowTable:
-            return self.table
+    class Chosen(_RowMessage):
+        """Enter or a double click on the row ``key``."""
 
     def __init__(
         self,
