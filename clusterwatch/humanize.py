@@ -51,6 +51,17 @@ def percent(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.0%}"
 
 
+ALL_REDUCE_OPS = ("all_reduce", "ddp_all_reduce")
+"""Ops whose bus bandwidth a rank's row shows (the gradient all-reduce)."""
+
+
+def all_reduce_bus_bandwidth(rank: cluster_pb2.RankStatus) -> float | None:
+    """The rank's best all-reduce bus bandwidth over its latest report interval, bytes/s; None if none ran."""
+    return max(
+        (b.bus_bandwidth_bytes_per_second for b in rank.bandwidth if b.op in ALL_REDUCE_OPS), default=None
+    )
+
+
 def rank_state(rank: cluster_pb2.RankStatus) -> str:
     """The rank's state, with what matters about it: the collective it is in, or how it ended."""
     if rank.state == RankState.RANK_STATE_EXITED:

@@ -263,11 +263,10 @@ class TopApp(App[None]):
             if node is not None:
                 self.push_screen(TextScreen(f"node {node.node_id}", node_detail(node)))
         elif event.table.id == "rank-table":
-            job_name, _, number = event.key.rpartition("/")
-            job = self.state.job(job_name)
-            rank = next((r for r in job.ranks if str(r.identity.rank) == number), None) if job else None
+            job_name, rank = self.state.rank(event.key)
             if rank is not None:
-                self.push_screen(TextScreen(f"rank {number} of {job_name}", rank_detail(job_name, rank)))
+                title = f"rank {rank.identity.rank} of {job_name}"
+                self.push_screen(TextScreen(title, rank_detail(job_name, rank)))
         elif event.table.id == "incident-table":
             self.query_one("#detail-pane").focus()
 
@@ -317,8 +316,8 @@ class TopApp(App[None]):
             on_node = [j.job for j in self.state.snapshot.jobs if any(r.node_id == node for r in j.ranks)]
             job = on_node[0] if on_node else job
         elif self.view == "ranks":
-            job = row.key.rpartition("/")[0]
-            node = next((c.text for c in row.cells[1:2]), None)
+            job, rank = self.state.rank(row.key)
+            node = rank.node_id if rank is not None else None
         elif self.view == "incidents":
             incident = incidents.find(self.state, row.key)
             if incident is not None:

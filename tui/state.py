@@ -77,5 +77,12 @@ class TopState:
     def job(self, name: str) -> cluster_pb2.JobStatus | None:
         return next((j for j in self.snapshot.jobs if j.job == name), None)
 
+    def rank(self, key: str) -> tuple[str, cluster_pb2.RankStatus | None]:
+        """The job and the rank of a Job / Ranks row key (``JOB/RANK``); None when it is gone."""
+        job_name, _, number = key.rpartition("/")
+        job = self.job(job_name)
+        ranks = job.ranks if job is not None else ()
+        return job_name, next((r for r in ranks if str(r.identity.rank) == number), None)
+
     def node(self, node_id: str) -> cluster_pb2.NodeStatus | None:
         return next((n for n in self.snapshot.nodes if n.node_id == node_id), None)

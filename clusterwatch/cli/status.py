@@ -14,12 +14,10 @@ from google.protobuf.json_format import MessageToDict
 from clusterwatch.cli.common import add_settings_flags, settings_from_args
 from clusterwatch.client import ClusterClient
 from clusterwatch.config import ClientSettings
-from clusterwatch.humanize import ago, bandwidth, duration, rank_state, size_bytes
+from clusterwatch.humanize import ago, all_reduce_bus_bandwidth, bandwidth, duration, rank_state, size_bytes
 from clusterwatch.v1 import cluster_pb2
 
 NodeState = cluster_pb2.NodeState
-# Ops whose bus bandwidth the rank rows show (the gradient all-reduce).
-ALL_REDUCE_OPS = ("all_reduce", "ddp_all_reduce")
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -114,7 +112,6 @@ def format_jobs(jobs: list[cluster_pb2.JobStatus]) -> str:
         lines: list[tuple[Any, ...]] = [("RANK", "NODE", "STEP", "TIME", "COMP", "COMM", "BUSBW", "STATE")]
         for rank in job.ranks:
             last = rank.last_step if rank.HasField("last_step") else None
-            busbw = [b.bus_bandwidth_bytes_per_second for b in rank.bandwidth if b.op in ALL_REDUCE_OPS]
             lines.append((
                 rank.identity.rank,
                 rank.node_id,
@@ -122,7 +119,7 @@ def format_jobs(jobs: list[cluster_pb2.JobStatus]) -> str:
                 duration(None if last is None else last.step_seconds),
                 duration(None if last is None else last.compute_seconds),
                 duration(None if last is None else last.communication_seconds),
-                bandwidth(max(busbw) if busbw else None),
+                bandwidth(all_reduce_bus_bandwidth(rank)),
                 rank_state(rank),
             ))  # fmt: skip
         blocks.append(f"JOB {job.job}  world size {job.world_size}  {rate}  {checkpoint}\n{_align(lines)}")

@@ -5,14 +5,12 @@ from __future__ import annotations
 import collections
 import statistics
 
-from clusterwatch.humanize import bandwidth, duration, rank_state
+from clusterwatch.humanize import all_reduce_bus_bandwidth, bandwidth, duration, rank_state
 from clusterwatch.tui.history import sparkline
 from clusterwatch.tui.state import TopState
 from clusterwatch.tui.views.rows import Cell, Column, Row, SortValue, Tone, number
 from clusterwatch.v1 import cluster_pb2, training_pb2
 
-ALL_REDUCE_OPS = ("all_reduce", "ddp_all_reduce")
-"""Ops whose bus bandwidth the rows show (the gradient all-reduce)."""
 STEP_HISTORY_WIDTH = 16
 COLUMNS = (
     Column("RANK", 5, right=True),
@@ -79,11 +77,6 @@ def _rank_row(
         tone = Tone.ERROR if failed else Tone.MUTED
     number_of = rank.identity.rank
 
-    def busbw() -> float | None:
-        return max(
-            (b.bus_bandwidth_bytes_per_second for b in rank.bandwidth if b.op in ALL_REDUCE_OPS), default=None
-        )
-
     def cells() -> tuple[Cell, ...]:
         last = rank.last_step if rank.HasField("last_step") else None
         slowdown = typical.slowdown(rank)
@@ -95,7 +88,7 @@ def _rank_row(
             Cell(duration(None if last is None else last.compute_seconds)),
             Cell(duration(None if last is None else last.communication_seconds)),
             Cell("-" if slowdown is None else f"{slowdown:.2f}x"),
-            Cell(bandwidth(busbw())),
+            Cell(bandwidth(all_reduce_bus_bandwidth(rank))),
             Cell(mark + rank_state(rank)),
             Cell(job),
         )
@@ -112,7 +105,15 @@ def _rank_row(
         else:
             step_values = (number(None),) * 4
         slowdown = number(typical.slowdown(rank))
-        return (number_of, rank.node_id, *step_values, slowdown, number(busbw()), STATE_ORDER[tone], job)
+        return (
+            number_of,
+            rank.node_id,
+            *step_values,
+            slowdown,
+            number(all_reduce_bus_bandwidth(rank)),
+            STATE_ORDER[tone],
+            job,
+        )
 
     return Row(f"{job}/{number_of}", cells, sort_values, tone, first_sort=number_of)
 
