@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
+from clusterwatch.coordinator.causes import CauseName
 from clusterwatch.coordinator.incidents import Incident, Kind, Severity
 from clusterwatch.coordinator.jobs import JobRecord
 from clusterwatch.coordinator.watchdog import DetectedCounts, Watchdog
@@ -44,14 +45,21 @@ ROUND_DURATION = gauge(
     "CPU-bound time the latest detection round took over every job and node. Near the round period: the "
     "coordinator cannot keep up; detection latency grows.",
 )
-INCIDENT_FAMILIES = (INCIDENTS_OPEN, RANK_SLOWDOWN, STRAGGLERS, HANGS, RANK_FAILURES, ROUNDS, ROUND_DURATION)
+INCIDENT_INFO = gauge(
+    "clusterwatch_incident_info",
+    "One series per incident not resolved yet, naming what the coordinator found: kind, severity, state, job, "
+    "ranks, nodes, GPUs and cause; value 1. Alert rules use it to say which rank and node, and why.",
+)
+INCIDENT_FAMILIES = (
+    INCIDENTS_OPEN, INCIDENT_INFO, RANK_SLOWDOWN, STRAGGLERS, HANGS, RANK_FAILURES, ROUNDS, ROUND_DURATION,
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class IncidentView:
     """A copy of what the families need, taken on the event loop."""
 
-    open_by_kind: collections.Counter[tuple[Kind, Severity]]
+    live: tuple[Incident, ...]
     counts: DetectedCounts
     slowdown_ratios: dict[str, dict[int, float]]
 
@@ -59,20 +67,34 @@ class IncidentView:
 def incident_view(watchdog: Watchdog, jobs: Mapping[str, JobRecord]) -> IncidentView:
     live: list[Incident] = watchdog.book.live()
     return IncidentView(
-        open_by_kind=collections.Counter((i.kind, i.severity) for i in live),
-        counts=watchdog.counts(),
+        live=tuple(live),
+        counts=_with_zeros(watchdog.counts(), jobs),
         slowdown_ratios={name: watchdog.detection.slowdown_ratios(job) for name, job in jobs.items()},
     )
+
+
+def _with_zeros(counts: DetectedCounts, jobs: Iterable[str]) -> DetectedCounts:
+    """Every known job's counters from 0, so that rate() and increase() see its first detection."""
+    stragglers, hangs, failures = dict(counts.stragglers), dict(counts.hangs), dict(counts.rank_failures)
+    for job in jobs:
+        hangs.setdefault(job, 0)
+        failures.setdefault(job, 0)
+        for cause in CauseName:
+            stragglers.setdefault((job, cause.value), 0)
+    return dataclasses.replace(counts, stragglers=stragglers, hangs=hangs, rank_failures=failures)
 
 
 def write_incidents(exp: Exposition, view: IncidentView) -> None:
     """Every family (HELP and TYPE even when empty); every kind x severity, zeros included."""
     for family in INCIDENT_FAMILIES:
         exp.lines(family)
+    open_by_kind = collections.Counter((i.kind, i.severity) for i in view.live)
     for kind in Kind:
         for severity in Severity:
             exp.add(INCIDENTS_OPEN, f'kind="{kind.value}",severity="{severity.value}"',
-                    view.open_by_kind.get((kind, severity), 0))  # fmt: skip
+                    open_by_kind.get((kind, severity), 0))  # fmt: skip
+    for incident in view.live:
+        exp.add(INCIDENT_INFO, _incident_labels(incident), 1)
     for job, ratios in sorted(view.slowdown_ratios.items()):
         for rank, ratio in sorted(ratios.items()):
             exp.add(RANK_SLOWDOWN, f'job="{escape(job)}",rank="{rank}"', ratio)
@@ -84,3 +106,13 @@ def write_incidents(exp: Exposition, view: IncidentView) -> None:
         exp.add(RANK_FAILURES, f'job="{escape(job)}"', count)
     exp.add(ROUNDS, "", view.counts.rounds)
     exp.add(ROUND_DURATION, "", view.counts.last_round_s)
+
+
+def _incident_labels(incident: Incident) -> str:
+    """Lists are comma-joined ("3,7"), so an alert can print them and a matcher can use =~."""
+    labels = {
+        "incident": incident.id, "kind": incident.kind.value, "severity": incident.severity.value,
+        "state": incident.state.value, "job": incident.job, "ranks": ",".join(map(str, incident.ranks)),
+        "nodes": ",".join(incident.nodes), "gpus": ",".join(incident.gpus), "cause": incident.cause,
+    }  # fmt: skip
+    return ",".join(f'{name}="{escape(value)}"' for name, value in labels.items())

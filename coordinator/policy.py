@@ -47,6 +47,7 @@ class Decision:
 
     Attributes:
         skipped: why it will not be done ("" when it will).
+        rate_limited: skipped because the job used up its restarts for the hour.
         exclude_nodes: nodes to restart without (exclude_node_and_restart).
     """
 
@@ -55,6 +56,7 @@ class Decision:
     action: str
     reason: str
     skipped: str = ""
+    rate_limited: bool = False
     exclude_nodes: tuple[str, ...] = ()
 
 
@@ -101,9 +103,9 @@ class Policy:
         self._decided.add(incident.id)
         exclude = incident.nodes if action == EXCLUDE_NODE_AND_RESTART else ()
         decision = Decision(incident.id, incident.job, action, incident.summary, exclude_nodes=exclude)
-        skipped = self._why_not(decision, now_unix_s)
+        skipped, rate_limited = self._why_not(decision, now_unix_s)
         if skipped:
-            return dataclasses.replace(decision, skipped=skipped)
+            return dataclasses.replace(decision, skipped=skipped, rate_limited=rate_limited)
         self.note_action(incident.job, action, now_unix_s)
         return decision
 
@@ -131,20 +133,21 @@ class Policy:
         last = self._last_action_unix_s.get(job)
         return last is not None and now_unix_s - last < self.settings.cooldown_s
 
-    def _why_not(self, decision: Decision, now_unix_s: float) -> str:
+    def _why_not(self, decision: Decision, now_unix_s: float) -> tuple[str, bool]:
+        """Why the decision will not be carried out ("" when it will), and whether that is the rate limit."""
         s = self.settings
         if decision.action == ALERT:
-            return ""
+            return "", False
         if decision.job in s.opt_out_jobs:
-            return f"job {decision.job} opted out of automatic actions"
+            return f"job {decision.job} opted out of automatic actions", False
         if decision.action in RESTARTS:
             restarts = self.restarts_in_last_hour(decision.job, now_unix_s)
             if restarts >= s.max_restarts_per_hour:
                 return (
                     f"rate limit: job {decision.job} was restarted {restarts} times in the last hour "
                     f"(max {s.max_restarts_per_hour}); left to a person"
-                )
-        return ""
+                ), True
+        return "", False
 
 
 def checkpoints_first(action: str, kind: Kind | None) -> bool:

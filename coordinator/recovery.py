@@ -59,6 +59,8 @@ logger = logging.getLogger(__name__)
 PERIOD_S = 0.5
 CHECKPOINT_TIMEOUT_S = 60.0
 PENDING, DONE, FAILED, SKIPPED = "pending", "done", "failed", "skipped"
+# The restart reason of an operator's restart (the others are incident kinds).
+REQUESTED = "requested"
 
 # Asks every rank of a job to checkpoint; returns the step, once complete (raises on failure/timeout).
 CheckpointNow = Callable[[str, float], Awaitable[int]]
@@ -99,6 +101,7 @@ class RecoveryCounts:
         steps_lost: steps done again after restarts.
         last_recovery_s: the latest recovery's incident -> resumed time.
         actions: by (job, action, outcome).
+        rate_limited: restarts not made because the job reached max_restarts_per_hour.
         unproductive_s: training time lost to faults: from the last step
             before each restart to the resume, plus the steps done again.
         first_seen_unix_s: when this coordinator first saw the job, the start
@@ -107,6 +110,7 @@ class RecoveryCounts:
 
     restarts: collections.Counter[tuple[str, str]] = dataclasses.field(default_factory=collections.Counter)
     steps_lost: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    rate_limited: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     last_recovery_s: dict[str, float] = dataclasses.field(default_factory=dict)
     actions: collections.Counter[tuple[str, str, str]] = dataclasses.field(
         default_factory=collections.Counter
@@ -224,6 +228,8 @@ class Recovery:
     def _settled_without_acting(self, decision: Decision) -> tuple[str, str] | None:
         """(outcome, detail) for decisions that act on nothing: skipped, alerts, dry runs."""
         if decision.skipped:
+            if decision.rate_limited:
+                self.counts.rate_limited[decision.job] += 1
             return SKIPPED, decision.skipped
         if decision.action == ALERT:
             return DONE, "alerted (the incident is the alert)"
@@ -283,7 +289,7 @@ class Recovery:
         return _Restarted(
             incident_id=incident.id if incident else "",
             job=job.job,
-            reason=incident.kind.value if incident else "requested",
+            reason=incident.kind.value if incident else REQUESTED,
             restart_count=job.restart_count,
             resume_step=latest + 1 if latest is not None else 0,
             furthest_step=max((s.step for s in finished), default=0),

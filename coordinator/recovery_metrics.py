@@ -5,7 +5,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from clusterwatch.coordinator.recovery import RecoveryCounts
+from clusterwatch.coordinator.incidents import Kind
+from clusterwatch.coordinator.recovery import REQUESTED, RecoveryCounts
 from clusterwatch.promtext import Exposition, counter, escape, gauge
 
 RESTARTS = counter(
@@ -34,7 +35,14 @@ ETTR = gauge(
     "job. Unproductive: from the last step before each restart to the resume, plus the steps done again. "
     "Below 0.9: faults cost the job more than a tenth of its time; checkpoint more often or fix the cause.",
 )
-RECOVERY_FAMILIES = (RESTARTS, ACTIONS, STEPS_LOST, RECOVERY, ETTR)
+RATE_LIMITED = counter(
+    "clusterwatch_restarts_rate_limited_total",
+    "Restarts the policy did not make because the job reached max_restarts_per_hour. Any: the job keeps "
+    "failing and is left to a person; its incident stays open.",
+)
+# What a restart can be for: any incident kind (the policy maps each to an action), or an operator.
+RESTART_REASONS = (*(kind.value for kind in Kind), REQUESTED)
+RECOVERY_FAMILIES = (RESTARTS, ACTIONS, STEPS_LOST, RECOVERY, ETTR, RATE_LIMITED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +56,16 @@ class RecoveryView:
 def recovery_view(counts: RecoveryCounts, now_unix_s: float) -> RecoveryView:
     """A copy taken on the event loop."""
     copy = RecoveryCounts(
-        collections.Counter(counts.restarts), collections.Counter(counts.steps_lost),
-        dict(counts.last_recovery_s), collections.Counter(counts.actions),
-        dict(counts.unproductive_s), dict(counts.first_seen_unix_s),
+        restarts=collections.Counter(counts.restarts), steps_lost=collections.Counter(counts.steps_lost),
+        rate_limited=collections.Counter(counts.rate_limited), last_recovery_s=dict(counts.last_recovery_s),
+        actions=collections.Counter(counts.actions), unproductive_s=dict(counts.unproductive_s),
+        first_seen_unix_s=dict(counts.first_seen_unix_s),
     )  # fmt: skip
+    for job in counts.first_seen_unix_s:  # every known job from 0, so rate() and increase() see its first
+        for reason in RESTART_REASONS:
+            copy.restarts[(job, reason)] += 0
+        copy.steps_lost[job] += 0
+        copy.rate_limited[job] += 0
     ratios = {job: counts.effective_training_time_ratio(job, now_unix_s) for job in counts.first_seen_unix_s}
     return RecoveryView(copy, {job: ratio for job, ratio in ratios.items() if ratio is not None})
 
@@ -64,6 +78,8 @@ def write_recovery(exp: Exposition, view: RecoveryView) -> None:
         exp.add(RESTARTS, f'job="{escape(job)}",reason="{escape(reason)}"', count)
     for (job, action, outcome), count in sorted(counts.actions.items()):
         exp.add(ACTIONS, f'job="{escape(job)}",action="{action}",outcome="{outcome}"', count)
+    for job, count in sorted(counts.rate_limited.items()):
+        exp.add(RATE_LIMITED, f'job="{escape(job)}"', count)
     for job, count in sorted(counts.steps_lost.items()):
         exp.add(STEPS_LOST, f'job="{escape(job)}"', count)
     for job, seconds in sorted(counts.last_recovery_s.items()):

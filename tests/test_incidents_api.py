@@ -55,6 +55,11 @@ async def test_incidents_are_listed_acknowledged_resolved_and_counted(cluster: C
     metrics = scrape(coordinator.metrics_url)
     opened = samples_named(metrics, "clusterwatch_incidents_open", kind="rank_failure", severity="critical")
     assert [s.value for s in opened] == [1.0]
+    (info,) = samples_named(metrics, "clusterwatch_incident_info", incident=incident.id)
+    assert info.labels | {"incident": ""} == {
+        "incident": "", "kind": "rank_failure", "severity": "critical", "state": "open", "job": "train",
+        "ranks": "1", "nodes": "node-a", "gpus": info.labels["gpus"], "cause": incident.cause,
+    }  # fmt: skip
     assert [s.value for s in samples_named(metrics, "clusterwatch_rank_failures_total", job="train")] == [1.0]
 
     shown = run_cli("incidents", "--coordinator", coordinator.address).stdout

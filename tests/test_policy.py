@@ -52,6 +52,7 @@ def test_the_rate_limit_skips_restarts_beyond_the_hourly_budget() -> None:
     assert third is not None
     assert "rate limit" in third.skipped
     assert "left to a person" in third.skipped
+    assert third.rate_limited
     later = policy.decide(incident(n=9), 100.0 + 3600 + 2)  # the first two left the hour
     assert later is not None
     assert later.skipped == ""
@@ -67,6 +68,7 @@ def test_the_cooldown_postpones_and_opt_out_skips() -> None:
     opted_out = policy.decide(incident(n=3, job="precious"), 200.0)
     assert opted_out is not None
     assert "opted out" in opted_out.skipped
+    assert not opted_out.rate_limited
 
 
 def test_exclusion_names_the_incidents_nodes() -> None:

@@ -175,6 +175,10 @@ def test_the_rate_limit_leaves_a_job_that_keeps_hanging_to_a_person(cluster: Clu
     hang = next(i for i in incidents(coordinator) if i.id == record.incident_id)
     assert "left to a person" in hang.summary
     assert hang.state == cluster_pb2.IncidentState.INCIDENT_STATE_OPEN
+    limited = samples_named(
+        scrape(coordinator.metrics_url), "clusterwatch_restarts_rate_limited_total", job="limited"
+    )
+    assert [s.value for s in limited] == [1.0]
     job.stop()
     wait_for(lambda: session_processes(job.pid) == [], 30, "nothing left of the job")
 

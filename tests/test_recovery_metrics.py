@@ -27,6 +27,7 @@ def test_the_view_renders_every_family_per_job() -> None:
     counts = RecoveryCounts(
         restarts=collections.Counter({("train", "hang"): 2}),
         steps_lost=collections.Counter({"train": 7}),
+        rate_limited=collections.Counter({"train": 1}),
         last_recovery_s={"train": 6.5},
         actions=collections.Counter({("train", "restart", "done"): 2}),
         unproductive_s={"train": 25.0},
@@ -44,5 +45,6 @@ def test_the_view_renders_every_family_per_job() -> None:
     job = (("job", "train"),)
     assert samples[("clusterwatch_restarts_total", (("job", "train"), ("reason", "hang")))] == 2
     assert samples[("clusterwatch_steps_lost_total", job)] == 7
+    assert samples[("clusterwatch_restarts_rate_limited_total", job)] == 1
     assert samples[("clusterwatch_recovery_seconds", job)] == 6.5
     assert samples[("clusterwatch_job_effective_training_time_ratio", job)] == pytest.approx(0.75)
