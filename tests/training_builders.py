@@ -132,11 +132,18 @@ class AgentStream:
         self._call.cancel()
         await self._channel.close(grace=None)
 
-    async def report(self, *ranks: training_pb2.RankReport) -> int:
-        """Send one node report carrying ``ranks``; returns its sequence."""
+    async def report(
+        self, *ranks: training_pb2.RankReport, hardware: node_pb2.NodeReport | None = None
+    ) -> int:
+        """Send one node report carrying ``ranks`` (and ``hardware``'s GPUs, ports...); returns its sequence."""
         self.sequence += 1
-        report = node_pb2.NodeReport(
-            sequence=self.sequence, timestamp_unix_seconds=time.time(), interval_seconds=0.2, ranks=ranks
+        report = node_pb2.NodeReport()
+        if hardware is not None:
+            report.CopyFrom(hardware)
+        report.MergeFrom(
+            node_pb2.NodeReport(
+                sequence=self.sequence, timestamp_unix_seconds=time.time(), interval_seconds=0.2, ranks=ranks
+            )
         )
         await self._write(agent_pb2.AgentMessage(report=report))
         return self.sequence

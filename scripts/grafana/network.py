@@ -1,0 +1,155 @@
+"""Network fabric: Ethernet NICs and InfiniBand ports, traffic, waits, errors and link state."""
+
+from __future__ import annotations
+
+from grafana.panels import Dashboard, Panel, Query, Row, Threshold, Variable
+
+NODE = Variable("node", "Node", "clusterwatch_node_up", "Nodes the coordinator knows.")
+NODES = 'node=~"$node"'
+NIC = "{{node}} {{device}}"
+PORT = "{{node}} {{device}}/{{port}}"
+RED_FROM_ONE = (Threshold(None, "green"), Threshold(1, "red"))
+
+
+def rate(metric: str) -> str:
+    return f"rate({metric}{{{NODES}}}[$__rate_interval])"
+
+
+DASHBOARD = Dashboard(
+    uid="clusterwatch-network",
+    title="clusterwatch / Network fabric",
+    description="Ethernet NICs and InfiniBand ports of every node: traffic, congestion, errors, link state.",
+    variables=(NODE,),
+    rows=(
+        Row(
+            "InfiniBand",
+            (
+                Panel(
+                    "InfiniBand traffic",
+                    "Bytes per second through each port (the counters are 4-byte words, already scaled). "
+                    "One node's ports far below its peers' during all-reduce: its link is slow.",
+                    (
+                        Query(rate("clusterwatch_infiniband_port_transmit_bytes_total"), f"{PORT} transmit"),
+                        Query(rate("clusterwatch_infiniband_port_receive_bytes_total"), f"{PORT} receive"),
+                    ),
+                    "Bps",
+                    width=8,
+                ),
+                Panel(
+                    "InfiniBand link utilisation",
+                    "Transmit rate over the port's link rate. Near 1 during collectives: the fabric is the "
+                    "bottleneck.",
+                    (
+                        Query(
+                            f"{rate('clusterwatch_infiniband_port_transmit_bytes_total')} / "
+                            f"clusterwatch_infiniband_port_rate_bytes_per_second{{{NODES}}}",
+                            PORT,
+                        ),
+                    ),
+                    "percentunit",
+                    thresholds=(Threshold(None, "green"), Threshold(0.9, "orange")),
+                    width=8,
+                    min_value=0,
+                    max_value=1,
+                ),
+                Panel(
+                    "Transmit wait",
+                    "Ticks per second a port had data to send but no credits from the other end "
+                    "(port_xmit_wait). One port far above its peers: congestion or a slow receiver on that "
+                    "path; the network straggler's node.",
+                    (Query(rate("clusterwatch_infiniband_port_transmit_wait_total"), PORT),),
+                    "suffix: ticks/s",
+                    width=8,
+                ),
+                Panel(
+                    "InfiniBand errors",
+                    "Symbol and receive errors per interval. Rising: a bad cable or transceiver; expect "
+                    "retransmits, slow collectives and eventually a link down.",
+                    (
+                        Query(
+                            f"increase(clusterwatch_infiniband_symbol_errors_total{{{NODES}}}[$__rate_interval])",
+                            f"{PORT} symbol",
+                        ),
+                        Query(
+                            f"increase(clusterwatch_infiniband_port_receive_errors_total{{{NODES}}}"
+                            "[$__rate_interval])",
+                            f"{PORT} receive",
+                        ),
+                    ),
+                    "none",
+                    thresholds=RED_FROM_ONE,
+                    width=8,
+                ),
+                Panel(
+                    "Link downs in range",
+                    "Times each port's link went down over the dashboard's time range. Any: collectives "
+                    "through it failed or stalled; NCCL may have hung.",
+                    (
+                        Query(
+                            f"increase(clusterwatch_infiniband_link_downed_total{{{NODES}}}[$__range])", PORT
+                        ),
+                    ),
+                    "none",
+                    kind="bargauge",
+                    thresholds=RED_FROM_ONE,
+                    width=8,
+                ),
+                Panel(
+                    "Port state",
+                    "Green: the port is ACTIVE and its physical link up; red: down. A red band on a "
+                    "training node: its ranks cannot reach their peers.",
+                    (Query(f"clusterwatch_infiniband_port_up{{{NODES}}}", PORT),),
+                    "none",
+                    kind="state-timeline",
+                    thresholds=(Threshold(None, "red"), Threshold(1, "green")),
+                    width=8,
+                ),
+            ),
+        ),
+        Row(
+            "Ethernet",
+            (
+                Panel(
+                    "NIC traffic",
+                    "Bytes per second through each Ethernet interface (management, storage, checkpoints, "
+                    "and collectives on clusters without InfiniBand).",
+                    (
+                        Query(rate("clusterwatch_network_transmit_bytes_total"), f"{NIC} transmit"),
+                        Query(rate("clusterwatch_network_receive_bytes_total"), f"{NIC} receive"),
+                    ),
+                    "Bps",
+                    width=8,
+                ),
+                Panel(
+                    "NIC errors and drops",
+                    "Errors and dropped packets per second, both directions. Rising: a bad link, or buffers "
+                    "overrun under load.",
+                    (
+                        Query(
+                            f"{rate('clusterwatch_network_receive_errors_total')} + "
+                            f"{rate('clusterwatch_network_transmit_errors_total')}",
+                            f"{NIC} errors",
+                        ),
+                        Query(
+                            f"{rate('clusterwatch_network_receive_drops_total')} + "
+                            f"{rate('clusterwatch_network_transmit_drops_total')}",
+                            f"{NIC} drops",
+                        ),
+                    ),
+                    "pps",
+                    thresholds=(Threshold(None, "green"), Threshold(1, "orange")),
+                    width=8,
+                ),
+                Panel(
+                    "NIC link state",
+                    "Green: the interface is up; red: down. A training node's interface down: its ranks lose their peers and the coordinator.",
+                    (Query(f"clusterwatch_network_up{{{NODES}}}", NIC),),
+                    "none",
+                    kind="state-timeline",
+                    thresholds=(Threshold(None, "red"), Threshold(1, "green")),
+                    width=8,
+                ),
+            ),
+        ),
+    ),
+)
