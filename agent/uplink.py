@@ -5,7 +5,9 @@ each new report as it is collected; acknowledgements remove reports from the
 buffer. Any stream error closes the channel and reconnects after a jittered
 exponential backoff (capped, default 30 s). Commands arriving on the stream
 are carried out by the CommandHandler and their results sent back up; the
-coordinator's table of complete checkpoints goes to ``on_checkpoints``.
+coordinator's table of complete checkpoints goes to ``on_checkpoints``;
+``on_connection`` hears when a stream starts (its first ack: a report
+reached the coordinator) and when it is lost (systemd's READY and STATUS).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class Uplink:
         commands: runs commands sent by the coordinator.
         reconnect_max_s: the backoff cap.
         on_checkpoints: called with each JobCheckpoints table the coordinator sends.
+        on_connection: called with True on a stream's first ack, False when that stream is lost
+            (not when ``stop`` closes it).
     """
 
     def __init__(
@@ -48,9 +52,11 @@ class Uplink:
         reconnect_max_s: float = 30.0,
         *,
         on_checkpoints: Callable[[agent_pb2.JobCheckpoints], None] | None = None,
+        on_connection: Callable[[bool], None] | None = None,
     ) -> None:
         self.target = target
         self._on_checkpoints = on_checkpoints
+        self._on_connection = on_connection
         self._make_hello = make_hello
         self._buffer = buffer
         self._commands = commands
@@ -80,6 +86,8 @@ class Uplink:
                 failing = True
             else:
                 failing = False
+            if self.connected and not stop.is_set() and self._on_connection is not None:
+                self._on_connection(False)
             self.connected = False
             if stop.is_set():
                 break
@@ -116,6 +124,8 @@ class Uplink:
                 self.connections_total += 1
                 self._backoff.reset()
                 logger.info("connected to coordinator %s", self.target)
+                if self._on_connection is not None:
+                    self._on_connection(True)
         elif kind == "command":
             task = asyncio.create_task(
                 self._carry_out(message.command), name=f"command {message.command.command_id}"
