@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 from types import ModuleType
 
-from clusterwatch import __version__
+from clusterwatch import __version__, sd_notify
 from clusterwatch.agent.collectors.base import Collector, CollectorRunner
 from clusterwatch.agent.commands import CommandHandler
 from clusterwatch.agent.hook_links import HookLinks
@@ -64,7 +64,12 @@ def build_collectors(settings: AgentSettings, nvml: ModuleType | None = None) ->
             backend = open_gpu_backend(
                 settings.gpu_backend, settings.sim_gpus, settings.resolved_node_id, nvml
             )
-            collectors.append(GpuCollector(backend))
+            pod_resources = None
+            if settings.pod_resources_socket:
+                from clusterwatch.agent.pod_resources import PodResources
+
+                pod_resources = PodResources(Path(settings.pod_resources_socket))
+            collectors.append(GpuCollector(backend, pod_resources))
         elif name == "host":
             from clusterwatch.agent.collectors.host import HostCollector
 
@@ -122,7 +127,9 @@ class Agent:
             self.commands,
             settings.reconnect_max_s,
             on_checkpoints=self.hook_links.update_checkpoints,
+            on_connection=self._tell_systemd_connection,
         )
+        self._told_systemd_ready = False
         self.latest: node_pb2.NodeReport | None = None
         self._sequence = 0
         self._collections_started = 0
@@ -145,6 +152,19 @@ class Agent:
             interval_seconds=self.settings.interval_s,
             last_acked_sequence=last_acked_sequence,
         )
+
+    def _tell_systemd_connection(self, connected: bool) -> None:
+        """READY=1 once the first report reached the coordinator; STATUS on every change.
+
+        A no-op unless systemd started the agent (Type=notify sets NOTIFY_SOCKET).
+        """
+        target = self.settings.coordinator
+        if not connected:
+            sd_notify.notify(sd_notify.status(f"lost coordinator {target}; buffering reports, reconnecting"))
+            return
+        ready = () if self._told_systemd_ready else (sd_notify.READY,)
+        self._told_systemd_ready = True
+        sd_notify.notify(*ready, sd_notify.status(f"reporting to {target}"))
 
     def _collect(self) -> node_pb2.NodeReport:
         report = node_pb2.NodeReport(interval_seconds=self.settings.interval_s)
@@ -219,6 +239,9 @@ class Agent:
             self.settings.coordinator,
             self.settings.interval_s,
         )
+        sd_notify.notify(sd_notify.status(f"connecting to coordinator {self.settings.coordinator}"))
+        # Pinged from this loop, so a wedged loop stops the pings and systemd restarts us.
+        watchdog = sd_notify.start_watchdog()
         uplink = asyncio.create_task(self.uplink.run(stop), name="uplink")
         try:
             next_due = time.monotonic()
@@ -230,8 +253,10 @@ class Agent:
                     next_due = now + self.settings.interval_s
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=next_due - now)
+            sd_notify.notify(sd_notify.STOPPING, sd_notify.status("stopping"))
             await asyncio.wait_for(uplink, timeout=5.0)
         finally:
+            await sd_notify.stop_watchdog(watchdog)
             uplink.cancel()
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await uplink

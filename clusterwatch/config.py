@@ -80,6 +80,11 @@ class AgentSettings:
     max_steps_per_report: int = setting(
         512, "per rank, at most this many step summaries in one node report (newest kept)", positive=True
     )
+    pod_resources_socket: str = setting(
+        "/var/lib/kubelet/pod-resources/kubelet.sock",
+        "kubelet pod-resources socket: GPU series get pod, namespace and container labels from it "
+        "while it exists (empty: off)",
+    )
 
     @property
     def resolved_node_id(self) -> str:
@@ -197,8 +202,8 @@ class RecoverySettings:
     )
     slurm_job_ids: list[str] = setting(
         [],
-        "with launcher slurm: JOB=SLURM_JOB_ID pairs (comma-separated); a job not listed whose name is "
-        "numeric (torchrun --rdzv-id=$SLURM_JOB_ID) is that SLURM job",
+        "with launcher slurm: JOB=SLURM_JOB_ID pairs (comma-separated); a job not listed uses the "
+        "SLURM_JOB_ID its ranks reported, else its name when numeric (torchrun --rdzv-id=$SLURM_JOB_ID)",
     )
     scontrol: str = setting("scontrol", "with launcher slurm: the scontrol executable (path or name on PATH)")
     kubernetes_namespace: str = setting(

@@ -3,8 +3,12 @@
 Shared by the coordinator's /metrics (every node) and an agent's own /metrics
 (its node only), so the two expose the same names. Every series carries
 ``node``; GPU series add ``gpu`` (the NVML index), joined to uuid and model
-through ``clusterwatch_gpu_info``. A field the agent left unset produces no
-sample: absent hardware support is absent data, not zero.
+through ``clusterwatch_gpu_info``. On Kubernetes, every series of a GPU that
+is assigned to a container also carries ``pod``, ``namespace`` and
+``container`` (from the kubelet's pod-resources API), as dcgm-exporter's do;
+an unassigned GPU's series carry none of them, which PromQL reads the same as
+empty values. A field the agent left unset produces no sample: absent
+hardware support is absent data, not zero.
 """
 
 from __future__ import annotations
@@ -258,7 +262,7 @@ def _write_gpus(exp: Exposition, node: str, report: node_pb2.NodeReport) -> None
     if not report.gpus:
         return
     gpus = report.gpus
-    gpu_labels = [f'{node},gpu="{g.index}"' for g in gpus]
+    gpu_labels = [_gpu_labels(node, g) for g in gpus]
     info_tail = (
         f',driver_version="{escape(inventory.driver_version)}",simulated="{str(inventory.simulated).lower()}"'
     )
@@ -272,6 +276,16 @@ def _write_gpus(exp: Exposition, node: str, report: node_pb2.NodeReport) -> None
         _write_fields(exp, family, attr, gpus, gpu_labels)
     _write_gpu_links_and_reasons(exp, gpus, gpu_labels)
     _write_gpu_health(exp, gpus, gpu_labels)
+
+
+def _gpu_labels(node: str, gpu: node_pb2.GpuSample) -> str:
+    """``node`` and ``gpu``, plus the container the GPU is assigned to, if any."""
+    if not gpu.pod:
+        return f'{node},gpu="{gpu.index}"'
+    return (
+        f'{node},gpu="{gpu.index}",pod="{escape(gpu.pod)}",namespace="{escape(gpu.namespace)}",'
+        f'container="{escape(gpu.container)}"'
+    )
 
 
 def _write_gpu_links_and_reasons(

@@ -1,8 +1,11 @@
-"""Regenerate the protobuf and gRPC modules in clusterwatch/v1 from proto/.
+"""Regenerate the protobuf and gRPC modules in clusterwatch/v1 and clusterwatch/kubelet from proto/.
 
 Usage:
-    python scripts/gen_protos.py           # rewrite clusterwatch/v1/*_pb2*.py[i]
+    python scripts/gen_protos.py           # rewrite clusterwatch/{v1,kubelet}/*_pb2*.py[i]
     python scripts/gen_protos.py --check   # exit 1 if the committed files are stale
+
+clusterwatch/v1 is our own API; clusterwatch/kubelet holds the subset of the
+kubelet's pod-resources API the agent calls (proto package ``v1`` as upstream).
 
 The generated files are committed and never edited by hand; the test command
 runs --check so a proto change without regeneration fails CI.
@@ -21,13 +24,16 @@ from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
-PACKAGE_DIR = Path("clusterwatch") / "v1"
+# Each folder's protos are generated into the same folder under the repository root.
+PACKAGE_DIRS = (Path("clusterwatch") / "v1", Path("clusterwatch") / "kubelet")
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
 
 
 def generate(out_root: Path) -> list[Path]:
     """Generate every proto under proto/ into out_root; return the files written."""
-    sources = sorted(str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / PACKAGE_DIR).glob("*.proto"))
+    sources = sorted(
+        str(p.relative_to(PROTO_ROOT)) for d in PACKAGE_DIRS for p in (PROTO_ROOT / d).glob("*.proto")
+    )
     include = Path(protoc.__file__).parent / "_proto"
     argv = [
         "protoc",
@@ -43,8 +49,13 @@ def generate(out_root: Path) -> list[Path]:
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     if protoc.main(argv) != 0:
         raise SystemExit("protoc failed")
-    out_dir = out_root / PACKAGE_DIR
-    return sorted(p for p in out_dir.iterdir() if p.name.endswith(GENERATED_SUFFIXES))
+    return generated_files(out_root)
+
+
+def generated_files(root: Path) -> list[Path]:
+    """The generated files under ``root``'s package folders."""
+    folders = [root / d for d in PACKAGE_DIRS if (root / d).is_dir()]
+    return sorted(p for folder in folders for p in folder.iterdir() if p.name.endswith(GENERATED_SUFFIXES))
 
 
 def main() -> int:
@@ -53,17 +64,15 @@ def main() -> int:
     )
     parser.add_argument("--check", action="store_true", help="fail if the committed files differ")
     args = parser.parse_args()
-    committed_dir = ROOT / PACKAGE_DIR
     if not args.check:
-        for old in committed_dir.iterdir():
-            if old.name.endswith(GENERATED_SUFFIXES):
-                old.unlink()
+        for old in generated_files(ROOT):
+            old.unlink()
         for path in generate(ROOT):
             print(f"wrote {path.relative_to(ROOT)}")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        fresh = {p.name: p for p in generate(Path(tmp))}
-        committed = {p.name: p for p in committed_dir.iterdir() if p.name.endswith(GENERATED_SUFFIXES)}
+        fresh = {str(p.relative_to(tmp)): p for p in generate(Path(tmp))}
+        committed = {str(p.relative_to(ROOT)): p for p in generated_files(ROOT)}
         stale = sorted(
             name
             for name in fresh.keys() | committed.keys()

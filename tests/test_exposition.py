@@ -111,3 +111,28 @@ def test_node_report_becomes_the_expected_samples() -> None:
     assert m["clusterwatch_infiniband_port_up"] == [(ib, 1.0)]
     assert m["clusterwatch_infiniband_hw_counter_total"] == [({**ib, "counter": "np_cnp_sent"}, 7.0)]
     assert m["clusterwatch_collector_success"] == [({**n, "collector": "gpu"}, 0.0)]
+
+
+def test_a_gpu_assigned_to_a_pod_carries_pod_labels_on_every_series() -> None:
+    report = sample_report()
+    report.gpus[0].pod, report.gpus[0].namespace, report.gpus[0].container = 'train "0"', "ml", "trainer"
+    report.gpus.add(index=1, uuid="GPU-2", utilization_ratio=0.5)  # not assigned
+    exp = Exposition()
+    write_node(exp, "node-1", report)
+    m = parse(exp.render())
+    pod = {"pod": 'train "0"', "namespace": "ml", "container": "trainer"}
+    per_gpu = [(name, lbl) for name, samples in m.items() for lbl, _ in samples if "gpu" in lbl]
+    assert {name for name, lbl in per_gpu if lbl["gpu"] == "0"} >= {
+        "clusterwatch_gpu_info", "clusterwatch_gpu_utilization_ratio", "clusterwatch_gpu_clocks_event_active",
+        "clusterwatch_gpu_nvlink_transmit_bytes_total", "clusterwatch_gpu_ecc_errors_total",
+        "clusterwatch_gpu_xid_errors_total", "clusterwatch_gpu_processes",
+    }  # fmt: skip
+    for name, lbl in per_gpu:
+        if lbl["gpu"] == "0":
+            assert {k: lbl[k] for k in pod} == pod, name
+        else:  # unassigned: no empty pod labels either, as dcgm-exporter
+            assert not pod.keys() & lbl.keys(), name
+    assert m["clusterwatch_gpu_utilization_ratio"] == [
+        ({"node": "node-1", "gpu": "0", **pod}, 0.75),
+        ({"node": "node-1", "gpu": "1"}, 0.5),
+    ]

@@ -1,0 +1,1 @@
+"""Generated stubs of the kubelet pod-resources API (scripts/gen_protos.py); the kubelet's, not ours."""
