@@ -8,6 +8,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from clusterwatch.errors import ClusterwatchError
+from clusterwatch.job_labels import labels_problem
 from clusterwatch.v1 import training_pb2
 
 
@@ -50,6 +51,8 @@ def check_identity(identity: training_pb2.RankIdentity, field: str) -> None:
             f"{field}.local_rank",
             f"must be below world_size {identity.world_size}, got {identity.local_rank}",
         )
+    if identity.labels and (problem := labels_problem(identity.labels)):
+        raise InvalidHookMessageError(f"{field}.labels", problem)
 
 
 # Every double in training.proto is a duration, a timestamp, a count or a

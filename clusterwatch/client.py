@@ -85,6 +85,27 @@ class ClusterClient:
         request = cluster_pb2.ActionRequest(job=job, action=action, exclude_nodes=exclude_nodes or [])
         return self._stub.RequestAction(request, timeout=self.timeout_s, wait_for_ready=True)
 
+    def begin_job(
+        self, job: str, labels: dict[str, str] | None = None, nodes: list[str] | None = None
+    ) -> cluster_pb2.JobStatus:
+        """Register ``job`` before its ranks report (idempotent; labels and nodes add up).
+
+        Raises:
+            grpc.RpcError: INVALID_ARGUMENT naming the bad field.
+        """
+        request = cluster_pb2.BeginJobRequest(job=job, labels=labels or {}, nodes=nodes or [])
+        return self._stub.BeginJob(request, timeout=self.timeout_s, wait_for_ready=True)
+
+    def end_job(self, job: str, reason: str = "") -> cluster_pb2.EndJobResponse:
+        """Tell the coordinator ``job`` ended on purpose: its incidents resolve, its ranks' exits
+        are not failures, its series go (idempotent).
+
+        Raises:
+            grpc.RpcError: INVALID_ARGUMENT naming the bad field.
+        """
+        request = cluster_pb2.EndJobRequest(job=job, reason=reason)
+        return self._stub.EndJob(request, timeout=self.timeout_s, wait_for_ready=True)
+
     def actions(self, job: str = "", incident_id: str = "", limit: int = 0) -> list[cluster_pb2.ActionRecord]:
         """Recovery decisions and operator requests, with their outcomes, oldest first."""
         request = cluster_pb2.ListActionsRequest(job=job, incident_id=incident_id, limit=limit)

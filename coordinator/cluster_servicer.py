@@ -13,7 +13,8 @@ from clusterwatch import __version__, config
 from clusterwatch.coordinator.actions import Actions
 from clusterwatch.coordinator.core import Coordinator
 from clusterwatch.coordinator.incidents import IncidentState
-from clusterwatch.coordinator.job_views import job_status, training_view
+from clusterwatch.coordinator.job_requests import check_begin, check_end
+from clusterwatch.coordinator.job_views import job_status, job_view, training_view
 from clusterwatch.coordinator.views import node_status, node_views
 from clusterwatch.errors import InvalidRequestError
 from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
@@ -122,3 +123,35 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         self, request: cluster_pb2.ActionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.ActionResponse:
         return await self._actions.request(request, context.time_remaining())
+
+    async def BeginJob(  # noqa: N802
+        self, request: cluster_pb2.BeginJobRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> cluster_pb2.JobStatus:
+        check_begin(request)
+        core = self._core
+        core.begin_job(request.job, request.labels, request.nodes)
+        view = job_view(core.jobs, core.checkpoints, request.job, core.now()[0])
+        assert view is not None  # noqa: S101 - registered just now, on this thread
+        return job_status(view)
+
+    async def EndJob(  # noqa: N802
+        self, request: cluster_pb2.EndJobRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> cluster_pb2.EndJobResponse:
+        check_end(request)
+        ended = self._core.end_job(request.job, request.reason)
+        if ended.known:
+            message = (
+                f"job {request.job} ended: {_count(ended.ranks, 'rank')} dropped, "
+                f"{_count(ended.incidents_resolved, 'incident')} resolved"
+            )
+        else:
+            message = (
+                f"job {request.job} was not known (already ended, or no rank reported and not registered)"
+            )
+        return cluster_pb2.EndJobResponse(
+            known=ended.known, ranks=ended.ranks, incidents_resolved=ended.incidents_resolved, message=message
+        )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"

@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
 
 from clusterwatch.config import DetectionSettings
 from clusterwatch.coordinator.checkpoints import CheckpointTracker, CompletedCheckpoint
 from clusterwatch.coordinator.event_log import EventLog
-from clusterwatch.coordinator.jobs import JobStore, Rejection
+from clusterwatch.coordinator.jobs import JobRecord, JobStore, Rejection
 from clusterwatch.coordinator.rank_reports import RejectReason
 from clusterwatch.coordinator.sessions import ACK_INTERVAL_S, AgentSession
 from clusterwatch.coordinator.state import ClusterState, Event, EventKind
@@ -28,6 +29,20 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_RETENTION_S = 30 * 86400.0
 # How often finished and silent jobs are looked for (JobStore.expire).
 JOB_EXPIRY_PERIOD_S = 5.0
+
+
+class JobEnd(NamedTuple):
+    """What ending a job did (EndJob).
+
+    Attributes:
+        known: the coordinator knew the job (registered, or ranks reported).
+        ranks: the ranks it had.
+        incidents_resolved: its incidents resolved because it ended.
+    """
+
+    known: bool
+    ranks: int
+    incidents_resolved: int
 
 
 class Coordinator:
@@ -66,6 +81,8 @@ class Coordinator:
         )
         # (node, reason) pairs already logged at warning level: one line each, then debug.
         self._rejections_logged: set[tuple[str, str]] = set()
+        # Called with a job's name once it ended on purpose (end_job): other keepers of per-job state.
+        self.job_ended_listeners: list[Callable[[str], None]] = []
         for node in event_log.nodes():
             self.state.restore(node.node_id, node.hostname, node.interval_s, clock())
         self._record(
@@ -140,8 +157,9 @@ class Coordinator:
             logger.exception("could not persist checkpoint %s step %d", checkpoint.job, checkpoint.step)
 
     def _log_rejection(self, rejection: Rejection) -> None:
-        if rejection.reason == RejectReason.STALE_INSTANCE:
-            # Normal while torchrun restarts a worker group (the old process's exit arrives late).
+        if rejection.reason in (RejectReason.STALE_INSTANCE, RejectReason.JOB_ENDED):
+            # Normal while torchrun restarts a worker group (the old process's exit arrives
+            # late), and while an ended job's processes exit.
             logger.debug("ignored a rank report from node %s: %s", rejection.node_id, rejection.detail)
             return
         key = (rejection.node_id, rejection.reason.value)
@@ -182,6 +200,43 @@ class Coordinator:
                 self.expire_jobs()
                 next_expiry = now_mono + JOB_EXPIRY_PERIOD_S
             await asyncio.sleep(period_s)
+
+    def begin_job(self, job: str, labels: Mapping[str, str], nodes: Iterable[str]) -> JobRecord:
+        """Register a job before its ranks report (BeginJob, a SLURM Prolog); see JobStore.register.
+
+        Every node's Prolog may call it: only the first call is an event.
+        """
+        known = job in self.jobs.jobs
+        record = self.jobs.register(job, dict(labels), nodes, self._clock())
+        if not known:
+            where = f" on {len(record.registered_nodes)} nodes" if record.registered_nodes else ""
+            self._record([Event(EventKind.JOB_REGISTERED, "", self._wall(), f"job {job}{where}")])
+        return record
+
+    def end_job(self, job: str, reason: str) -> JobEnd:
+        """The job ended on purpose (EndJob, a SLURM Epilog): drop it, resolve its incidents.
+
+        Its processes' later reports are refused (JobStore.end), so their exits
+        at teardown are neither failures nor a hang. Its newest complete
+        checkpoint stays, for a requeued job to resume from. Ending a job
+        already ended, or never seen, changes nothing but the refusals.
+        """
+        record = self.jobs.end(job, self._clock())
+        self.checkpoints.forget(job)
+        resolved = self.watchdog.end_job(
+            job, f"resolved: job ended ({reason})" if reason else "resolved: job ended"
+        )
+        for listener in self.job_ended_listeners:
+            try:
+                listener(job)
+            except Exception:  # the job has ended all the same
+                logger.exception("could not tell %r that job %s ended", listener, job)
+        if record is None and not resolved:
+            return JobEnd(known=False, ranks=0, incidents_resolved=0)
+        ranks = len(record.ranks) if record is not None else 0
+        detail = f"job {job} ended ({reason or 'no reason given'}): {ranks} ranks, {len(resolved)} incidents resolved"
+        self._record([Event(EventKind.JOB_ENDED, "", self._wall(), detail)])
+        return JobEnd(known=True, ranks=ranks, incidents_resolved=len(resolved))
 
     def expire_jobs(self) -> list[str]:
         """Drop finished and long-silent jobs (see JobStore); return their names."""

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from clusterwatch.coordinator.checkpoints import CheckpointTracker, LatestCheckpoint
-from clusterwatch.coordinator.jobs import CollectiveTotals, JobStore, RankRecord
+from clusterwatch.coordinator.jobs import EXITED, CollectiveTotals, JobRecord, JobStore, RankRecord
 from clusterwatch.coordinator.rank_reports import LastStep
 from clusterwatch.v1 import cluster_pb2, training_pb2
 
@@ -46,6 +46,9 @@ class JobView:
         checkpoint_results_total: per-rank results received per outcome ("ok", "failed").
         checkpoints_total: checkpoints (steps) per outcome ("complete", "failed",
             "incomplete"; see coordinator/checkpoints.py); outcomes not seen yet are absent.
+        labels: registration's and the ranks' (JobRecord.labels).
+        nodes: registered nodes and nodes hosting its ranks, sorted.
+        phase: starting (no rank yet), running, finished (every rank exited).
     """
 
     job: str
@@ -56,6 +59,9 @@ class JobView:
     collectives: Mapping[str, CollectiveTotals]
     checkpoint_results_total: Mapping[str, int]
     checkpoints_total: Mapping[str, int]
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    nodes: tuple[str, ...] = ()
+    phase: cluster_pb2.JobPhase.ValueType = cluster_pb2.JobPhase.JOB_PHASE_RUNNING
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,22 +76,63 @@ def training_view(store: JobStore, checkpoints: CheckpointTracker, now_mono: flo
     """Views of every job, sorted by name (ranks by rank). Call on the event loop."""
     results = _per_job(checkpoints.results_total)
     outcomes = _per_job(checkpoints.checkpoints_total)
-    jobs = []
-    for name in sorted(store.jobs):
-        job = store.jobs[name]
-        jobs.append(
-            JobView(
-                job=name,
-                world_size=job.world_size,
-                step_rate=store.job_step_rate(job, now_mono),
-                latest_checkpoint=checkpoints.latest.get(name),
-                ranks=tuple(_rank_view(r) for _, r in sorted(job.ranks.items())),
-                collectives={op: totals.copy() for op, totals in job.collectives.items()},
-                checkpoint_results_total=results.get(name, {}),
-                checkpoints_total=outcomes.get(name, {}),
-            )
+    jobs = tuple(
+        _job_view(
+            store,
+            store.jobs[name],
+            checkpoints,
+            results=results.get(name, {}),
+            outcomes=outcomes.get(name, {}),
+            now_mono=now_mono,
         )
-    return TrainingView(tuple(jobs), dict(store.rejected_total))
+        for name in sorted(store.jobs)
+    )
+    return TrainingView(jobs, dict(store.rejected_total))
+
+
+def job_view(store: JobStore, checkpoints: CheckpointTracker, name: str, now_mono: float) -> JobView | None:
+    """The view of one job; None when the store has no such job. Call on the event loop."""
+    job = store.jobs.get(name)
+    if job is None:
+        return None
+    results = {label: n for (job_name, label), n in checkpoints.results_total.items() if job_name == name}
+    outcomes = {
+        label: n for (job_name, label), n in checkpoints.checkpoints_total.items() if job_name == name
+    }
+    return _job_view(store, job, checkpoints, results=results, outcomes=outcomes, now_mono=now_mono)
+
+
+def _job_view(
+    store: JobStore,
+    job: JobRecord,
+    checkpoints: CheckpointTracker,
+    *,
+    results: Mapping[str, int],
+    outcomes: Mapping[str, int],
+    now_mono: float,
+) -> JobView:
+    ranks = tuple(_rank_view(r) for _, r in sorted(job.ranks.items()))
+    return JobView(
+        job=job.job,
+        world_size=job.world_size,
+        step_rate=store.job_step_rate(job, now_mono),
+        latest_checkpoint=checkpoints.latest.get(job.job),
+        ranks=ranks,
+        collectives={op: totals.copy() for op, totals in job.collectives.items()},
+        checkpoint_results_total=results,
+        checkpoints_total=outcomes,
+        labels=job.labels,
+        nodes=tuple(sorted({*job.registered_nodes, *(r.node_id for r in ranks)})),
+        phase=_phase(job),
+    )
+
+
+def _phase(job: JobRecord) -> cluster_pb2.JobPhase.ValueType:
+    if not job.ranks:
+        return cluster_pb2.JobPhase.JOB_PHASE_STARTING
+    if all(r.state == EXITED for r in job.ranks.values()):
+        return cluster_pb2.JobPhase.JOB_PHASE_FINISHED
+    return cluster_pb2.JobPhase.JOB_PHASE_RUNNING
 
 
 def _per_job(counts: Mapping[tuple[str, str], int]) -> dict[str, dict[str, int]]:
@@ -113,7 +160,9 @@ def _rank_view(r: RankRecord) -> RankView:
 
 def job_status(view: JobView) -> cluster_pb2.JobStatus:
     """The API's JobStatus for one job."""
-    status = cluster_pb2.JobStatus(job=view.job, world_size=view.world_size)
+    status = cluster_pb2.JobStatus(
+        job=view.job, world_size=view.world_size, labels=view.labels, phase=view.phase, nodes=view.nodes
+    )
     if view.step_rate is not None:
         status.step_rate = view.step_rate
     if view.latest_checkpoint is not None:

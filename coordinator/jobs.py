@@ -30,6 +30,14 @@ Memory is bounded: a job whose ranks all exited is dropped
 ``finished_job_ttl_s`` after its last report, and any job silent for
 ``silent_job_ttl_s`` is dropped too (its nodes went away without reporting
 an exit).
+
+A job may be registered before its ranks report (``register``, a SLURM
+Prolog) and ended on purpose (``end``, a SLURM Epilog): an ended job is
+dropped at once, and for ``finished_job_ttl_s`` the reports of its
+processes (their exits at teardown) and of any exited process under its
+name are refused (``job_ended``) instead of bringing it back as a failed
+job. A new live process under its name, or registering it again (a SLURM
+requeue), starts it afresh.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from clusterwatch.coordinator.rank_reports import (
     parse_rank_report,
 )
 from clusterwatch.coordinator.step_ring import StepRing
+from clusterwatch.job_labels import labels_problem
 from clusterwatch.v1 import training_pb2
 
 RankState = training_pb2.RankState
@@ -156,10 +165,14 @@ class JobRecord:
     Attributes:
         world_size / restart_count / min_nodes / max_nodes: from the newest
             accepted rank identity (the node range is torchrun's --nnodes, 0
-            when unknown).
+            when unknown); world_size is 0 while a registered job has no rank.
         collectives: per op, cumulative over every rank and instance (only
             grows, so it exports as Prometheus counters and a histogram);
             updated in place.
+        registered_labels / registered_nodes: what registration said
+            (JobStore.register); replaced, never mutated.
+        reported_labels: the labels of the newest accepted rank identity;
+            replaced, never mutated.
     """
 
     job: str
@@ -170,6 +183,16 @@ class JobRecord:
     ranks: dict[int, RankRecord] = dataclasses.field(default_factory=dict)
     collectives: dict[str, CollectiveTotals] = dataclasses.field(default_factory=dict)
     last_report_mono_s: float = 0.0
+    registered_labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    registered_nodes: tuple[str, ...] = ()
+    reported_labels: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """Registration's labels, overridden by the ranks' (they read the job's own environment)."""
+        if not self.registered_labels:
+            return self.reported_labels
+        return {**self.registered_labels, **self.reported_labels}
 
     def running_ranks(self) -> list[RankRecord]:
         return [r for r in self.ranks.values() if r.state == RUNNING]
@@ -181,6 +204,18 @@ class JobRecord:
     def hosting_nodes(self) -> list[str]:
         """Nodes with a running rank of this job, sorted."""
         return sorted({r.node_id for r in self.ranks.values() if r.state == RUNNING})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EndedJob:
+    """A job ended on purpose, remembered so that its teardown is not news.
+
+    Attributes:
+        instance_ids: the processes it had when it ended.
+    """
+
+    ended_mono_s: float
+    instance_ids: frozenset[str]
 
 
 class Rejection(NamedTuple):
@@ -242,6 +277,8 @@ class JobStore:
         self.silent_job_ttl_s = silent_job_ttl_s
         self.max_ops_per_job = max_ops_per_job
         self.jobs: dict[str, JobRecord] = {}
+        # Jobs ended on purpose within finished_job_ttl_s (see the module docstring).
+        self.ended: dict[str, EndedJob] = {}
         # (node_id, reason) -> rank reports rejected, since start.
         self.rejected_total: dict[tuple[str, str], int] = {}
 
@@ -255,8 +292,9 @@ class JobStore:
                 parsed = parse_rank_report(report, self.recent_steps)
                 record, job = self._record_for(node_id, report, now_mono)
             except RankReportError as exc:
-                key = (node_id, exc.reason.value)
-                self.rejected_total[key] = self.rejected_total.get(key, 0) + 1
+                if exc.reason != RejectReason.JOB_ENDED:  # an ended job's teardown is no bad data
+                    key = (node_id, exc.reason.value)
+                    self.rejected_total[key] = self.rejected_total.get(key, 0) + 1
                 outcome.rejections.append(Rejection(node_id, exc.reason, str(exc)))
                 continue
             self._apply(job, record, report, parsed, node_id=node_id, now_mono=now_mono, now_unix=now_unix)
@@ -295,17 +333,54 @@ class JobStore:
             return None
         return min(rate for rate in rates if rate is not None)
 
+    def register(self, job: str, labels: dict[str, str], nodes: Iterable[str], now_mono: float) -> JobRecord:
+        """Record a job before (or while) its ranks report; labels and nodes add to earlier ones.
+
+        Registering an ended job starts it afresh (SLURM runs the Prolog again
+        when it requeues a job, under the same job id).
+        """
+        self.ended.pop(job, None)
+        record = self.jobs.get(job)
+        if record is None:
+            record = self.jobs[job] = JobRecord(job, world_size=0, last_report_mono_s=now_mono)
+        if labels:
+            record.registered_labels = {**record.registered_labels, **labels}
+        record.registered_nodes = tuple(sorted({*record.registered_nodes, *nodes}))
+        return record
+
+    def end(self, job: str, now_mono: float) -> JobRecord | None:
+        """Drop a job that ended on purpose and refuse its teardown's reports; the record, if known."""
+        record = self.jobs.pop(job, None)
+        instances = (
+            frozenset(r.identity.instance_id for r in record.ranks.values()) if record else frozenset()
+        )
+        previous = self.ended.get(job)
+        if previous is not None:  # ended twice (every node's Epilog): keep refusing the first one's processes
+            instances |= previous.instance_ids
+        self.ended[job] = EndedJob(now_mono, instances)
+        return record
+
     def expire(self, now_mono: float) -> list[str]:
-        """Drop finished and long-silent jobs; return their names."""
+        """Drop finished and long-silent jobs; return their names.
+
+        A registered job with no rank yet is dropped only once silent (it may
+        take a while to start).
+        """
         dropped = []
         for name, job in self.jobs.items():
             silent_s = now_mono - job.last_report_mono_s
             if silent_s >= self.silent_job_ttl_s or (
-                silent_s >= self.finished_job_ttl_s and all(r.state == EXITED for r in job.ranks.values())
+                silent_s >= self.finished_job_ttl_s
+                and job.ranks
+                and all(r.state == EXITED for r in job.ranks.values())
             ):
                 dropped.append(name)
         for name in dropped:
             del self.jobs[name]
+        for name in [
+            n for n, e in self.ended.items() if now_mono - e.ended_mono_s >= self.finished_job_ttl_s
+        ]:
+            del self.ended[name]
         return dropped
 
     def _record_for(
@@ -314,9 +389,12 @@ class JobStore:
         """The record this report updates, creating or replacing it for a new instance.
 
         Raises:
-            RankReportError: the report comes from a superseded instance.
+            RankReportError: the report comes from a superseded instance or a
+                job that ended, or carries bad labels.
         """
         identity = report.identity
+        if self.ended:
+            self._check_not_ended(report)
         job = self.jobs.get(identity.job)
         if job is None:
             job = self.jobs[identity.job] = JobRecord(
@@ -324,7 +402,12 @@ class JobStore:
             )
         current = job.ranks.get(identity.rank)
         if current is not None and current.identity.instance_id == identity.instance_id:
+            if current.identity != identity:  # backend or GPU learned after the hello
+                _check_labels(identity)
+                current.identity = _copy_identity(identity)
+                job.reported_labels = dict(identity.labels)
             return current, job
+        _check_labels(identity)
         if (
             not self._supersedes(report, current, now_mono)
             if current is not None
@@ -341,10 +424,29 @@ class JobStore:
             # A restart or relaunch with another world size: ranks beyond it are gone.
             job.world_size = identity.world_size
             job.ranks = {rank: r for rank, r in job.ranks.items() if rank < job.world_size}
+        job.reported_labels = dict(identity.labels)
         record = job.ranks[identity.rank] = RankRecord(
             _copy_identity(identity), node_id, StepRing(self.recent_steps)
         )
         return record, job
+
+    def _check_not_ended(self, report: training_pb2.RankReport) -> None:
+        """Refuse the report of an ended job's process or of an exited one; a new live one revives it.
+
+        Raises:
+            RankReportError: the job ended and this is its teardown.
+        """
+        identity = report.identity
+        ended = self.ended.get(identity.job)
+        if ended is None:
+            return
+        if identity.instance_id in ended.instance_ids or report.state == EXITED:
+            raise RankReportError(
+                RejectReason.JOB_ENDED,
+                f"job {identity.job!r} rank {identity.rank}: the job was ended (EndJob); "
+                f"instance {identity.instance_id} is its teardown",
+            )
+        del self.ended[identity.job]  # a new process under its name: the job runs again
 
     def _supersedes(self, report: training_pb2.RankReport, current: RankRecord, now_mono: float) -> bool:
         """Whether a new instance replaces the rank's current one (the table in the module docstring)."""
@@ -380,8 +482,6 @@ class JobStore:
         job.last_report_mono_s = record.last_report_mono_s = now_mono
         record.node_id = node_id
         record.state = report.state
-        if record.identity != report.identity:  # backend or GPU learned after the hello
-            record.identity = _copy_identity(report.identity)
         if report.HasField("heartbeat"):
             previous = record.heartbeat
             if previous is None or report.heartbeat.timestamp_unix_seconds > previous.timestamp_unix_seconds:
@@ -434,6 +534,14 @@ class JobStore:
             if busbw is not None:
                 bandwidth[op] = busbw
         record.bus_bandwidth_bytes_per_s = bandwidth
+
+
+def _check_labels(identity: training_pb2.RankIdentity) -> None:
+    """Raises RankReportError when the identity's labels break clusterwatch/job_labels.py's rules."""
+    if identity.labels and (problem := labels_problem(identity.labels)):
+        raise RankReportError(
+            RejectReason.BAD_LABELS, f"job {identity.job!r} rank {identity.rank}: labels: {problem}"
+        )
 
 
 def _copy_identity(identity: training_pb2.RankIdentity) -> training_pb2.RankIdentity:

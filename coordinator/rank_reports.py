@@ -55,6 +55,11 @@ class RejectReason(enum.StrEnum):
     BAD_HISTOGRAM = "bad_histogram"
     # A valid report from an instance of the rank that a newer one replaced.
     STALE_INSTANCE = "stale_instance"
+    # Labels that break clusterwatch/job_labels.py's rules.
+    BAD_LABELS = "bad_labels"
+    # A valid report of a job that was ended on purpose (EndJob), from one of
+    # its processes: its teardown, not news.
+    JOB_ENDED = "job_ended"
 
 
 class RankReportError(InvalidReportError):

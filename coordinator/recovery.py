@@ -118,6 +118,15 @@ class RecoveryCounts:
     unproductive_s: dict[str, float] = dataclasses.field(default_factory=dict)
     first_seen_unix_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
+    def forget(self, job: str) -> None:
+        """Drop every count of ``job`` (it ended on purpose: its series go)."""
+        for counter in (self.restarts, self.actions):
+            for key in [k for k in counter if k[0] == job]:
+                del counter[key]
+        for per_job in (self.steps_lost, self.rate_limited, self.last_recovery_s, self.unproductive_s,
+                        self.first_seen_unix_s):  # fmt: skip
+            per_job.pop(job, None)
+
     def effective_training_time_ratio(self, job: str, now_unix_s: float) -> float | None:
         """Productive time / wall time since the job was first seen (the ETTR); None before any time passed."""
         first_seen = self.first_seen_unix_s.get(job)
@@ -190,6 +199,15 @@ class Recovery:
             if decision is not None:
                 self._actions.start(self._carry_out(decision, incident), f"action on {incident.id}")
         self._track(now)
+
+    def forget_job(self, job: str) -> None:
+        """A job ended on purpose (EndJob): stop tracking its restart and drop its counts.
+
+        The policy keeps its restart budget: a job SLURM requeues under the same
+        name is still rate-limited.
+        """
+        self._restarted.pop(job, None)
+        self.counts.forget(job)
 
     async def restart(
         self, job: str, reason: str, exclude_nodes: Sequence[str] = ()

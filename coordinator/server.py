@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from clusterwatch import sd_notify
 from clusterwatch.config import CoordinatorSettings, DetectionSettings, RecoverySettings
 from clusterwatch.coordinator.actions import Actions
 from clusterwatch.coordinator.agent_servicer import AgentServicer
@@ -26,7 +27,13 @@ from clusterwatch.coordinator.errors_interceptor import ErrorMappingInterceptor
 from clusterwatch.coordinator.event_log import EventLog
 from clusterwatch.coordinator.incident_metrics import IncidentView, incident_view
 from clusterwatch.coordinator.job_views import TrainingView, training_view
-from clusterwatch.coordinator.launchers import Launcher, SendStop, make_launcher, parse_slurm_job_ids
+from clusterwatch.coordinator.launchers import (
+    JobLabels,
+    Launcher,
+    SendStop,
+    make_launcher,
+    parse_slurm_job_ids,
+)
 from clusterwatch.coordinator.metrics import render
 from clusterwatch.coordinator.recovery import Recovery
 from clusterwatch.coordinator.recovery_metrics import RecoveryView, recovery_view
@@ -51,8 +58,12 @@ LAUNCHER_FIELDS = (
 )
 
 
-def launcher_from(settings: RecoverySettings, send_stop: SendStop) -> Launcher:
+def launcher_from(
+    settings: RecoverySettings, send_stop: SendStop, job_labels: JobLabels | None = None
+) -> Launcher:
     """The launcher adapter ``settings`` choose, with their options for it.
+
+    ``job_labels`` lets the SLURM adapter use the SLURM job id a job's ranks reported.
 
     Raises:
         ConfigError: a bad option of the chosen launcher, naming its key.
@@ -62,6 +73,7 @@ def launcher_from(settings: RecoverySettings, send_stop: SendStop) -> Launcher:
         send_stop,
         stop_grace_s=settings.restart_grace_s,
         slurm_job_ids=parse_slurm_job_ids(settings.slurm_job_ids) if settings.launcher == "slurm" else None,
+        job_labels=job_labels,
         scontrol=settings.scontrol,
         kubernetes_namespace=settings.kubernetes_namespace,
         kubernetes_pod_selector=settings.kubernetes_pod_selector,
@@ -89,7 +101,8 @@ class CoordinatorServer:
     ) -> None:
         self.settings = settings
         recovery = recovery or RecoverySettings()
-        launcher = launcher_from(recovery, self._send_stop)  # before anything is opened: it may raise
+        # Before anything is opened: it may raise. (self.core exists by the time a job's labels are asked for.)
+        launcher = launcher_from(recovery, self._send_stop, self._job_labels)
         self.core = Coordinator(
             EventLog(settings.state_dir), settings.unreachable_after_intervals, detection=detection
         )
@@ -105,6 +118,7 @@ class CoordinatorServer:
             wall_clock=time.time,
         )
         self.actions.recovery = self.recovery
+        self.core.job_ended_listeners.append(self.recovery.forget_job)
         self.grpc_port = 0
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -136,6 +150,11 @@ class CoordinatorServer:
             )
             settings = dataclasses.replace(settings, **{name: getattr(current, name) for name in changed})
         self.recovery.apply_settings(settings)
+
+    def _job_labels(self, job: str) -> dict[str, str]:
+        """A job's labels, for the SLURM launcher (on the event loop, like every launcher call)."""
+        record = self.core.jobs.jobs.get(job)
+        return record.labels if record is not None else {}
 
     async def _send_stop(
         self, node_id: str, stop: agent_pb2.StopWorkersCommand, timeout_s: float
@@ -211,11 +230,26 @@ class CoordinatorServer:
         tmp.replace(path)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Serve until ``stop`` is set, then shut down gracefully."""
+        """Serve until ``stop`` is set, then shut down gracefully.
+
+        Under systemd (Type=notify) it says READY=1 once gRPC and /metrics
+        serve, pings the watchdog from this loop, and says STOPPING=1 on the way out.
+        """
         await self.start()
-        await stop.wait()
-        logger.info("coordinator shutting down")
-        await self.stop()
+        watchdog = sd_notify.start_watchdog()
+        sd_notify.notify(
+            sd_notify.READY,
+            sd_notify.status(
+                f"serving gRPC on port {self.grpc_port}, /metrics on {self.metrics_port or '(off)'}"
+            ),
+        )
+        try:
+            await stop.wait()
+            logger.info("coordinator shutting down")
+            sd_notify.notify(sd_notify.STOPPING, sd_notify.status("stopping"))
+            await self.stop()
+        finally:
+            await sd_notify.stop_watchdog(watchdog)
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -34,6 +34,9 @@ class EventKind(enum.StrEnum):
     NODE_UNREACHABLE = "node_unreachable"
     NODE_BACK = "node_back"
     COORDINATOR_STARTED = "coordinator_started"
+    # BeginJob / EndJob (a SLURM Prolog / Epilog); node_id is empty.
+    JOB_REGISTERED = "job_registered"
+    JOB_ENDED = "job_ended"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,12 @@ from clusterwatch.v1 import training_pb2
 
 RankState = training_pb2.RankState
 
+JOB_INFO = gauge(
+    "clusterwatch_job_info",
+    "A training job and its labels (under SLURM: slurm_job_id, slurm_job_name, slurm_array_job_id, "
+    "slurm_array_task_id, slurm_nodelist, slurm_partition, slurm_account, slurm_user); value 1. Join on job "
+    "to put SLURM's names on any training series.",
+)
 RANK_INFO = gauge(
     "clusterwatch_rank_info",
     "A training rank's placement and process; value 1. Join on job and rank; a changed pid or node means "
@@ -136,7 +142,7 @@ RANK_REPORTS_REJECTED = counter(
 )
 
 TRAINING_FAMILIES: tuple[Family, ...] = (
-    JOB_WORLD_SIZE, JOB_RANKS, JOB_STEP_RATE, LAST_COMPLETE_CHECKPOINT_STEP, JOB_CHECKPOINT_TIME,
+    JOB_INFO, JOB_WORLD_SIZE, JOB_RANKS, JOB_STEP_RATE, LAST_COMPLETE_CHECKPOINT_STEP, JOB_CHECKPOINT_TIME,
     CHECKPOINT_DURATION, CHECKPOINTS, CHECKPOINT_RESULTS,
     COLLECTIVES, COLLECTIVE_BYTES, COLLECTIVE_DURATION, RANK_INFO, RANK_STEP, RANK_STEP_DURATION, RANK_COMPUTE,
     RANK_COMMUNICATION, RANK_LAST_PROGRESS, RANK_HEARTBEAT, RANK_IN_COLLECTIVE, RANK_HOOK_ERRORS,
@@ -163,6 +169,9 @@ def write_training(exp: Exposition, view: TrainingView) -> None:
 
 def _write_job(exp: Exposition, job: JobView) -> None:
     j = f'job="{escape(job.job)}"'
+    # Keys are label names other than "job" (the coordinator checked them: clusterwatch/job_labels.py).
+    info = "".join(f',{key}="{escape(value)}"' for key, value in sorted(job.labels.items()))
+    exp.add(JOB_INFO, j + info, 1)
     exp.add(JOB_WORLD_SIZE, j, job.world_size)
     states = Counter(r.state for r in job.ranks)
     for state, name in _STATES:

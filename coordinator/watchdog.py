@@ -34,6 +34,9 @@ DETECTION_PERIOD_S = 0.5
 # resolved for "not seen" until the agents had time to report again.
 RESTART_GRACE_S = 15.0
 MAX_LIVE_LOADED = 100_000
+# Incidents about a job's training, which end with the job. Node incidents that
+# name a job (an XID under it) stay: the node's trouble outlives the job.
+JOB_KINDS = frozenset({Kind.STRAGGLER, Kind.JOB_SLOWDOWN, Kind.HANG, Kind.RANK_FAILURE})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +155,31 @@ class Watchdog:
 
     def forget(self, job: str) -> None:
         self.detection.forget(job)
+
+    def end_job(self, job: str, note: str) -> list[Incident]:
+        """Resolve the live incidents of a job that ended on purpose, saying ``note``; forget its
+        detectors' state and its counters (their series go with the job: under SLURM every job is a
+        new name, and counters kept for each would grow without end).
+
+        Returns:
+            The incidents resolved (JOB_KINDS only).
+        """
+        resolved = []
+        for incident in self.book.live():
+            if incident.job != job or incident.kind not in JOB_KINDS:
+                continue
+            incident.recovery_note = note
+            change = self.book.move(incident.id, IncidentState.RESOLVED, self._wall())
+            self._log(change, by_request=True)
+            resolved.append(change.incident)
+        if resolved:
+            self._persist(resolved)
+        self.forget(job)
+        for key in [k for k in self._stragglers if k[0] == job]:
+            del self._stragglers[key]
+        self._hangs.pop(job, None)
+        self._rank_failures.pop(job, None)
+        return resolved
 
     async def run(
         self, jobs: Callable[[], Mapping[str, JobRecord]], nodes: dict[str, NodeRecord],

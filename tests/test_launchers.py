@@ -159,6 +159,28 @@ async def test_slurm_exclusion_of_a_job_without_one(bin_dir: Path) -> None:
     assert outcome.ok, outcome.detail
 
 
+async def test_slurm_uses_the_job_id_the_ranks_reported_unless_mapped(bin_dir: Path) -> None:
+    scontrol = write_standin(bin_dir, "scontrol")
+    reported = {
+        "llama": {"slurm_job_id": "4300"},
+        "4242_7": {"slurm_job_id": "4301"},
+        "odd": {"slurm_job_id": "x"},
+    }
+    launcher = SlurmLauncher(job_ids={"mapped": "777"}, job_labels=lambda job: reported.get(job, {}))
+    assert (await launcher.restart("llama", ["gpu01"], [], "hang")).ok
+    # The ranks' id wins over a job name that is one (an array task: its own job id)...
+    assert (await launcher.restart("4242_7", ["gpu01"], [], "hang")).ok
+    # ...and the static mapping wins over both.
+    reported["mapped"] = {"slurm_job_id": "4300"}
+    assert (await launcher.restart("mapped", ["gpu01"], [], "hang")).ok
+    assert calls(scontrol) == [["requeue", "4300"], ["requeue", "4301"], ["requeue", "777"]]
+    odd = await launcher.restart("odd", ["gpu01"], [], "hang")  # not an id: ignored, like no label
+    assert odd.detail == (
+        "job 'odd' has no SLURM job id: not in recovery.slurm_job_ids, none reported by its ranks and not numeric"
+    )
+    assert len(calls(scontrol)) == 3
+
+
 def test_exc_node_list_parsing_and_merging() -> None:
     assert current_exc_node_list(SHOW_JOB.format(exc="(null)")) == ""
     assert current_exc_node_list(SHOW_JOB.format(exc="n[1-3,5],gpu7")) == "n[1-3,5],gpu7"

@@ -13,6 +13,7 @@ from clusterwatch.cli import (
     coordinator_cmd,
     demo,
     incidents,
+    job_cmd,
     restart_cmd,
     simulate,
     status,
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         incidents,
         checkpoint_cmd,
         restart_cmd,
+        job_cmd,
         demo,
         simulate,
     ):

@@ -100,9 +100,19 @@ def format_jobs(jobs: list[cluster_pb2.JobStatus]) -> str:
 
     Times are the rank's newest finished step: TIME in all, COMP outside
     collectives, COMM blocked in them. BUSBW is the all-reduce bus bandwidth.
+    A job registered (``clusterwatch job begin``) whose ranks have not
+    reported yet is one line: starting, on which nodes. The job's labels
+    (SLURM's job id, name, partition...) are one line under its header.
     """
     blocks = []
     for job in jobs:
+        pairs = " ".join(f"{key}={value}" for key, value in sorted(job.labels.items()))
+        labels = f"\n  {pairs}" if pairs else ""
+        if job.phase == cluster_pb2.JobPhase.JOB_PHASE_STARTING:
+            count = f"{len(job.nodes)} node{'s' if len(job.nodes) != 1 else ''}"
+            nodes = f" on {count} ({', '.join(job.nodes)})" if job.nodes else ""
+            blocks.append(f"JOB {job.job}  starting{nodes}: no rank has reported yet{labels}")
+            continue
         rate = f"{job.step_rate:.2f} steps/s" if job.HasField("step_rate") else "rate unknown"
         checkpoint = (
             f"checkpoint step {job.latest_complete_checkpoint_step}"
@@ -122,7 +132,9 @@ def format_jobs(jobs: list[cluster_pb2.JobStatus]) -> str:
                 bandwidth(all_reduce_bus_bandwidth(rank)),
                 rank_state(rank),
             ))  # fmt: skip
-        blocks.append(f"JOB {job.job}  world size {job.world_size}  {rate}  {checkpoint}\n{_align(lines)}")
+        blocks.append(
+            f"JOB {job.job}  world size {job.world_size}  {rate}  {checkpoint}{labels}\n{_align(lines)}"
+        )
     return "\n\n".join(blocks)
 
 

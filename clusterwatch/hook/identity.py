@@ -1,4 +1,4 @@
-"""Who this training process is: from torchrun's environment, then torch itself."""
+"""Who this training process is: from torchrun's (or SLURM's) environment, then torch itself."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from clusterwatch import __version__
+from clusterwatch.slurm_env import slurm_job_name, slurm_labels, slurm_task
 from clusterwatch.v1 import training_pb2
 
 DEFAULT_SOCKET = "/run/clusterwatch/agent.sock"
@@ -25,14 +26,28 @@ def _int_env(environ: Mapping[str, str], name: str, default: int) -> int:
 
 
 def job_name(explicit: str | None, environ: Mapping[str, str]) -> str:
-    """The job's name: explicit, else CLUSTERWATCH_JOB, else torchrun's run id, else "default".
+    """The job's name: explicit, else CLUSTERWATCH_JOB, else the SLURM job, else torchrun's run id,
+    else "default".
 
-    torchrun's ``TORCHELASTIC_RUN_ID`` is "none" when no ``--rdzv-id`` was given.
+    The SLURM job is ``SLURM_JOB_ID``, or ``<array job id>_<task id>`` for a
+    task of a job array (see clusterwatch/slurm_env.py). It comes before
+    torchrun's run id because it is the name everything else in a SLURM
+    cluster uses for the job: squeue and sacct, the Prolog/Epilog scripts that
+    register and end it (clusterwatch job begin|end --slurm), and ``scontrol
+    requeue`` when clusterwatch restarts it. It also survives a requeue, so
+    the requeued job resumes from its checkpoints; a ``--rdzv-id`` is often
+    ``$SLURM_JOB_ID`` anyway, or a ``$RANDOM`` that changes on every start.
+    Several trainings in one allocation set CLUSTERWATCH_JOB to tell them
+    apart. torchrun's ``TORCHELASTIC_RUN_ID`` is "none" when no
+    ``--rdzv-id`` was given.
     """
     if explicit:
         return explicit
     if environ.get(JOB_ENV):
         return environ[JOB_ENV]
+    slurm_job = slurm_job_name(environ)
+    if slurm_job:
+        return slurm_job
     run_id = environ.get("TORCHELASTIC_RUN_ID", "")
     return run_id if run_id and run_id != "none" else "default"
 
@@ -89,20 +104,31 @@ class RankInfo:
     gpu_uuid: str = ""
     min_nodes: int = 0
     max_nodes: int = 0
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_environ(
         cls, job: str | None, environ: Mapping[str, str], launcher_argv: Sequence[str] = ()
     ) -> RankInfo:
+        """The identity the environment gives.
+
+        Rank, local rank and world size come from torchrun's ``RANK``,
+        ``LOCAL_RANK`` and ``WORLD_SIZE``, each; a process ``srun`` started
+        without torchrun has none of them and takes ``SLURM_PROCID``,
+        ``SLURM_LOCALID`` and its step's task count instead. Labels are the
+        SLURM job's (id, name, array, nodes, partition, account, user).
+        """
         min_nodes, max_nodes = launcher_nnodes(environ, launcher_argv)
+        task = slurm_task(environ)
         return cls(
             job=job_name(job, environ),
-            rank=_int_env(environ, "RANK", 0),
-            local_rank=_int_env(environ, "LOCAL_RANK", 0),
-            world_size=max(1, _int_env(environ, "WORLD_SIZE", 1)),
+            rank=_int_env(environ, "RANK", task.rank if task else 0),
+            local_rank=_int_env(environ, "LOCAL_RANK", task.local_rank if task else 0),
+            world_size=max(1, _int_env(environ, "WORLD_SIZE", task.world_size if task else 1)),
             restart_count=_int_env(environ, "TORCHELASTIC_RESTART_COUNT", 0),
             min_nodes=min_nodes,
             max_nodes=max_nodes,
+            labels=slurm_labels(environ),
         )
 
     def refresh(self) -> bool:
@@ -139,6 +165,7 @@ class RankInfo:
             backend=self.backend,
             min_nodes=self.min_nodes,
             max_nodes=self.max_nodes,
+            labels=self.labels,
         )
 
 

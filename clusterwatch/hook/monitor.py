@@ -106,8 +106,9 @@ class TrainingMonitor:
     """Times steps and collectives, heartbeats, and checkpoints on request.
 
     Args:
-        job: the job's name (default: CLUSTERWATCH_JOB, else torchrun's
-            TORCHELASTIC_RUN_ID, else "default").
+        job: the job's name (default: CLUSTERWATCH_JOB, else the SLURM job
+            id, else torchrun's TORCHELASTIC_RUN_ID, else "default"; see
+            clusterwatch.hook.identity.job_name).
         socket_path: the agent's socket (default: CLUSTERWATCH_AGENT_SOCKET,
             else /run/clusterwatch/agent.sock).
         heartbeat_interval_s: seconds between heartbeats.

@@ -50,6 +50,31 @@ NODE_STATE_UNKNOWN: NodeState.ValueType  # 4
 """Known from before a coordinator restart, not heard from since."""
 Global___NodeState: _TypeAlias = NodeState  # noqa: Y015
 
+class _JobPhase:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _JobPhaseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_JobPhase.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    JOB_PHASE_UNSPECIFIED: _JobPhase.ValueType  # 0
+    JOB_PHASE_STARTING: _JobPhase.ValueType  # 1
+    """Registered (BeginJob); no rank has reported yet."""
+    JOB_PHASE_RUNNING: _JobPhase.ValueType  # 2
+    """At least one rank has not exited."""
+    JOB_PHASE_FINISHED: _JobPhase.ValueType  # 3
+    """Every rank exited (the job is dropped a while later)."""
+
+class JobPhase(_JobPhase, metaclass=_JobPhaseEnumTypeWrapper): ...
+
+JOB_PHASE_UNSPECIFIED: JobPhase.ValueType  # 0
+JOB_PHASE_STARTING: JobPhase.ValueType  # 1
+"""Registered (BeginJob); no rank has reported yet."""
+JOB_PHASE_RUNNING: JobPhase.ValueType  # 2
+"""At least one rank has not exited."""
+JOB_PHASE_FINISHED: JobPhase.ValueType  # 3
+"""Every rank exited (the job is dropped a while later)."""
+Global___JobPhase: _TypeAlias = JobPhase  # noqa: Y015
+
 class _IncidentState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -238,19 +263,52 @@ Global___RankStatus: _TypeAlias = RankStatus  # noqa: Y015
 class JobStatus(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     JOB_FIELD_NUMBER: _builtins.int
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
     STEP_RATE_FIELD_NUMBER: _builtins.int
     LATEST_COMPLETE_CHECKPOINT_STEP_FIELD_NUMBER: _builtins.int
     RANKS_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     world_size: _builtins.int
+    """0 while the job is starting (no rank reported yet)."""
     step_rate: _builtins.float
     """Steps per second of the slowest rank over the recent window; unset until known."""
     latest_complete_checkpoint_step: _builtins.int
     """Newest checkpoint every rank completed; unset when none."""
+    phase: Global___JobPhase.ValueType
     @_builtins.property
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankStatus]: ...
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """BeginJob's labels, overridden by those of the ranks (RankIdentity.labels)."""
+
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Nodes BeginJob named and nodes hosting the job's ranks, sorted."""
+
     def __init__(
         self,
         *,
@@ -259,10 +317,13 @@ class JobStatus(_message.Message):
         step_rate: _builtins.float | None = ...,
         latest_complete_checkpoint_step: _builtins.int | None = ...,
         ranks: _abc.Iterable[Global___RankStatus] | None = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        phase: Global___JobPhase.ValueType = ...,
+        nodes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_latest_complete_checkpoint_step", b"_latest_complete_checkpoint_step", "_step_rate", b"_step_rate", "latest_complete_checkpoint_step", b"latest_complete_checkpoint_step", "step_rate", b"step_rate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_latest_complete_checkpoint_step", b"_latest_complete_checkpoint_step", "_step_rate", b"_step_rate", "job", b"job", "latest_complete_checkpoint_step", b"latest_complete_checkpoint_step", "ranks", b"ranks", "step_rate", b"step_rate", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_latest_complete_checkpoint_step", b"_latest_complete_checkpoint_step", "_step_rate", b"_step_rate", "job", b"job", "labels", b"labels", "latest_complete_checkpoint_step", b"latest_complete_checkpoint_step", "nodes", b"nodes", "phase", b"phase", "ranks", b"ranks", "step_rate", b"step_rate", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__latest_complete_checkpoint_step: _TypeAlias = _typing.Literal["latest_complete_checkpoint_step"]  # noqa: Y015
     _WhichOneofArgType__latest_complete_checkpoint_step: _TypeAlias = _typing.Literal["_latest_complete_checkpoint_step", b"_latest_complete_checkpoint_step"]  # noqa: Y015
@@ -274,6 +335,115 @@ class JobStatus(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__step_rate) -> _WhichOneofReturnType__step_rate | None: ...
 
 Global___JobStatus: _TypeAlias = JobStatus  # noqa: Y015
+
+@_typing.final
+class BeginJobRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    JOB_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    """The job's name, as its ranks report it (under SLURM: the SLURM job id,
+    or <array job id>_<task id>).
+    """
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """As RankIdentity.labels."""
+
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The nodes the job was given (node ids, as the agents report them)."""
+
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        nodes: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "labels", b"labels", "nodes", b"nodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginJobRequest: _TypeAlias = BeginJobRequest  # noqa: Y015
+
+@_typing.final
+class EndJobRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    reason: _builtins.str
+    """Why, for the incidents it resolves and the log ("SLURM epilog")."""
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndJobRequest: _TypeAlias = EndJobRequest  # noqa: Y015
+
+@_typing.final
+class EndJobResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KNOWN_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    INCIDENTS_RESOLVED_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    known: _builtins.bool
+    """The coordinator knew the job (registered, or ranks reported)."""
+    ranks: _builtins.int
+    """Ranks it had when it ended."""
+    incidents_resolved: _builtins.int
+    """Incidents of the job resolved because it ended."""
+    message: _builtins.str
+    """One line for people."""
+    def __init__(
+        self,
+        *,
+        known: _builtins.bool = ...,
+        ranks: _builtins.int = ...,
+        incidents_resolved: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incidents_resolved", b"incidents_resolved", "known", b"known", "message", b"message", "ranks", b"ranks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndJobResponse: _TypeAlias = EndJobResponse  # noqa: Y015
 
 @_typing.final
 class ClusterSnapshot(_message.Message):
@@ -476,7 +646,9 @@ class Event(_message.Message):
     id: _builtins.int
     timestamp_unix_seconds: _builtins.float
     kind: _builtins.str
-    """"node_joined", "node_left", "node_unreachable", "node_back"."""
+    """"node_joined", "node_left", "node_unreachable", "node_back",
+    "coordinator_started", "job_registered", "job_ended" (node_id empty).
+    """
     node_id: _builtins.str
     detail: _builtins.str
     def __init__(

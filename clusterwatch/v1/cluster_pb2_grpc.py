@@ -79,6 +79,16 @@ class ClusterServiceStub:
                 request_serializer=clusterwatch_dot_v1_dot_cluster__pb2.ListActionsRequest.SerializeToString,
                 response_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.ListActionsResponse.FromString,
                 _registered_method=True)
+        self.BeginJob = channel.unary_unary(
+                '/clusterwatch.v1.ClusterService/BeginJob',
+                request_serializer=clusterwatch_dot_v1_dot_cluster__pb2.BeginJobRequest.SerializeToString,
+                response_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.JobStatus.FromString,
+                _registered_method=True)
+        self.EndJob = channel.unary_unary(
+                '/clusterwatch.v1.ClusterService/EndJob',
+                request_serializer=clusterwatch_dot_v1_dot_cluster__pb2.EndJobRequest.SerializeToString,
+                response_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.EndJobResponse.FromString,
+                _registered_method=True)
 
 
 class ClusterServiceServicer:
@@ -144,6 +154,24 @@ class ClusterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BeginJob(self, request, context):
+        """Register a job before any of its ranks reports (a SLURM Prolog:
+        `clusterwatch job begin --slurm`), so it shows as starting. Idempotent:
+        every node's Prolog may call it; labels and nodes add up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndJob(self, request, context):
+        """The job ended on purpose (a SLURM Epilog: `clusterwatch job end
+        --slurm`): its open incidents resolve ("job ended"), its ranks' exits
+        are not failures, its series go. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -191,6 +219,16 @@ def add_ClusterServiceServicer_to_server(servicer, server):
                     servicer.ListActions,
                     request_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.ListActionsRequest.FromString,
                     response_serializer=clusterwatch_dot_v1_dot_cluster__pb2.ListActionsResponse.SerializeToString,
+            ),
+            'BeginJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginJob,
+                    request_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.BeginJobRequest.FromString,
+                    response_serializer=clusterwatch_dot_v1_dot_cluster__pb2.JobStatus.SerializeToString,
+            ),
+            'EndJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndJob,
+                    request_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.EndJobRequest.FromString,
+                    response_serializer=clusterwatch_dot_v1_dot_cluster__pb2.EndJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -436,6 +474,60 @@ class ClusterService:
             '/clusterwatch.v1.ClusterService/ListActions',
             clusterwatch_dot_v1_dot_cluster__pb2.ListActionsRequest.SerializeToString,
             clusterwatch_dot_v1_dot_cluster__pb2.ListActionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clusterwatch.v1.ClusterService/BeginJob',
+            clusterwatch_dot_v1_dot_cluster__pb2.BeginJobRequest.SerializeToString,
+            clusterwatch_dot_v1_dot_cluster__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clusterwatch.v1.ClusterService/EndJob',
+            clusterwatch_dot_v1_dot_cluster__pb2.EndJobRequest.SerializeToString,
+            clusterwatch_dot_v1_dot_cluster__pb2.EndJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -48,6 +48,16 @@ class ClusterServiceStub:
     UpdateDetectionSettings: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.UpdateDetectionSettingsRequest, _cluster_pb2.DetectionSettings]
     ListActions: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.ListActionsRequest, _cluster_pb2.ListActionsResponse]
     """What the recovery policy and operators decided and did, newest last."""
+    BeginJob: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.BeginJobRequest, _cluster_pb2.JobStatus]
+    """Register a job before any of its ranks reports (a SLURM Prolog:
+    `clusterwatch job begin --slurm`), so it shows as starting. Idempotent:
+    every node's Prolog may call it; labels and nodes add up.
+    """
+    EndJob: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.EndJobRequest, _cluster_pb2.EndJobResponse]
+    """The job ended on purpose (a SLURM Epilog: `clusterwatch job end
+    --slurm`): its open incidents resolve ("job ended"), its ranks' exits
+    are not failures, its series go. Idempotent.
+    """
 
 @_typing.type_check_only
 class ClusterServiceAsyncStub(ClusterServiceStub):
@@ -69,6 +79,16 @@ class ClusterServiceAsyncStub(ClusterServiceStub):
     UpdateDetectionSettings: _aio.UnaryUnaryMultiCallable[_cluster_pb2.UpdateDetectionSettingsRequest, _cluster_pb2.DetectionSettings]  # type: ignore[assignment]
     ListActions: _aio.UnaryUnaryMultiCallable[_cluster_pb2.ListActionsRequest, _cluster_pb2.ListActionsResponse]  # type: ignore[assignment]
     """What the recovery policy and operators decided and did, newest last."""
+    BeginJob: _aio.UnaryUnaryMultiCallable[_cluster_pb2.BeginJobRequest, _cluster_pb2.JobStatus]  # type: ignore[assignment]
+    """Register a job before any of its ranks reports (a SLURM Prolog:
+    `clusterwatch job begin --slurm`), so it shows as starting. Idempotent:
+    every node's Prolog may call it; labels and nodes add up.
+    """
+    EndJob: _aio.UnaryUnaryMultiCallable[_cluster_pb2.EndJobRequest, _cluster_pb2.EndJobResponse]  # type: ignore[assignment]
+    """The job ended on purpose (a SLURM Epilog: `clusterwatch job end
+    --slurm`): its open incidents resolve ("job ended"), its ranks' exits
+    are not failures, its series go. Idempotent.
+    """
 
 class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -141,5 +161,27 @@ class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_cluster_pb2.ListActionsResponse, _abc.Awaitable[_cluster_pb2.ListActionsResponse]]:
         """What the recovery policy and operators decided and did, newest last."""
+
+    @_abc_1.abstractmethod
+    def BeginJob(
+        self,
+        request: _cluster_pb2.BeginJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cluster_pb2.JobStatus, _abc.Awaitable[_cluster_pb2.JobStatus]]:
+        """Register a job before any of its ranks reports (a SLURM Prolog:
+        `clusterwatch job begin --slurm`), so it shows as starting. Idempotent:
+        every node's Prolog may call it; labels and nodes add up.
+        """
+
+    @_abc_1.abstractmethod
+    def EndJob(
+        self,
+        request: _cluster_pb2.EndJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cluster_pb2.EndJobResponse, _abc.Awaitable[_cluster_pb2.EndJobResponse]]:
+        """The job ended on purpose (a SLURM Epilog: `clusterwatch job end
+        --slurm`): its open incidents resolve ("job ended"), its ranks' exits
+        are not failures, its series go. Idempotent.
+        """
 
 def add_ClusterServiceServicer_to_server(servicer: ClusterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -54,6 +54,26 @@ class RankIdentity(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     JOB_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     LOCAL_RANK_FIELD_NUMBER: _builtins.int
@@ -67,9 +87,11 @@ class RankIdentity(_message.Message):
     BACKEND_FIELD_NUMBER: _builtins.int
     MIN_NODES_FIELD_NUMBER: _builtins.int
     MAX_NODES_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
-    """Job name: TrainingMonitor(job=...), else CLUSTERWATCH_JOB, else
-    TORCHELASTIC_RUN_ID, else "default".
+    """Job name: TrainingMonitor(job=...), else CLUSTERWATCH_JOB, else the
+    SLURM job (SLURM_JOB_ID, or <array job id>_<task id> in a job array),
+    else TORCHELASTIC_RUN_ID, else "default".
     """
     rank: _builtins.int
     local_rank: _builtins.int
@@ -93,6 +115,16 @@ class RankIdentity(_message.Message):
     an elastic job, which can re-form on fewer nodes down to MIN.
     """
     max_nodes: _builtins.int
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Where the job runs, for people and dashboards; the coordinator keeps
+        them on the job (JobStatus.labels, clusterwatch_job_info). Under SLURM:
+        slurm_job_id, slurm_job_name, slurm_array_job_id, slurm_array_task_id,
+        slurm_nodelist, slurm_partition, slurm_account, slurm_user, those set.
+        Keys are Prometheus label names other than "job"; at most 32 pairs,
+        values at most 1024 characters (clusterwatch/job_labels.py).
+        """
+
     def __init__(
         self,
         *,
@@ -109,10 +141,11 @@ class RankIdentity(_message.Message):
         backend: _builtins.str = ...,
         min_nodes: _builtins.int = ...,
         max_nodes: _builtins.int = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "gpu_uuid", b"gpu_uuid", "hook_version", b"hook_version", "hostname", b"hostname", "instance_id", b"instance_id", "job", b"job", "local_rank", b"local_rank", "max_nodes", b"max_nodes", "min_nodes", b"min_nodes", "pid", b"pid", "rank", b"rank", "restart_count", b"restart_count", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "gpu_uuid", b"gpu_uuid", "hook_version", b"hook_version", "hostname", b"hostname", "instance_id", b"instance_id", "job", b"job", "labels", b"labels", "local_rank", b"local_rank", "max_nodes", b"max_nodes", "min_nodes", b"min_nodes", "pid", b"pid", "rank", b"rank", "restart_count", b"restart_count", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
