@@ -1,29 +1,23 @@
-"""A real Prometheus (Debian's ``prometheus`` package) for tests, and its HTTP API.
+"""The tests' Prometheus: bench.prometheus.PrometheusServer, and when its absence skips or fails a test.
 
-Imported as ``prometheus_server``. ``./dev test`` installs the package when it runs
-as root; elsewhere the tests that need it skip with the reason, except under CI
-(``CI`` set), where a missing Prometheus fails them: CI must never skip these.
+Imported as ``prometheus_server``. ``./dev test`` installs Debian's ``prometheus``
+package when it runs as root; elsewhere the tests that need it skip with the
+reason, except under CI (``CI`` set), where a missing Prometheus fails them.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import time
-import urllib.parse
-import urllib.request
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
-import psutil
 import pytest
-from helpers import wait_for
+
+from bench.prometheus import PrometheusServer
 
 SCRAPE_INTERVAL_S = 1
-START_TIMEOUT_S = 30.0
+
+__all__ = ["SCRAPE_INTERVAL_S", "PrometheusServer", "require", "start_prometheus"]
 
 
 def require(tool: str) -> str:
@@ -37,103 +31,5 @@ def require(tool: str) -> str:
     return path
 
 
-class PrometheusServer:
-    """Prometheus on a loopback port the OS picks, scraping targets the test names every second."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.targets_path = workdir / "targets.json"
-        self.targets_path.write_text("[]")
-        config = workdir / "prometheus.yml"
-        config.write_text(
-            json.dumps(  # JSON is YAML; Prometheus re-reads file_sd targets on change
-                {
-                    "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "evaluation_interval": "1s"},
-                    "scrape_configs": [
-                        {
-                            "job_name": "clusterwatch-coordinator",
-                            "file_sd_configs": [{"files": [str(self.targets_path)]}],
-                        }
-                    ],
-                }
-            )
-        )
-        self.log_path = workdir / "prometheus.log"
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                [require("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
-                 "--web.listen-address=127.0.0.1:0", "--log.level=warn"],
-                stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        port = wait_for(self._listening_port, START_TIMEOUT_S, "Prometheus to listen")
-        self.url = f"http://127.0.0.1:{port}"
-        wait_for(self._ready, START_TIMEOUT_S, "Prometheus to be ready")
-
-    def _listening_port(self) -> int | None:
-        if self.process.poll() is not None:
-            raise AssertionError(f"prometheus exited: {self.log_path.read_text()}")
-        listening = [
-            c for c in psutil.Process(self.process.pid).net_connections("tcp") if c.status == "LISTEN"
-        ]
-        return listening[0].laddr.port if listening else None
-
-    def _ready(self) -> bool:
-        with urllib.request.urlopen(f"{self.url}/-/ready", timeout=5) as response:
-            return bool(response.status == 200)
-
-    def scrape(self, *urls: str) -> None:
-        """Scrape these /metrics URLs from now on."""
-        targets = [urllib.parse.urlsplit(url) for url in urls]
-        groups = [{"targets": [t.netloc], "labels": {"__metrics_path__": t.path}} for t in targets]
-        tmp = self.targets_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(groups))
-        tmp.replace(self.targets_path)  # atomic: Prometheus never reads half a file
-
-    def api(self, path: str, **params: str) -> Any:
-        """GET /api/v1/<path>; the ``data`` of a success, else AssertionError with Prometheus' error."""
-        query = urllib.parse.urlencode(params)
-        try:
-            with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}", timeout=30) as response:
-                body = json.load(response)
-        except urllib.error.HTTPError as exc:
-            body = json.load(exc)
-        if body.get("status") != "success":
-            raise AssertionError(f"{body.get('errorType')}: {body.get('error')}")
-        return body["data"]
-
-    def query(self, expr: str, at_unix_s: float) -> list[Any]:
-        return list(self.api("query", query=expr, time=f"{at_unix_s:.3f}")["result"])
-
-    def query_range(
-        self, expr: str, start_unix_s: float, end_unix_s: float, step_s: float = 1.0
-    ) -> list[Any]:
-        data = self.api(
-            "query_range", query=expr, start=f"{start_unix_s:.3f}", end=f"{end_unix_s:.3f}", step=str(step_s)
-        )
-        return list(data["result"])
-
-    def samples_per_metric(self, metrics: Iterable[str], window_s: float = 600) -> dict[str, int]:
-        """For each metric, the most samples one of its series has over the last ``window_s``."""
-        selector = '{__name__=~"%s"}[%ds]' % ("|".join(metrics), window_s)  # noqa: UP031 - braces in PromQL
-        found: dict[str, int] = {}
-        for series in self.query(selector, time.time()):
-            name = series["metric"]["__name__"]
-            found[name] = max(found.get(name, 0), len(series["values"]))
-        return found
-
-    def series(self, selector: str, window_s: float = 600) -> list[dict[str, str]]:
-        """Label sets of the series ``selector`` matches over the last ``window_s``."""
-        now = time.time()
-        found = self.api(
-            "series", **{"match[]": selector, "start": f"{now - window_s:.0f}", "end": f"{now:.0f}"}
-        )
-        return list(found)
-
-    def close(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=10)
+def start_prometheus(workdir: Path) -> PrometheusServer:
+    return PrometheusServer(workdir, SCRAPE_INTERVAL_S, binary=require("prometheus"))
