@@ -25,6 +25,7 @@ from helpers import clusterwatch_cmd
 from prometheus_server import SCRAPE_INTERVAL_S, PrometheusServer, start_prometheus
 from training_builders import EXITED, AgentStream, rank_report, step
 
+from bench.dashboards import expand
 from clusterwatch.v1 import node_pb2, training_pb2
 
 pytestmark = pytest.mark.timeout(300)
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.timeout(300)
 DASHBOARDS = sorted((Path(__file__).parent.parent / "dashboards").glob("*.json"))
 METRIC = re.compile(r"\bclusterwatch_[a-z0-9_]+")
 # Grafana's interval variables, as it would expand them for a short range at a 1 s scrape interval.
-RATE_INTERVAL = f"{4 * SCRAPE_INTERVAL_S}s"
+RATE_INTERVAL_S = 4 * SCRAPE_INTERVAL_S
 FABRIC_NODE = "fabric-node"
 MIN_SAMPLES = 6
 # Values some variables must offer; none may offer Prometheus' own scrape job name (honor_labels).
@@ -138,18 +139,10 @@ async def feed_fabric_node(address: str, stop: asyncio.Event) -> None:
                 continue
 
 
-def expand(expr: str, variables: list[str], range_s: int) -> str:
-    """The expression as Grafana sends it with every variable on All (regex .*)."""
-    expr = expr.replace("$__rate_interval", RATE_INTERVAL).replace("$__range", f"{range_s}s")
-    for name in sorted(variables, key=len, reverse=True):
-        expr = expr.replace(f"${{{name}}}", ".*").replace(f"${name}", ".*")
-    return expr
-
-
 def label_values(prometheus: PrometheusServer, definition: str, variables: list[str]) -> set[str]:
     match = re.fullmatch(r"label_values\((.+), *([a-z_]+)\)", definition)
     assert match, f"not a label_values() variable: {definition}"
-    selector, label = expand(match[1], variables, 60), match[2]
+    selector, label = expand(match[1], variables, 60, RATE_INTERVAL_S), match[2]
     return {s[label] for s in prometheus.series(selector) if label in s}
 
 
@@ -193,7 +186,7 @@ async def _scrape_the_demo_and_check(
     fabric = asyncio.create_task(feed_fabric_node(address, stop))
     try:
         # Recovery series appear once the demo's straggler is recovered (~35 s in); rate() over
-        # RATE_INTERVAL needs a few samples of each.
+        # RATE_INTERVAL_S needs a few samples of each.
         def short() -> list[str]:
             counts = prometheus.samples_per_metric(metrics)
             return [f"{m} ({counts.get(m, 0)})" for m in metrics if counts.get(m, 0) < MIN_SAMPLES]
@@ -239,13 +232,15 @@ def check_every_query(
         for panel in panels(dashboard):
             for target in panel["targets"]:
                 run(
-                    f"{name}: {panel['title']}", expand(target["expr"], variables, range_s), target["instant"]
+                    f"{name}: {panel['title']}",
+                    expand(target["expr"], variables, range_s, RATE_INTERVAL_S),
+                    target["instant"],
                 )
         for annotation in dashboard["annotations"]["list"]:
             if "expr" in annotation:
                 run(
                     f"{name}: annotation {annotation['name']}",
-                    expand(annotation["expr"], variables, range_s),
+                    expand(annotation["expr"], variables, range_s, RATE_INTERVAL_S),
                     False,
                 )
     return failures
