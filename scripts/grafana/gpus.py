@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grafana.panels import Dashboard, Panel, Query, Row, Threshold, Variable
+from grafana.panels import RED_FROM_ONE, Dashboard, Panel, Query, Row, Threshold, Variable
 
 NODE = Variable("node", "Node", "clusterwatch_gpu_utilization_ratio", "Nodes with GPUs.")
 GPU = Variable("gpu", "GPU", 'clusterwatch_gpu_utilization_ratio{node=~"$node"}', "GPU index on the node.")
@@ -174,7 +174,7 @@ DASHBOARD = Dashboard(
                     ),
                     "none",
                     kind="state-timeline",
-                    thresholds=(Threshold(None, "green"), Threshold(1, "red")),
+                    thresholds=RED_FROM_ONE,
                     width=24,
                     height=10,
                 ),
@@ -197,7 +197,7 @@ DASHBOARD = Dashboard(
                     ),
                     "none",
                     kind="bargauge",
-                    thresholds=(Threshold(None, "green"), Threshold(1, "red")),
+                    thresholds=RED_FROM_ONE,
                     width=8,
                 ),
                 Panel(
@@ -212,7 +212,7 @@ DASHBOARD = Dashboard(
                         ),
                     ),
                     "none",
-                    thresholds=(Threshold(None, "green"), Threshold(1, "red")),
+                    thresholds=RED_FROM_ONE,
                     width=8,
                 ),
                 Panel(
@@ -227,7 +227,7 @@ DASHBOARD = Dashboard(
                         ),
                     ),
                     "none",
-                    thresholds=(Threshold(None, "green"), Threshold(1, "red")),
+                    thresholds=RED_FROM_ONE,
                     width=8,
                 ),
             ),

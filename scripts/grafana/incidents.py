@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from grafana.panels import Dashboard, Panel, Query, Row, Threshold, Variable
+from grafana.panels import RED_FROM_ONE, Dashboard, Panel, Query, Row, Threshold, Variable
 
 JOB = Variable("job", "Job", "clusterwatch_job_world_size", "Training jobs the coordinator knows.")
 JOBS = 'job=~"$job"'
-RED_FROM_ONE = (Threshold(None, "green"), Threshold(1, "red"))
 
 
 def detections(metric: str, by: str = "job") -> str:

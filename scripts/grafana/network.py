@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from grafana.panels import Dashboard, Panel, Query, Row, Threshold, Variable
+from grafana.panels import RED_FROM_ONE, Dashboard, Panel, Query, Row, Threshold, Variable
 
 NODE = Variable("node", "Node", "clusterwatch_node_up", "Nodes the coordinator knows.")
 NODES = 'node=~"$node"'
 NIC = "{{node}} {{device}}"
 PORT = "{{node}} {{device}}/{{port}}"
-RED_FROM_ONE = (Threshold(None, "green"), Threshold(1, "red"))
 
 
 def rate(metric: str) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grafana.panels import Annotation, Dashboard, Panel, Query, Row, Threshold, Variable
+from grafana.panels import RED_FROM_ONE, Annotation, Dashboard, Panel, Query, Row, Threshold, Variable
 
 JOB = Variable("job", "Job", "clusterwatch_job_world_size", "Training jobs the coordinator knows.")
 RESTARTS = Annotation(
@@ -18,7 +18,6 @@ INCIDENTS = Annotation(
     "red",
 )
 
-RED_FROM_ONE = (Threshold(None, "green"), Threshold(1, "red"))
 
 DASHBOARD = Dashboard(
     uid="clusterwatch-overview",

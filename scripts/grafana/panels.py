@@ -47,6 +47,8 @@ class Threshold:
 
 
 GOOD_LOW = (Threshold(None, "green"),)
+# Any at all is bad: errors, failures, links down.
+RED_FROM_ONE = (Threshold(None, "green"), Threshold(1, "red"))
 
 
 @dataclasses.dataclass(frozen=True)
