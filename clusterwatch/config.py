@@ -53,7 +53,24 @@ def setting(default: Any, help: str, flag: str | None = None, **checks: Any) -> 
 
 
 @dataclasses.dataclass(frozen=True)
-class AgentSettings:
+class TransportSettings:
+    """How a process talks gRPC over the network: mutual TLS, or plaintext only when asked.
+
+    Shared by the agent, the coordinator and the client commands (each in its
+    own section). With TLS on, both ends present a certificate signed by
+    ``tls_ca``; the coordinator knows a node by its certificate's name.
+    """
+
+    tls_cert: str = setting("", "PEM certificate of this process (with tls_key and tls_ca: mutual TLS)")
+    tls_key: str = setting("", "PEM private key of tls_cert")
+    tls_ca: str = setting("", "PEM certificate of the CA that signs every clusterwatch certificate")
+    insecure: bool = setting(
+        False, "plaintext gRPC without TLS (anyone who reaches the port is trusted): loopback and tests only"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSettings(TransportSettings):
     """Settings of ``clusterwatch agent`` (section ``[agent]``)."""
 
     coordinator: str = setting("127.0.0.1:50051", "coordinator gRPC address HOST:PORT", host_port=True)
@@ -77,6 +94,9 @@ class AgentSettings:
         "/run/clusterwatch/agent.sock",
         "Unix socket for training hooks, mode 0660 (empty: off); hooks read CLUSTERWATCH_AGENT_SOCKET",
     )
+    socket_group: str = setting(
+        "", "group that owns the hook socket, name or gid (empty: the agent's); training users join it"
+    )
     max_steps_per_report: int = setting(
         512, "per rank, at most this many step summaries in one node report (newest kept)", positive=True
     )
@@ -92,7 +112,7 @@ class AgentSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class CoordinatorSettings:
+class CoordinatorSettings(TransportSettings):
     """Settings of ``clusterwatch coordinator`` (section ``[coordinator]``)."""
 
     listen: str = setting("0.0.0.0:50051", "gRPC listen address HOST:PORT (port 0: any)", host_port=True)
@@ -104,6 +124,14 @@ class CoordinatorSettings:
         3.0, "a node that misses this many report intervals is unreachable", positive=True
     )
     ready_file: str = setting("", "write the bound ports as JSON to this file once serving")
+    admin_token_file: str = setting(
+        "",
+        "file of admin tokens, one per line as NAME:TOKEN (or TOKEN); a client sending "
+        "'authorization: Bearer TOKEN' may act (checkpoint, restart, settings, jobs)",
+    )
+    admin_names: list[str] = setting(
+        [], "client certificate names (CN or DNS SAN) that may act like an admin token (comma-separated)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,11 +246,12 @@ class RecoverySettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class ClientSettings:
+class ClientSettings(TransportSettings):
     """Settings of the client commands such as ``clusterwatch status`` (section ``[client]``)."""
 
     coordinator: str = setting("127.0.0.1:50051", "coordinator gRPC address HOST:PORT", host_port=True)
     timeout_s: float = setting(5.0, "seconds to wait for the coordinator", flag="--timeout", positive=True)
+    token_file: str = setting("", "file holding the admin token sent with actions (checkpoint, restart, ...)")
 
 
 SECTIONS: dict[type, str] = {

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from helpers import Cluster
+
+# Every process the tests start talks plaintext on loopback, as a user would
+# say with --insecure; the TLS tests turn it off (tests/test_security.py).
+for _section in ("AGENT", "COORDINATOR", "CLIENT"):
+    os.environ.setdefault(f"CLUSTERWATCH_{_section}_INSECURE", "true")
 
 
 @pytest.fixture
