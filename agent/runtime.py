@@ -26,6 +26,7 @@ from clusterwatch.config import AgentSettings
 from clusterwatch.http_server import MetricsHttpServer
 from clusterwatch.node_metrics import NODE_UP, register_node_families, write_node, write_node_info
 from clusterwatch.promtext import Exposition, counter, escape, gauge, labels
+from clusterwatch.tls import TlsFiles
 from clusterwatch.v1 import agent_pb2, node_pb2
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,8 @@ class Agent:
         settings: AgentSettings,
         collectors: list[Collector] | None = None,
         exit_watcher: ProcessExitWatcher | None = None,
+        *,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.settings = settings
         self.node_id = settings.resolved_node_id
@@ -128,6 +131,7 @@ class Agent:
             settings.reconnect_max_s,
             on_checkpoints=self.hook_links.update_checkpoints,
             on_connection=self._tell_systemd_connection,
+            credentials=tls.channel_credentials() if tls else None,
         )
         self._told_systemd_ready = False
         self.latest: node_pb2.NodeReport | None = None

@@ -41,6 +41,7 @@ class Uplink:
         on_checkpoints: called with each JobCheckpoints table the coordinator sends.
         on_connection: called with True on a stream's first ack, False when that stream is lost
             (not when ``stop`` closes it).
+        credentials: mutual TLS to the coordinator; None for plaintext.
     """
 
     def __init__(
@@ -53,8 +54,10 @@ class Uplink:
         *,
         on_checkpoints: Callable[[agent_pb2.JobCheckpoints], None] | None = None,
         on_connection: Callable[[bool], None] | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.target = target
+        self._credentials = credentials
         self._on_checkpoints = on_checkpoints
         self._on_connection = on_connection
         self._make_hello = make_hello
@@ -97,7 +100,7 @@ class Uplink:
                 await asyncio.wait_for(stop.wait(), timeout=delay_s)
 
     async def _session(self, stop: asyncio.Event) -> None:
-        async with grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS) as channel:
+        async with self._channel() as channel:
             stub = agent_pb2_grpc.AgentServiceStub(channel)
             # No request iterator: this call is driven with write()/done_writing(),
             # which grpc.aio supports and the generated stub's types do not model.
@@ -112,8 +115,17 @@ class Uplink:
                     raise sender.exception()  # type: ignore[misc]
             finally:
                 sender.cancel()
-                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                # A write after the server ended the call raises InvalidStateError;
+                # the call's own status (raised above) is what matters.
+                with contextlib.suppress(
+                    asyncio.CancelledError, asyncio.InvalidStateError, grpc.aio.AioRpcError
+                ):
                     await sender
+
+    def _channel(self) -> grpc.aio.Channel:
+        if self._credentials is None:
+            return grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(self.target, self._credentials, options=CHANNEL_OPTIONS)
 
     async def _on_message(self, message: agent_pb2.CoordinatorMessage) -> None:
         kind = message.WhichOneof("kind")

@@ -34,7 +34,7 @@ def main() -> int:
     cw = [sys.executable, "-m", "clusterwatch"]
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "ready"
-        coordinator = subprocess.Popen([*cw, "coordinator", "--listen", "127.0.0.1:0", "--metrics-listen", "",
+        coordinator = subprocess.Popen([*cw, "coordinator", "--insecure", "--listen", "127.0.0.1:0", "--metrics-listen", "",
                                         "--state-dir", tmp, "--ready-file", str(ready), "--log-level", "warning"])  # fmt: skip
         agent = None
         try:
@@ -44,7 +44,7 @@ def main() -> int:
                     raise SystemExit("coordinator did not start")
                 time.sleep(0.05)
             port = json.loads(ready.read_text())["grpc_port"]
-            agent = subprocess.Popen([*cw, "agent", "--coordinator", f"127.0.0.1:{port}", "--node-id", "bench",
+            agent = subprocess.Popen([*cw, "agent", "--insecure", "--coordinator", f"127.0.0.1:{port}", "--node-id", "bench",
                                       "--gpu-backend", "sim", "--sim-gpus", str(args.gpus),
                                       "--interval", str(args.interval), "--socket", f"{tmp}/agent.sock",
                                       "--log-level", "warning"])  # fmt: skip

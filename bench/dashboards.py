@@ -38,7 +38,7 @@ def start_coordinator(workdir: Path) -> tuple[subprocess.Popen[bytes], dict[str,
     ready = workdir / "ready.json"
     with (workdir / "coordinator.log").open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "clusterwatch", "coordinator", "--listen", "127.0.0.1:0",
+            [sys.executable, "-m", "clusterwatch", "coordinator", "--insecure", "--listen", "127.0.0.1:0",
              "--metrics-listen", "127.0.0.1:0", "--state-dir", str(workdir / "state"), "--ready-file", str(ready),
              "--hang-action", "alert", "--straggler-action", "alert"],
             stdout=log, stderr=subprocess.STDOUT,

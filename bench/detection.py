@@ -77,7 +77,7 @@ def start_coordinator(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     ready = tmp / "coordinator.ready"
     log = (tmp / "coordinator.log").open("wb")
     popen = subprocess.Popen(
-        [sys.executable, "-m", "clusterwatch", "coordinator", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "clusterwatch", "coordinator", "--insecure", "--listen", "127.0.0.1:0",
          "--metrics-listen", "127.0.0.1:0", "--state-dir", str(tmp / "state"), "--ready-file", str(ready),
          "--log-level", "warning"],
         stdout=log, stderr=subprocess.STDOUT,

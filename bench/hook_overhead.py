@@ -86,7 +86,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         ready, socket = tmp / "ready", tmp / "agent.sock"
-        coordinator = subprocess.Popen([*cw, "coordinator", "--listen", "127.0.0.1:0", "--metrics-listen", "",
+        coordinator = subprocess.Popen([*cw, "coordinator", "--insecure", "--listen", "127.0.0.1:0", "--metrics-listen", "",
                                         "--state-dir", str(tmp), "--ready-file", str(ready), "--log-level", "warning"])  # fmt: skip
         agent = None
         try:
@@ -94,7 +94,7 @@ def main() -> int:
             while not ready.exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
             port = json.loads(ready.read_text())["grpc_port"]
-            agent = subprocess.Popen([*cw, "agent", "--coordinator", f"127.0.0.1:{port}", "--node-id", "bench",
+            agent = subprocess.Popen([*cw, "agent", "--insecure", "--coordinator", f"127.0.0.1:{port}", "--node-id", "bench",
                                       "--socket", str(socket), "--gpu-backend", "none", "--log-level", "warning"])  # fmt: skip
             while not socket.exists() and time.monotonic() < deadline:
                 time.sleep(0.1)

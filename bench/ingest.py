@@ -95,7 +95,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ready = Path(tmp) / "ready"
         coordinator = subprocess.Popen(
-            [sys.executable, "-m", "clusterwatch", "coordinator", "--listen", "127.0.0.1:0", "--metrics-listen", "",
+            [sys.executable, "-m", "clusterwatch", "coordinator", "--insecure", "--listen", "127.0.0.1:0", "--metrics-listen", "",
              "--state-dir", tmp, "--ready-file", str(ready), "--log-level", "warning"],
         )  # fmt: skip
         try:

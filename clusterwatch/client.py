@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import TracebackType
 
 import grpc
 
+from clusterwatch.config import ClientSettings
+from clusterwatch.errors import ConfigError
 from clusterwatch.grpc_options import CHANNEL_OPTIONS
+from clusterwatch.tls import credentials
 from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
 
 
@@ -17,13 +22,37 @@ class ClusterClient:
     Args:
         address: HOST:PORT of the coordinator.
         timeout_s: deadline of each call.
+        credentials: mutual TLS (None: plaintext).
+        token: admin token sent with actions (checkpoint, restart, incident,
+            settings and job changes); reading needs none.
     """
 
-    def __init__(self, address: str, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 5.0,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str = "",
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = (
+            grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            if credentials is None
+            else grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+        )
         self._stub = cluster_pb2_grpc.ClusterServiceStub(self._channel)
+        self._admin: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+
+    @classmethod
+    def from_settings(cls, settings: ClientSettings) -> ClusterClient:
+        """A client as ``[client]`` says: address, timeout, TLS or plaintext, admin token.
+
+        Raises:
+            ConfigError: naming the key of an unusable TLS or token setting.
+        """
+        return client_factory(settings)()
 
     def snapshot(self, summary_only: bool = False) -> cluster_pb2.ClusterSnapshot:
         request = cluster_pb2.GetSnapshotRequest(summary_only=summary_only)
@@ -72,7 +101,9 @@ class ClusterClient:
         request = cluster_pb2.ActionRequest(job=job, action="checkpoint", idempotency_key=idempotency_key)
         if step is not None:
             request.step = step
-        return self._stub.RequestAction(request, timeout=self.timeout_s, wait_for_ready=True)
+        return self._stub.RequestAction(
+            request, timeout=self.timeout_s, wait_for_ready=True, metadata=self._admin
+        )
 
     def restart(self, job: str, exclude_nodes: list[str] | None = None) -> cluster_pb2.ActionResponse:
         """Restart ``job`` (its workers are stopped; the launcher restarts them from the newest
@@ -83,7 +114,9 @@ class ClusterClient:
         """
         action = "exclude_node_and_restart" if exclude_nodes else "restart"
         request = cluster_pb2.ActionRequest(job=job, action=action, exclude_nodes=exclude_nodes or [])
-        return self._stub.RequestAction(request, timeout=self.timeout_s, wait_for_ready=True)
+        return self._stub.RequestAction(
+            request, timeout=self.timeout_s, wait_for_ready=True, metadata=self._admin
+        )
 
     def begin_job(
         self, job: str, labels: dict[str, str] | None = None, nodes: list[str] | None = None
@@ -94,7 +127,7 @@ class ClusterClient:
             grpc.RpcError: INVALID_ARGUMENT naming the bad field.
         """
         request = cluster_pb2.BeginJobRequest(job=job, labels=labels or {}, nodes=nodes or [])
-        return self._stub.BeginJob(request, timeout=self.timeout_s, wait_for_ready=True)
+        return self._stub.BeginJob(request, timeout=self.timeout_s, wait_for_ready=True, metadata=self._admin)
 
     def end_job(self, job: str, reason: str = "") -> cluster_pb2.EndJobResponse:
         """Tell the coordinator ``job`` ended on purpose: its incidents resolve, its ranks' exits
@@ -104,7 +137,7 @@ class ClusterClient:
             grpc.RpcError: INVALID_ARGUMENT naming the bad field.
         """
         request = cluster_pb2.EndJobRequest(job=job, reason=reason)
-        return self._stub.EndJob(request, timeout=self.timeout_s, wait_for_ready=True)
+        return self._stub.EndJob(request, timeout=self.timeout_s, wait_for_ready=True, metadata=self._admin)
 
     def actions(self, job: str = "", incident_id: str = "", limit: int = 0) -> list[cluster_pb2.ActionRecord]:
         """Recovery decisions and operator requests, with their outcomes, oldest first."""
@@ -129,7 +162,9 @@ class ClusterClient:
                 FAILED_PRECONDITION (the state machine forbids the move).
         """
         request = cluster_pb2.UpdateIncidentRequest(id=incident_id, state=state)
-        return self._stub.UpdateIncident(request, timeout=self.timeout_s, wait_for_ready=True)
+        return self._stub.UpdateIncident(
+            request, timeout=self.timeout_s, wait_for_ready=True, metadata=self._admin
+        )
 
     def detection_settings(self, changes: dict[str, str] | None = None) -> dict[str, str]:
         """The detection thresholds in force, after applying ``changes`` (by setting name) if given.
@@ -140,7 +175,7 @@ class ClusterClient:
         if changes:
             request = cluster_pb2.UpdateDetectionSettingsRequest(values=changes)
             response = self._stub.UpdateDetectionSettings(
-                request, timeout=self.timeout_s, wait_for_ready=True
+                request, timeout=self.timeout_s, wait_for_ready=True, metadata=self._admin
             )
         else:
             response = self._stub.GetDetectionSettings(
@@ -158,3 +193,37 @@ class ClusterClient:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def read_token(path: str, key: str = "client.token_file") -> str:
+    """The admin token in ``path``: its first word, after the last ``:`` (so the
+    coordinator's ``NAME:TOKEN`` file works too); empty path: no token.
+
+    Raises:
+        ConfigError: naming ``key`` when the file cannot be read or holds no token.
+    """
+    if not path:
+        return ""
+    try:
+        lines = Path(path).read_text().split()
+    except OSError as exc:
+        raise ConfigError(key, f"cannot read {path}: {exc.strerror}") from None
+    if not lines:
+        raise ConfigError(key, f"{path} holds no token")
+    return lines[0].rpartition(":")[2]
+
+
+def client_factory(settings: ClientSettings) -> Callable[[], ClusterClient]:
+    """Makes clients as ``[client]`` says; files are read once, here.
+
+    Raises:
+        ConfigError: naming the key of an unusable TLS or token setting.
+    """
+    tls = credentials(settings, "client")
+    return functools.partial(
+        ClusterClient,
+        settings.coordinator,
+        settings.timeout_s,
+        credentials=tls.channel_credentials() if tls else None,
+        token=read_token(settings.token_file),
+    )

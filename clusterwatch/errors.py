@@ -45,3 +45,12 @@ class FailedPreconditionError(ClusterwatchError):
 
 class UnimplementedError(ClusterwatchError):
     """A request this version does not support yet (maps to UNIMPLEMENTED)."""
+
+
+class UnauthenticatedError(ClusterwatchError):
+    """The caller presented a credential that is not valid (maps to UNAUTHENTICATED)."""
+
+
+class PermissionDeniedError(ClusterwatchError):
+    """The caller may not do this: an action without admin rights, or a node
+    reporting under another node's name (maps to PERMISSION_DENIED)."""

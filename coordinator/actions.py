@@ -89,13 +89,17 @@ class Actions:
         self._decided: collections.OrderedDict[str, tuple[str, str, int]] = collections.OrderedDict()
 
     async def request(
-        self, request: cluster_pb2.ActionRequest, time_left_s: float | None = None
+        self,
+        request: cluster_pb2.ActionRequest,
+        time_left_s: float | None = None,
+        requested_by: str = "an operator",
     ) -> cluster_pb2.ActionResponse:
         """Carry out one request.
 
         Args:
             request: the client's request.
             time_left_s: seconds until the caller's deadline, if it set one.
+            requested_by: who asked, for the records (``token:NAME``, ``cert:NAME``).
 
         Raises:
             InvalidRequestError: malformed request.
@@ -110,7 +114,7 @@ class Actions:
         if not request.job:
             raise InvalidRequestError("job is empty")
         if request.action in RESTARTS:
-            return await self._restart(request)
+            return await self._restart(request, requested_by)
         if request.exclude_nodes:
             raise InvalidRequestError("exclude_nodes does not apply to checkpoint: every rank must save")
         job = self._core.jobs.jobs.get(request.job)
@@ -162,7 +166,9 @@ class Actions:
             f"checkpoint of job {job} at step {response.step} not complete within {timeout_s:g} s"
         )
 
-    async def _restart(self, request: cluster_pb2.ActionRequest) -> cluster_pb2.ActionResponse:
+    async def _restart(
+        self, request: cluster_pb2.ActionRequest, requested_by: str
+    ) -> cluster_pb2.ActionResponse:
         if self.recovery is None:
             raise UnimplementedError("this coordinator has no recovery (launcher) configured")
         if request.action == EXCLUDE_NODE_AND_RESTART and not request.exclude_nodes:
@@ -170,7 +176,7 @@ class Actions:
         if request.job not in self._core.jobs.jobs:
             raise NotFoundError(f"no job {request.job!r} has ranks reporting to this coordinator")
         record = await self.recovery.restart(
-            request.job, "requested by an operator", list(request.exclude_nodes)
+            request.job, f"requested by {requested_by}", list(request.exclude_nodes)
         )
         return cluster_pb2.ActionResponse(
             action_id=record.id, message=f"{record.outcome}: {record.detail}", step=record.resume_step

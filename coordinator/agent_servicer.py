@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from clusterwatch.coordinator.access import AccessPolicy
 from clusterwatch.coordinator.core import Coordinator
 from clusterwatch.coordinator.sessions import AgentSession
 from clusterwatch.errors import InvalidReportError
@@ -24,8 +25,9 @@ EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, access: AccessPolicy | None = None) -> None:
         self._core = coordinator
+        self._access = access or AccessPolicy({}, ())
 
     # Driven with context.read()/write() so acks and commands can be written
     # while reports are read; the generated base class only types the
@@ -39,6 +41,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         assert isinstance(first, agent_pb2.AgentMessage)  # noqa: S101 - narrowing for mypy
         if first.WhichOneof("kind") != "hello":
             raise InvalidReportError("the first message on a stream must be a hello")
+        self._access.check_node(context, first.hello.node_id)
         session = self._core.open_stream(first.hello)
         writer = asyncio.create_task(self._write(session, context), name=f"acks-{session.node_id}")
         graceful = False

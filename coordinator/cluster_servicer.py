@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,14 +11,18 @@ from typing import Any
 import grpc
 
 from clusterwatch import __version__, config
+from clusterwatch.coordinator.access import AccessPolicy
 from clusterwatch.coordinator.actions import Actions
 from clusterwatch.coordinator.core import Coordinator
 from clusterwatch.coordinator.incidents import IncidentState
 from clusterwatch.coordinator.job_requests import check_begin, check_end
 from clusterwatch.coordinator.job_views import job_status, job_view, training_view
+from clusterwatch.coordinator.state import Event, EventKind
 from clusterwatch.coordinator.views import node_status, node_views
-from clusterwatch.errors import InvalidRequestError
+from clusterwatch.errors import ClusterwatchError, InvalidRequestError
 from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_WATCH_INTERVAL_S = 1.0
 MIN_WATCH_INTERVAL_S = 0.1
@@ -29,9 +34,33 @@ _SETTABLE_STATES = (
 
 
 class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
-    def __init__(self, coordinator: Coordinator, actions: Actions) -> None:
+    """Reads are open; actions need an admin credential (see coordinator/access.py) and are recorded."""
+
+    def __init__(
+        self, coordinator: Coordinator, actions: Actions, access: AccessPolicy | None = None
+    ) -> None:
         self._core = coordinator
         self._actions = actions
+        self._access = access or AccessPolicy({}, ())
+
+    def _authorize(self, context: grpc.aio.ServicerContext[Any, Any], what: str) -> str:
+        """The admin principal asking for ``what``, recorded in the event log.
+
+        Raises:
+            UnauthenticatedError / PermissionDeniedError: no valid admin credential.
+        """
+        try:
+            who = self._access.require_admin(context, what)
+        except ClusterwatchError as exc:
+            logger.warning("refused %s from %s: %s", what, context.peer(), exc)
+            raise
+        event = Event(EventKind.ADMIN_REQUEST, "", time.time(), f"{who}: {what}")
+        logger.info("%s asked for %s", who, what)
+        try:
+            self._core.event_log.append([event])
+        except Exception:  # the action still happens; the log line above says who asked
+            logger.exception("could not record who asked for %s", what)
+        return who
 
     def snapshot(self, summary_only: bool = False) -> cluster_pb2.ClusterSnapshot:
         """Nodes and jobs now; jobs are small, so summaries keep them whole."""
@@ -95,9 +124,11 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
             raise InvalidRequestError("id is empty")
         if request.state not in _SETTABLE_STATES:
             raise InvalidRequestError(
-                f"state must be INCIDENT_STATE_ACKNOWLEDGED or INCIDENT_STATE_RESOLVED, got "
-                f"{cluster_pb2.IncidentState.Name(request.state)}"
+                f"state must be INCIDENT_STATE_ACKNOWLEDGED or INCIDENT_STATE_RESOLVED, got {request.state}"
             )
+        self._authorize(
+            context, f"incident {request.id} -> {cluster_pb2.IncidentState.Name(request.state).lower()}"
+        )
         return self._core.watchdog.move(request.id, IncidentState.from_proto(request.state)).to_proto()
 
     async def GetDetectionSettings(  # noqa: N802
@@ -108,7 +139,11 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
     async def UpdateDetectionSettings(  # noqa: N802
         self, request: cluster_pb2.UpdateDetectionSettingsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.DetectionSettings:
-        settings = self._core.watchdog.update_settings(dict(request.values))
+        changes = dict(request.values)
+        self._authorize(
+            context, "detection settings " + ", ".join(f"{k}={v}" for k, v in sorted(changes.items()))
+        )
+        settings = self._core.watchdog.update_settings(changes)
         return cluster_pb2.DetectionSettings(values=config.as_strings(settings))
 
     async def ListActions(  # noqa: N802
@@ -122,11 +157,13 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
     async def RequestAction(  # noqa: N802
         self, request: cluster_pb2.ActionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.ActionResponse:
-        return await self._actions.request(request, context.time_remaining())
+        who = self._authorize(context, f"{request.action or 'action'} of job {request.job!r}")
+        return await self._actions.request(request, context.time_remaining(), requested_by=who)
 
     async def BeginJob(  # noqa: N802
         self, request: cluster_pb2.BeginJobRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.JobStatus:
+        self._authorize(context, f"begin job {request.job!r}")
         check_begin(request)
         core = self._core
         core.begin_job(request.job, request.labels, request.nodes)
@@ -137,6 +174,7 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
     async def EndJob(  # noqa: N802
         self, request: cluster_pb2.EndJobRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.EndJobResponse:
+        self._authorize(context, f"end job {request.job!r}")
         check_end(request)
         ended = self._core.end_job(request.job, request.reason)
         if ended.known:

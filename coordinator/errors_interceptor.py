@@ -16,6 +16,8 @@ from clusterwatch.errors import (
     InvalidReportError,
     InvalidRequestError,
     NotFoundError,
+    PermissionDeniedError,
+    UnauthenticatedError,
     UnimplementedError,
 )
 
@@ -28,6 +30,8 @@ STATUS_BY_ERROR: tuple[tuple[type[ClusterwatchError], grpc.StatusCode], ...] = (
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (UnimplementedError, grpc.StatusCode.UNIMPLEMENTED),
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
 )
 
 

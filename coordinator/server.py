@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from clusterwatch import sd_notify
 from clusterwatch.config import CoordinatorSettings, DetectionSettings, RecoverySettings
+from clusterwatch.coordinator.access import AccessPolicy, read_tokens
 from clusterwatch.coordinator.actions import Actions
 from clusterwatch.coordinator.agent_servicer import AgentServicer
 from clusterwatch.coordinator.cluster_servicer import ClusterServicer
@@ -40,6 +41,7 @@ from clusterwatch.coordinator.recovery_metrics import RecoveryView, recovery_vie
 from clusterwatch.coordinator.views import NodeView, node_views
 from clusterwatch.grpc_options import SERVER_OPTIONS
 from clusterwatch.http_server import MetricsHttpServer
+from clusterwatch.tls import TlsFiles
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2, cluster_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -88,9 +90,11 @@ class CoordinatorServer:
         settings: listen addresses, state directory, liveness.
         detection: detection thresholds (defaults when None).
         recovery: the recovery policy and launcher (defaults when None).
+        tls: serve mutual TLS with these files (None: plaintext); nodes must then
+            report under a name their certificate carries.
 
     Raises:
-        ConfigError: a bad option of the chosen launcher.
+        ConfigError: a bad option of the chosen launcher, or an unusable admin_token_file.
     """
 
     def __init__(
@@ -98,8 +102,14 @@ class CoordinatorServer:
         settings: CoordinatorSettings,
         detection: DetectionSettings | None = None,
         recovery: RecoverySettings | None = None,
+        *,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.settings = settings
+        self._tls = tls
+        self.access = AccessPolicy(
+            read_tokens(settings.admin_token_file), settings.admin_names, verify_nodes=tls is not None
+        )
         recovery = recovery or RecoverySettings()
         # Before anything is opened: it may raise. (self.core exists by the time a job's labels are asked for.)
         launcher = launcher_from(recovery, self._send_stop, self._job_labels)
@@ -170,9 +180,9 @@ class CoordinatorServer:
         # gRPC's aio objects bind to the running loop: create them here, not in __init__.
         self._server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=SERVER_OPTIONS)
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(self.core), self._server)
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(self.core, self.access), self._server)
         cluster_pb2_grpc.add_ClusterServiceServicer_to_server(
-            ClusterServicer(self.core, self.actions), self._server
+            ClusterServicer(self.core, self.actions, self.access), self._server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         services = (
@@ -182,7 +192,12 @@ class CoordinatorServer:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(services, self._server)
-        self.grpc_port = self._server.add_insecure_port(self.settings.listen)
+        if self._tls is None:
+            self.grpc_port = self._server.add_insecure_port(self.settings.listen)
+        else:
+            self.grpc_port = self._server.add_secure_port(
+                self.settings.listen, self._tls.server_credentials()
+            )
         if self.grpc_port == 0:
             raise OSError(f"cannot listen on {self.settings.listen}")
         await self._server.start()

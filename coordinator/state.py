@@ -37,6 +37,8 @@ class EventKind(enum.StrEnum):
     # BeginJob / EndJob (a SLURM Prolog / Epilog); node_id is empty.
     JOB_REGISTERED = "job_registered"
     JOB_ENDED = "job_ended"
+    # An admin credential was used (ClusterService actions); detail: who and what.
+    ADMIN_REQUEST = "admin_request"
 
 
 @dataclasses.dataclass(frozen=True)

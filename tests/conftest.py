@@ -7,12 +7,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import Cluster
+from helpers import ADMIN_TOKEN_FILE, Cluster
 
 # Every process the tests start talks plaintext on loopback, as a user would
 # say with --insecure; the TLS tests turn it off (tests/test_security.py).
 for _section in ("AGENT", "COORDINATOR", "CLIENT"):
     os.environ.setdefault(f"CLUSTERWATCH_{_section}_INSECURE", "true")
+# Coordinators accept, and clients send, one admin token (actions need one).
+os.environ.setdefault("CLUSTERWATCH_COORDINATOR_ADMIN_TOKEN_FILE", str(ADMIN_TOKEN_FILE))
+os.environ.setdefault("CLUSTERWATCH_CLIENT_TOKEN_FILE", str(ADMIN_TOKEN_FILE))
 
 
 @pytest.fixture

@@ -9,13 +9,15 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import grpc
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
@@ -25,6 +27,13 @@ from clusterwatch.v1 import cluster_pb2
 
 FIXTURES = Path(__file__).parent / "fixtures"
 T = TypeVar("T")
+
+# The admin token every test coordinator accepts and every test client sends
+# (tests/conftest.py points CLUSTERWATCH_*_TOKEN_FILE at ADMIN_TOKEN_FILE).
+ADMIN_TOKEN = "tests-admin-token-0123456789"  # noqa: S105 - the tests' own credential
+ADMIN_METADATA = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
+ADMIN_TOKEN_FILE = Path(tempfile.mkdtemp(prefix="clusterwatch-tests-")) / "admin.token"
+ADMIN_TOKEN_FILE.write_text(f"tests:{ADMIN_TOKEN}\n")
 
 
 def wait_for(predicate: Callable[[], T | None], timeout_s: float, what: str, poll_s: float = 0.05) -> T:
@@ -154,7 +163,7 @@ class Coordinator(Process):
         return self
 
     def client(self) -> ClusterClient:
-        return ClusterClient(self.address, timeout_s=10)
+        return ClusterClient(self.address, timeout_s=10, token=ADMIN_TOKEN)
 
     def snapshot(self) -> cluster_pb2.ClusterSnapshot:
         with self.client() as client:
@@ -319,3 +328,16 @@ def session_processes(session_id: int) -> list[psutil.Process]:
         except (ProcessLookupError, PermissionError, psutil.Error):
             continue
     return found
+
+
+class _AdminMetadata(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Adds the tests' admin token to every unary call of a channel."""
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        metadata = (*(details.metadata or ()), *ADMIN_METADATA)
+        return await continuation(details._replace(metadata=metadata), request)
+
+
+def admin_channel(address: str) -> grpc.aio.Channel:
+    """A plaintext channel whose unary calls carry the tests' admin token (ADMIN_TOKEN)."""
+    return grpc.aio.insecure_channel(address, interceptors=[_AdminMetadata()])

@@ -7,7 +7,7 @@ import asyncio
 
 import grpc
 import pytest
-from helpers import Cluster, Coordinator, run_cli
+from helpers import ADMIN_METADATA, ADMIN_TOKEN, Cluster, Coordinator, run_cli
 from training_builders import EXITED, AgentStream, poll_until, rank_report, step
 
 from clusterwatch.client import ClusterClient
@@ -31,7 +31,7 @@ async def request(
     coordinator: Coordinator, job: str, step_n: int | None = None, key: str = "", timeout_s: float = 10
 ) -> cluster_pb2.ActionResponse:
     def call() -> cluster_pb2.ActionResponse:
-        with ClusterClient(coordinator.address, timeout_s=timeout_s) as client:
+        with ClusterClient(coordinator.address, timeout_s=timeout_s, token=ADMIN_TOKEN) as client:
             return client.request_checkpoint(job, step_n, idempotency_key=key)
 
     return await asyncio.to_thread(call)
@@ -39,9 +39,9 @@ async def request(
 
 async def status_of(coordinator: Coordinator, action: cluster_pb2.ActionRequest) -> grpc.StatusCode:
     def call() -> grpc.StatusCode:
-        with ClusterClient(coordinator.address) as client:
+        with ClusterClient(coordinator.address, token=ADMIN_TOKEN) as client:
             try:
-                client._stub.RequestAction(action, timeout=10)
+                client._stub.RequestAction(action, timeout=10, metadata=ADMIN_METADATA)
             except grpc.RpcError as exc:
                 return exc.code()
         return grpc.StatusCode.OK

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from helpers import FIXTURES
+from helpers import ADMIN_TOKEN_FILE, FIXTURES, admin_channel
 
 from clusterwatch.agent.runtime import Agent, build_collectors
 from clusterwatch.config import AgentSettings, CoordinatorSettings
@@ -24,7 +24,10 @@ OK = agent_pb2.CommandResult.Status.STATUS_OK
 
 @pytest.fixture
 async def server(tmp_path: Path) -> AsyncIterator[CoordinatorServer]:
-    settings = CoordinatorSettings(listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", state_dir=tmp_path)
+    settings = CoordinatorSettings(
+        listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", state_dir=tmp_path,
+        admin_token_file=str(ADMIN_TOKEN_FILE),
+    )  # fmt: skip
     srv = CoordinatorServer(settings)
     await srv.start()
     yield srv
@@ -73,7 +76,7 @@ async def test_command_round_trip_and_idempotency(server: CoordinatorServer) -> 
 
 
 async def test_report_before_hello_is_invalid_argument(server: CoordinatorServer) -> None:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+    async with admin_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         call = agent_pb2_grpc.AgentServiceStub(channel).Connect()  # type: ignore[call-arg]
         await call.write(agent_pb2.AgentMessage(report=node_pb2.NodeReport(sequence=1)))
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -87,7 +90,7 @@ async def test_bad_hello_is_invalid_argument_and_others_keep_reporting(server: C
     good = asyncio.create_task(Agent(agent_settings(server, "good")).run(stop))
     try:
         await wait_for(lambda: "good" in server.core.sessions, 20, "the honest agent")
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        async with admin_channel(f"127.0.0.1:{server.grpc_port}") as channel:
             call = agent_pb2_grpc.AgentServiceStub(channel).Connect()  # type: ignore[call-arg]
             await call.write(agent_pb2.AgentMessage(hello=agent_pb2.Hello(node_id="bad", interval_seconds=1)))
             with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -103,7 +106,7 @@ async def test_bad_hello_is_invalid_argument_and_others_keep_reporting(server: C
 
 
 async def test_newer_stream_supersedes_the_older(server: CoordinatorServer) -> None:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+    async with admin_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         hello = agent_pb2.Hello(node_id="n", instance_id="i", interval_seconds=1)
         old = stub.Connect()  # type: ignore[call-arg]
@@ -124,7 +127,7 @@ async def test_newer_stream_supersedes_the_older(server: CoordinatorServer) -> N
 
 
 async def test_health_and_reflection(server: CoordinatorServer) -> None:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+    async with admin_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "clusterwatch.v1.AgentService", "clusterwatch.v1.ClusterService"):
             response = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
@@ -142,7 +145,7 @@ async def test_health_and_reflection(server: CoordinatorServer) -> None:
 
 
 async def test_list_incidents_of_a_quiet_cluster_is_empty(server: CoordinatorServer) -> None:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+    async with admin_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         stub = cluster_pb2_grpc.ClusterServiceStub(channel)
         response = await stub.ListIncidents(
             cluster_pb2.ListIncidentsRequest(include_resolved=True), timeout=5
@@ -154,7 +157,7 @@ async def test_watch_streams_snapshots(server: CoordinatorServer) -> None:
     stop = asyncio.Event()
     task = asyncio.create_task(Agent(agent_settings(server, "w")).run(stop))
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        async with admin_channel(f"127.0.0.1:{server.grpc_port}") as channel:
             stub = cluster_pb2_grpc.ClusterServiceStub(channel)
             stream = stub.Watch(cluster_pb2.WatchRequest(interval_seconds=0.1, summary_only=True), timeout=30)
             sequences = []

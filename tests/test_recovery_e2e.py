@@ -184,7 +184,7 @@ def test_the_rate_limit_leaves_a_job_that_keeps_hanging_to_a_person(cluster: Clu
 
 
 def test_dry_run_records_the_restart_and_kills_nothing(cluster: Cluster, tmp_path: Path) -> None:
-    coordinator, socket = start(cluster, "--dry-run", "true")
+    coordinator, socket = start(cluster, "--dry-run")
     _, job = hanging_job(cluster, tmp_path, socket, "dry", max_restarts=1)
     wait_for_ranks_past(coordinator, "dry", 2, 5, 120)
     pids = {p.pid for p in session_processes(job.pid)}

@@ -21,7 +21,18 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import Cluster, Coordinator, Process, run_cli, samples_named, scrape, start_node, wait_for
+from helpers import (
+    ADMIN_TOKEN_FILE,
+    Cluster,
+    Coordinator,
+    Process,
+    admin_channel,
+    run_cli,
+    samples_named,
+    scrape,
+    start_node,
+    wait_for,
+)
 from training_builders import T0, rank_report
 
 from clusterwatch.config import CoordinatorSettings, RecoverySettings
@@ -64,6 +75,8 @@ def script_env(tmp_path: Path, coordinator: str, **extra: str) -> dict[str, str]
     env_file.write_text(
         "# the agent's environment file\n"
         f'CLUSTERWATCH_AGENT_COORDINATOR="{coordinator}"\n'
+        "CLUSTERWATCH_AGENT_INSECURE=true\n"
+        f"CLUSTERWATCH_CLIENT_TOKEN_FILE={ADMIN_TOKEN_FILE}\n"
         f"CLUSTERWATCH_BIN={CLUSTERWATCH_BIN}\n"
         "CLUSTERWATCH_SLURM_TIMEOUT_S=2\n"
         f"CLUSTERWATCH_NOT_RUN=$(touch {tmp_path / 'never'})\n"
@@ -227,7 +240,9 @@ async def server(tmp_path: Path) -> AsyncIterator[CoordinatorServer]:
         f"with open({str(tmp_path / 'scontrol.calls')!r}, 'a') as f:\n    f.write(json.dumps(sys.argv[1:]) + '\\n')\n"
     )
     scontrol.chmod(0o755)
-    settings = CoordinatorSettings(listen="127.0.0.1:0", metrics_listen="", state_dir=tmp_path)
+    settings = CoordinatorSettings(
+        listen="127.0.0.1:0", metrics_listen="", state_dir=tmp_path, admin_token_file=str(ADMIN_TOKEN_FILE)
+    )
     srv = CoordinatorServer(settings, recovery=RecoverySettings(launcher="slurm", scontrol=str(scontrol)))
     await srv.start()
     yield srv
@@ -235,7 +250,7 @@ async def server(tmp_path: Path) -> AsyncIterator[CoordinatorServer]:
 
 
 async def test_begin_and_end_job_check_their_input(server: CoordinatorServer) -> None:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+    async with admin_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         stub = cluster_pb2_grpc.ClusterServiceStub(channel)
         for call, problem in (
             (stub.BeginJob(cluster_pb2.BeginJobRequest()), "job is empty"),
@@ -283,7 +298,7 @@ async def test_the_slurm_launcher_requeues_the_id_the_ranks_reported(
     report = rank_report(0, job=JOB, world_size=1)
     report.identity.labels.update(LABELS)
     server.core.jobs.ingest("gpu01", [report], now_mono=time.monotonic(), now_unix=T0)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+    async with admin_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         response = await cluster_pb2_grpc.ClusterServiceStub(channel).RequestAction(
             cluster_pb2.ActionRequest(job=JOB, action="restart")
         )

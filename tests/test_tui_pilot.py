@@ -84,7 +84,7 @@ def keys(t: RowTable) -> list[str]:
 async def test_views_sorting_filtering_and_details_follow_a_live_cluster(cluster: Cluster) -> None:
     coordinator = cluster.coordinator()
     simulate(cluster, coordinator)
-    app = TopApp(coordinator.address, interval_s=0.25)
+    app = TopApp(coordinator.address, client_factory=coordinator.client, interval_s=0.25)
     async with app.run_test(size=(160, 48)) as pilot:
         await until(pilot, lambda: "nodes 2/2 up" in header(app), 30, "both simulated nodes")
         nodes = table(app, "#nodes")
@@ -152,7 +152,7 @@ async def test_views_sorting_filtering_and_details_follow_a_live_cluster(cluster
 async def test_actions_ask_first_and_readonly_offers_none(cluster: Cluster) -> None:
     coordinator = cluster.coordinator()
     simulate(cluster, coordinator)
-    app = TopApp(coordinator.address, interval_s=0.25)
+    app = TopApp(coordinator.address, client_factory=coordinator.client, interval_s=0.25)
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("3")
         await until(pilot, lambda: len(table(app, "#rank-table").rows) == 8, 30, "8 ranks")
@@ -175,7 +175,7 @@ async def test_actions_ask_first_and_readonly_offers_none(cluster: Cluster) -> N
         await pilot.press("c", "y")
         await until(pilot, lambda: asked in coordinator.log(), 10, "the coordinator to relay the checkpoint")
 
-    readonly = TopApp(coordinator.address, readonly=True, interval_s=0.25)
+    readonly = TopApp(coordinator.address, client_factory=coordinator.client, readonly=True, interval_s=0.25)
     async with readonly.run_test(size=(120, 40)) as pilot:
         await pilot.press("3")
         await until(pilot, lambda: len(table(readonly, "#rank-table").rows) == 8, 30, "8 ranks")
@@ -191,7 +191,7 @@ async def test_actions_ask_first_and_readonly_offers_none(cluster: Cluster) -> N
 async def test_losing_the_coordinator_shows_since_when_and_it_reconnects(cluster: Cluster) -> None:
     coordinator = cluster.coordinator()
     simulate(cluster, coordinator)
-    app = TopApp(coordinator.address, interval_s=0.25)
+    app = TopApp(coordinator.address, client_factory=coordinator.client, interval_s=0.25)
     async with app.run_test(size=(100, 30)) as pilot:
         await until(pilot, lambda: "nodes 2/2 up" in header(app), 30, "both simulated nodes")
         coordinator.stop()

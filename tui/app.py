@@ -9,6 +9,7 @@ redraws only the view on screen. It talks to the coordinator through
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from typing import ClassVar
@@ -99,9 +100,11 @@ class TopApp(App[None]):
         connect: bool = True,
         interval_s: float = 1.0,
         clock: Callable[[], float] = time.time,
+        client_factory: Callable[[], ClusterClient] | None = None,
     ) -> None:
         super().__init__()
         self.address = address
+        self._new_client = client_factory or functools.partial(ClusterClient, address)
         self.readonly = readonly
         self.state = TopState()
         self.view = "nodes"
@@ -138,7 +141,9 @@ class TopApp(App[None]):
         self._show_view("nodes")
         self.set_interval(1.0, self._refresh_header)
         if self._connect:
-            self._feed = SnapshotFeed(self.address, self._deliver_from_thread, self._interval_s)
+            self._feed = SnapshotFeed(
+                self.address, self._deliver_from_thread, self._interval_s, client_factory=self._new_client
+            )
             self._feed.start()
 
     def on_unmount(self) -> None:
@@ -150,7 +155,7 @@ class TopApp(App[None]):
     @property
     def client(self) -> ClusterClient:
         if self._client is None:
-            self._client = ClusterClient(self.address)
+            self._client = self._new_client()
         return self._client
 
     # -- updates --------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -49,10 +50,19 @@ class SnapshotFeed:
         deliver: receives what happened; a slow ``deliver`` slows the stream
             down rather than queueing snapshots.
         interval_s: seconds between snapshots.
+        client_factory: makes the client of each connection (default: plaintext to ``address``).
     """
 
-    def __init__(self, address: str, deliver: Callable[[Delivery], None], interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        deliver: Callable[[Delivery], None],
+        interval_s: float = 1.0,
+        *,
+        client_factory: Callable[[], ClusterClient] | None = None,
+    ) -> None:
         self.address = address
+        self._new_client = client_factory or functools.partial(ClusterClient, address)
         self._deliver = deliver
         self._interval_s = interval_s
         self._stopping = threading.Event()
@@ -87,7 +97,7 @@ class SnapshotFeed:
 
     def _stream(self, backoff: Backoff) -> tuple[str, bool]:
         """Reads the stream until it breaks; returns why, and whether any snapshot came."""
-        client = ClusterClient(self.address)
+        client = self._new_client()
         with self._lock:
             if self._stopping.is_set():
                 client.close()

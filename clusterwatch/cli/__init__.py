@@ -8,6 +8,7 @@ import sys
 from clusterwatch import __version__
 from clusterwatch.cli import (
     agent_cmd,
+    certs_cmd,
     checkpoint_cmd,
     common,
     coordinator_cmd,
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         checkpoint_cmd,
         restart_cmd,
         job_cmd,
+        certs_cmd,
         demo,
         simulate,
     ):

@@ -6,6 +6,7 @@ import argparse
 
 from clusterwatch.cli.common import add_settings_flags, run_until_signalled, settings_from_args
 from clusterwatch.config import AgentSettings
+from clusterwatch.tls import credentials, warn_if_plaintext
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -22,8 +23,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, AgentSettings)
+    tls = credentials(settings, "agent")
     from clusterwatch.agent.runtime import Agent
 
-    agent = Agent(settings)
+    warn_if_plaintext(tls, f"the agent's stream to {settings.coordinator}")
+    agent = Agent(settings, tls=tls)
     run_until_signalled(agent.run)
     return 0

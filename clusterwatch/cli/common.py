@@ -34,11 +34,17 @@ def add_settings_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         factory: Any = field.default_factory
         default = factory() if field.default is dataclasses.MISSING else field.default
         shown = ",".join(default) if isinstance(default, list) else default
+        # A switch (--insecure / --no-insecure) for a bool, a value for the rest.
+        switch: dict[str, Any] = (
+            {"action": argparse.BooleanOptionalAction}
+            if isinstance(default, bool)
+            else {"metavar": field.name.upper()}
+        )
         group.add_argument(
             config.flag_name(field),
             dest=_FLAG_PREFIX + field.name,
             default=argparse.SUPPRESS,
-            metavar=field.name.upper(),
+            **switch,
             help=f"{field.metadata['help']} ({f'default {shown}; ' if shown != '' else ''}"
             f"env {config.env_name(section, field.name)})",
         )
@@ -75,7 +81,7 @@ def with_client(args: argparse.Namespace, use: Callable[[ClusterClient], T]) -> 
     stderr naming the coordinator and the status) when the call failed."""
     settings = settings_from_args(args, config.ClientSettings)
     try:
-        with ClusterClient(settings.coordinator, settings.timeout_s) as client:
+        with ClusterClient.from_settings(settings) as client:
             return use(client)
     except grpc.RpcError as exc:
         print(f"clusterwatch: {settings.coordinator}: {exc.code().name}: {exc.details()}", file=sys.stderr)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from clusterwatch.cli.common import add_settings_flags, run_until_signalled, settings_from_args
 from clusterwatch.config import CoordinatorSettings, DetectionSettings, RecoverySettings
 from clusterwatch.errors import ConfigError
+from clusterwatch.tls import credentials, warn_if_plaintext
 
 if TYPE_CHECKING:
     from clusterwatch.coordinator.server import CoordinatorServer
@@ -38,9 +39,13 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, CoordinatorSettings)
     detection = settings_from_args(args, DetectionSettings)
     recovery = settings_from_args(args, RecoverySettings)
+    tls = credentials(settings, "coordinator")
     from clusterwatch.coordinator.server import CoordinatorServer
 
-    server = CoordinatorServer(settings, detection, recovery)
+    server = CoordinatorServer(settings, detection, recovery, tls=tls)
+    warn_if_plaintext(tls, f"the coordinator's API on {settings.listen}")
+    if not server.access.has_admins:
+        logger.info("no admin_token_file or admin_names: the API is read-only (actions are refused)")
 
     async def main(stop: asyncio.Event) -> None:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_settings, server, args)

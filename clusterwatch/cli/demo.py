@@ -154,7 +154,7 @@ def _start_cluster(
     errors = (workdir / "services.log").open("wb") if args.top else None
     ready_file = workdir / "coordinator.ready"
     coordinator = _start(
-        ["coordinator", "--listen", f"127.0.0.1:{args.grpc_port}",
+        ["coordinator", "--insecure", "--listen", f"127.0.0.1:{args.grpc_port}",
          "--metrics-listen", f"127.0.0.1:{args.metrics_port}", "--state-dir", str(args.state_dir or workdir / "state"),
          "--ready-file", str(ready_file), *DEMO_RECOVERY],
         log_level, errors,
@@ -163,7 +163,7 @@ def _start_cluster(
     ports = _wait_ready(ready_file, coordinator)
     for node in DEMO_NODES:
         processes.append(_start(
-            ["agent", "--coordinator", f"127.0.0.1:{ports['grpc_port']}", "--node-id", node,
+            ["agent", "--insecure", "--coordinator", f"127.0.0.1:{ports['grpc_port']}", "--node-id", node,
              "--gpu-backend", "sim", "--sim-gpus", str(args.sim_gpus), "--interval", str(args.interval),
              "--socket", str(workdir / f"{node}.sock")],
             log_level, errors,
@@ -186,8 +186,8 @@ def _print_banner(
     lines += [
         f"  API (gRPC):  {address}",
         f"  metrics:     {metrics_url}",
-        f"  try:         clusterwatch status --coordinator {address}",
-        f"               clusterwatch incidents --all --coordinator {address}",
+        f"  try:         clusterwatch status --insecure --coordinator {address}",
+        f"               clusterwatch incidents --all --insecure --coordinator {address}",
     ]
     if not args.train:
         lines.append(

@@ -42,7 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, ClientSettings)
     try:
-        with ClusterClient(settings.coordinator, settings.timeout_s) as client:
+        with ClusterClient.from_settings(settings) as client:
             if args.acknowledge or args.resolve:
                 state = (
                     IncidentState.INCIDENT_STATE_ACKNOWLEDGED

@@ -158,7 +158,7 @@ def _to_dict(message: cluster_pb2.JobStatus | cluster_pb2.RankStatus) -> dict[st
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, ClientSettings)
     try:
-        with ClusterClient(settings.coordinator, settings.timeout_s) as client:
+        with ClusterClient.from_settings(settings) as client:
             snapshot = client.snapshot(summary_only=True)
     except grpc.RpcError as exc:
         print(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from clusterwatch.cli.common import add_settings_flags, settings_from_args
+from clusterwatch.client import client_factory
 from clusterwatch.config import ClientSettings
 
 
@@ -31,5 +32,10 @@ def run(args: argparse.Namespace) -> int:
     from clusterwatch.tui.app import TopApp  # Textual loads only for this command
 
     settings = settings_from_args(args, ClientSettings)
-    TopApp(settings.coordinator, readonly=args.readonly, interval_s=args.interval).run()
+    TopApp(
+        settings.coordinator,
+        readonly=args.readonly,
+        interval_s=args.interval,
+        client_factory=client_factory(settings),
+    ).run()
     return 0

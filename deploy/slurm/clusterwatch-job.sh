@@ -11,6 +11,10 @@
 # environment file; CLUSTERWATCH_ENV_FILE names another):
 #   CLUSTERWATCH_CLIENT_COORDINATOR  coordinator HOST:PORT (else CLUSTERWATCH_AGENT_COORDINATOR,
 #                                    else the [client] table of /etc/clusterwatch/clusterwatch.toml)
+#   CLUSTERWATCH_CLIENT_TLS_CERT, _TLS_KEY, _TLS_CA, _INSECURE
+#                                    how to reach it (else the agent's CLUSTERWATCH_AGENT_* ones)
+#   CLUSTERWATCH_CLIENT_TOKEN_FILE   admin token (begin and end are actions; e.g. a token named
+#                                    slurm, root-only, in the coordinator's admin_token_file)
 #   CLUSTERWATCH_SLURM_TIMEOUT_S     seconds to wait for the coordinator (default 5)
 #   CLUSTERWATCH_BIN                 the clusterwatch executable (default: on PATH, /usr/local/bin,
 #                                    /opt/clusterwatch/bin, /opt/clusterwatch/venv/bin)
@@ -68,9 +72,13 @@ main() {
         return 0
     fi
     load_env_file "${CLUSTERWATCH_ENV_FILE:-/etc/clusterwatch/clusterwatch.env}"
-    if [[ -z ${CLUSTERWATCH_CLIENT_COORDINATOR:-} && -n ${CLUSTERWATCH_AGENT_COORDINATOR:-} ]]; then
-        export CLUSTERWATCH_CLIENT_COORDINATOR=$CLUSTERWATCH_AGENT_COORDINATOR
-    fi
+    local setting client agent
+    for setting in COORDINATOR TLS_CERT TLS_KEY TLS_CA INSECURE; do # the agent's, unless given for the client
+        client=CLUSTERWATCH_CLIENT_$setting agent=CLUSTERWATCH_AGENT_$setting
+        if [[ -z ${!client:-} && -n ${!agent:-} ]]; then
+            export "$client=${!agent}"
+        fi
+    done
     timeout_s=${CLUSTERWATCH_SLURM_TIMEOUT_S:-5}
     [[ $timeout_s =~ ^[0-9]+([.][0-9]+)?$ ]] || timeout_s=5
     if ! bin=$(find_clusterwatch); then
