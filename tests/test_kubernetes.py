@@ -27,6 +27,7 @@ import copy
 import http.server
 import json
 import os
+import re
 import subprocess
 import threading
 import tomllib
@@ -282,12 +283,15 @@ def container_settings(workload: Doc, cls: type[S], tmp_path: Path, monkeypatch:
     args[args.index("--config") + 1] = str(local_config)
     for name in [n for n in os.environ if n.startswith(config.ENV_PREFIX)]:
         monkeypatch.delenv(name)
+    defined: dict[str, str] = {}
     for env in container.get("env", []):
         if "valueFrom" in env:
             assert env["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}, env
-            monkeypatch.setenv(env["name"], NODE_NAME)
-        else:
-            monkeypatch.setenv(env["name"], env["value"])
+            value = NODE_NAME
+        else:  # the kubelet expands $(NAME) of a variable defined above
+            value = re.sub(r"\$\((\w+)\)", lambda m: defined.get(m[1], m[0]), env["value"])
+        defined[env["name"]] = value
+        monkeypatch.setenv(env["name"], value)
     parsed = build_parser().parse_args(args)
     # Every CLUSTERWATCH_* variable the container sets is a setting or the log level.
     known = {config.env_name(s, f.name) for c, s in config.SECTIONS.items() for f in config.fields_of(c)}
@@ -329,6 +333,10 @@ def test_agent_settings_come_from_the_daemonset_and_point_at_its_mounts(
     assert pod_resources["hostPath"]["path"] == "/var/lib/kubelet/pod-resources"
     assert mount_source(daemonset, container, settings.sys_root)["hostPath"]["path"] == "/sys"
     assert settings.proc_root == Path("/proc")  # the host's, through hostPID
+    # Mutual TLS with this node's own certificate, from the node-certificates Secret.
+    assert settings.tls_cert == f"/etc/clusterwatch-tls/{NODE_NAME}.crt"
+    for path in (settings.tls_cert, settings.tls_key, settings.tls_ca):
+        assert mount_source(daemonset, container, Path(path).parent)["secret"]["secretName"]
     _, metrics_port = config.split_host_port(settings.metrics_listen)
     assert metrics_port == container_port(container, "metrics")
     for probe in ("livenessProbe", "readinessProbe"):
@@ -351,7 +359,10 @@ def test_coordinator_settings_come_from_the_deployment_and_match_the_service(
         _, port = config.split_host_port(address)
         assert port == container_port(container, name)
         assert ports[name]["targetPort"] == name
-    assert container["readinessProbe"]["grpc"]["port"] == container_port(container, "grpc")
+    # The kubelet's gRPC probe has no client certificate: readiness is /healthz.
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    for path in (settings.tls_cert, settings.tls_key, settings.tls_ca, settings.admin_token_file):
+        assert mount_source(deployment, container, Path(path).parent)["secret"]["secretName"]
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
