@@ -5,16 +5,41 @@ the job; the coordinator's table of complete checkpoints becomes one
 CheckpointState per stream, sent when the stream says hello (once a table is
 known), when the table first arrives, and whenever the stream's job's value
 changes. Runs on the agent's event loop only.
+
+What was asked is remembered per process *and* the rank and job it was asked
+as, so an answer is accepted only from the process asked, as that rank, for
+the step asked (``check_result``): a stream cannot acknowledge a checkpoint
+for another rank or job, nor for a request it never got.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 
+from clusterwatch.errors import ClusterwatchError
 from clusterwatch.v1 import agent_pb2, hook_pb2, training_pb2
 
 logger = logging.getLogger(__name__)
+
+# Requests remembered for their answers: per (process, job, rank), and how many of those.
+MAX_ASKED_PER_RANK = 64
+MAX_ASKED_RANKS = 4096
+
+AskKey = tuple[str, str, int]  # instance_id, job, rank
+
+
+class AcknowledgementRefusedError(ClusterwatchError):
+    """A hook answered a request that was not sent to it as its rank (PERMISSION_DENIED).
+
+    Attributes:
+        field: what is wrong, e.g. ``checkpoint_result.command_id``.
+    """
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {problem}")
 
 
 class HookLink:
@@ -41,6 +66,8 @@ class HookLinks:
     def __init__(self) -> None:
         self._links: dict[str, HookLink] = {}
         self._complete_step_by_job: dict[str, int] | None = None  # None: no table received yet
+        # Checkpoint requests sent, {command_id: step}, by whom they were sent to; oldest first.
+        self._asked: collections.OrderedDict[AskKey, dict[str, int]] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._links)
@@ -78,7 +105,32 @@ class HookLinks:
             if link.job == job:
                 link.outbox.put_nowait(command)
                 ranks.add(link.rank)
+                self._remember_ask((link.instance_id, link.job, link.rank), command_id, step)
         return sorted(ranks)
+
+    def check_result(self, link: HookLink, result: training_pb2.CheckpointResult) -> None:
+        """Refuse an answer to a request ``link``'s process was not sent as its current rank and job.
+
+        A result with no command id is the training loop's own save: it answers
+        nothing and counts for the stream's own rank.
+
+        Raises:
+            AcknowledgementRefusedError: naming the command or the step.
+        """
+        command_id = result.command_id
+        if not command_id:
+            return
+        asked = self._asked.get((link.instance_id, link.job, link.rank), {})
+        step = asked.get(command_id)
+        if step is None:
+            raise AcknowledgementRefusedError(
+                "checkpoint_result.command_id",
+                f"{command_id} was not sent to this process as rank {link.rank} of job {link.job}",
+            )
+        if result.step != step:
+            raise AcknowledgementRefusedError(
+                "checkpoint_result.step", f"command {command_id} asked for step {step}, not {result.step}"
+            )
 
     def update_checkpoints(self, table: agent_pb2.JobCheckpoints) -> None:
         """Remember the coordinator's table and tell every stream whose job's value changed."""
@@ -94,6 +146,18 @@ class HookLinks:
         if step is None:
             return hook_pb2.CheckpointState(has_complete_checkpoint=False)
         return hook_pb2.CheckpointState(has_complete_checkpoint=True, latest_complete_step=step)
+
+    def _remember_ask(self, key: AskKey, command_id: str, step: int) -> None:
+        asked = self._asked.get(key)
+        if asked is None:
+            asked = self._asked[key] = {}
+            if len(self._asked) > MAX_ASKED_RANKS:
+                self._asked.popitem(last=False)
+        else:
+            self._asked.move_to_end(key)
+        asked[command_id] = step
+        if len(asked) > MAX_ASKED_PER_RANK:
+            del asked[next(iter(asked))]
 
     def _push_state(self, link: HookLink) -> None:
         state = self.state_for(link.job)

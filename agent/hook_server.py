@@ -1,9 +1,15 @@
 """HookService on the agent's Unix socket: the thin gRPC face of the rank registry.
 
-One Connect stream per training process. The first message must be a hello;
-after it, each message goes to the RankRegistry, and commands queued by
-HookLinks go down the stream. A message the registry refuses ends the stream
-with INVALID_ARGUMENT naming the field (what the hook sent before is kept).
+One Connect stream per training process. The first message must be a hello
+carrying a nonce from the credential socket next to the hook socket
+(agent/credential_server.py): the stream is then bound to the process the
+kernel named, and the hello's pid is replaced by that process's pid (see
+agent/peer_credentials.py). After it, each message goes to the RankRegistry,
+and commands queued by HookLinks go down the stream. A message the registry
+refuses ends the stream with INVALID_ARGUMENT naming the field (what the hook
+sent before is kept); a hello without a valid nonce ends it with
+UNAUTHENTICATED; a hook claiming another process's pid, or answering a
+checkpoint request not sent to it as its rank, with PERMISSION_DENIED.
 """
 
 from __future__ import annotations
@@ -17,12 +23,20 @@ from typing import Any
 
 import grpc
 
-from clusterwatch.agent.hook_links import HookLink, HookLinks
-from clusterwatch.agent.hook_socket import HookSocketError, SocketClaim
+from clusterwatch.agent.credential_server import CredentialServer
+from clusterwatch.agent.hook_links import AcknowledgementRefusedError, HookLink, HookLinks
+from clusterwatch.agent.hook_socket import HookSocketError, SocketClaim, resolve_group
 from clusterwatch.agent.hook_validation import InvalidHookMessageError, RankGoneError
+from clusterwatch.agent.peer_credentials import (
+    NonceBook,
+    PeerMismatchError,
+    UnverifiedHookError,
+    VerifiedPeer,
+)
 from clusterwatch.agent.ranks import RankRegistry
 from clusterwatch.errors import ClusterwatchError
 from clusterwatch.grpc_options import SERVER_OPTIONS
+from clusterwatch.hook_handshake import credential_socket_path
 from clusterwatch.promtext import Exposition, counter, gauge, labels
 from clusterwatch.v1 import hook_pb2, hook_pb2_grpc
 
@@ -39,7 +53,15 @@ SHUTDOWN_GRACE_S = 1.0
 STATUS_BY_ERROR: tuple[tuple[type[ClusterwatchError], grpc.StatusCode], ...] = (
     (InvalidHookMessageError, grpc.StatusCode.INVALID_ARGUMENT),
     (RankGoneError, grpc.StatusCode.FAILED_PRECONDITION),
+    (UnverifiedHookError, grpc.StatusCode.UNAUTHENTICATED),
+    (PeerMismatchError, grpc.StatusCode.PERMISSION_DENIED),
+    (AcknowledgementRefusedError, grpc.StatusCode.PERMISSION_DENIED),
 )
+# Refusals counted in clusterwatch_agent_hook_denied_total, by the code's label.
+DENIED_CODES = {
+    grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
+    grpc.StatusCode.PERMISSION_DENIED: "permission_denied",
+}
 
 HOOK_STREAMS = gauge("clusterwatch_agent_hook_streams", "Training hooks connected to this agent's socket.")
 HOOK_MESSAGES = counter(
@@ -48,6 +70,11 @@ HOOK_MESSAGES = counter(
 HOOK_INVALID = counter(
     "clusterwatch_agent_hook_invalid_messages_total",
     "Hook streams ended because a message broke the protocol or carried impossible values.",
+)
+HOOK_DENIED = counter(
+    "clusterwatch_agent_hook_denied_total",
+    "Hook streams ended because the hook did not prove which process it is (unauthenticated), "
+    "or claimed another process or answered a request not sent to its rank (permission_denied).",
 )
 
 # Message kinds as labels: the oneof members, plus "empty" for a message with none.
@@ -63,6 +90,7 @@ class HookStats:
     def __init__(self) -> None:
         self.messages_total: dict[str, int] = dict.fromkeys(MESSAGE_KINDS, 0)
         self.invalid_total = 0
+        self.denied_total: dict[str, int] = dict.fromkeys(DENIED_CODES.values(), 0)
         self.streams = 0
 
     def write(self, exp: Exposition, node_label: str) -> None:
@@ -70,6 +98,8 @@ class HookStats:
         for kind, count in list(self.messages_total.items()):
             exp.add(HOOK_MESSAGES, f"{node_label},{labels(kind=kind)}", count)
         exp.add(HOOK_INVALID, node_label, self.invalid_total)
+        for code, count in list(self.denied_total.items()):
+            exp.add(HOOK_DENIED, f"{node_label},{labels(code=code)}", count)
 
 
 def status_for(exc: ClusterwatchError) -> grpc.StatusCode:
@@ -90,12 +120,23 @@ class HookServicer(hook_pb2_grpc.HookServiceServicer):
         registry: where what hooks report is kept until the next node report.
         links: the open streams' outboxes.
         stats: counters for /metrics.
+        nonces: redeems the nonces hellos carry.
+        proc_root: where /proc is (to tell a container's own pids).
     """
 
-    def __init__(self, registry: RankRegistry, links: HookLinks, stats: HookStats) -> None:
+    def __init__(
+        self,
+        registry: RankRegistry,
+        links: HookLinks,
+        stats: HookStats,
+        nonces: NonceBook,
+        proc_root: Path = Path("/proc"),
+    ) -> None:
         self._registry = registry
         self._links = links
         self._stats = stats
+        self._nonces = nonces
+        self._proc_root = proc_root
         # Log each distinct refusal once at warning: a broken hook reconnects and repeats itself.
         self._warned: collections.OrderedDict[str, None] = collections.OrderedDict()
 
@@ -107,10 +148,13 @@ class HookServicer(hook_pb2_grpc.HookServiceServicer):
         try:
             await self._serve(context)
         except ClusterwatchError as exc:
+            code = status_for(exc)
             if isinstance(exc, InvalidHookMessageError):
                 self._stats.invalid_total += 1
+            elif code in DENIED_CODES:
+                self._stats.denied_total[DENIED_CODES[code]] += 1
             self._log_refusal(exc)
-            await context.abort(status_for(exc), str(exc))
+            await context.abort(code, str(exc))
         except Superseded:
             await context.abort(grpc.StatusCode.ABORTED, "superseded by a newer stream of the same process")
 
@@ -124,11 +168,12 @@ class HookServicer(hook_pb2_grpc.HookServiceServicer):
             raise InvalidHookMessageError(
                 "hello", f"the first message on a hook stream must be a hello, got {kind}"
             )
-        identity = first.hello
-        stream = self._registry.hello(identity)
+        peer = VerifiedPeer(self._nonces.redeem(first.credential_nonce), self._proc_root)
+        identity = peer.bind(first.hello, "hello")
+        stream = self._registry.hello(identity, uid=peer.uid)
         link = self._links.open(identity)
         self._stats.streams = len(self._links)
-        reader = asyncio.create_task(self._read(link, context), name=f"hook-read-{identity.rank}")
+        reader = asyncio.create_task(self._read(link, peer, context), name=f"hook-read-{identity.rank}")
         writer = asyncio.create_task(self._write(link, context), name=f"hook-write-{identity.rank}")
         try:
             done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
@@ -146,7 +191,7 @@ class HookServicer(hook_pb2_grpc.HookServiceServicer):
             self._stats.streams = len(self._links)
             self._registry.disconnect(identity.instance_id, stream)
 
-    async def _read(self, link: HookLink, context: Context) -> None:
+    async def _read(self, link: HookLink, peer: VerifiedPeer, context: Context) -> None:
         """Apply messages until the hook half-closes; raise on the first bad one."""
         instance_id = link.instance_id
         registry = self._registry
@@ -160,10 +205,12 @@ class HookServicer(hook_pb2_grpc.HookServiceServicer):
             elif kind == "heartbeat":
                 registry.heartbeat(instance_id, message.heartbeat)
             elif kind == "checkpoint_result":
+                self._links.check_result(link, message.checkpoint_result)
                 registry.checkpoint_result(instance_id, message.checkpoint_result)
             elif kind == "identity":
-                registry.update_identity(instance_id, message.identity)
-                self._links.identity_changed(link, message.identity)
+                identity = peer.bind(message.identity, "identity")
+                registry.update_identity(instance_id, identity)
+                self._links.identity_changed(link, identity)
             elif kind == "goodbye":
                 registry.goodbye(instance_id)
             elif kind == "hello":
@@ -197,28 +244,50 @@ class HookServicer(hook_pb2_grpc.HookServiceServicer):
 
 
 class HookServer:
-    """Serves HookService on a Unix socket in the agent's event loop.
+    """Serves HookService on a Unix socket, and the credential handshake next to it, in the agent's loop.
 
     Args:
         socket_path: where to listen (mode 0660; the directory is created if missing).
+            The credential socket is the same path plus ".cred".
         registry: the rank registry hook messages go to.
         links: the open streams, for commands going down.
+        group: the group given both sockets, a name or a gid (``agent.socket_group``);
+            empty: the agent's own.
+        nonces: issues and redeems the handshake's nonces (default: a NonceBook()).
+        proc_root: where /proc is.
+
+    Raises:
+        ConfigError: (``agent.socket_group``) no such group.
     """
 
-    def __init__(self, socket_path: Path, registry: RankRegistry, links: HookLinks) -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        registry: RankRegistry,
+        links: HookLinks,
+        *,
+        group: str = "",
+        nonces: NonceBook | None = None,
+        proc_root: Path = Path("/proc"),
+    ) -> None:
         self.socket_path = socket_path
+        self.credential_path = Path(credential_socket_path(str(socket_path)))
         self.stats = HookStats()
-        self._servicer = HookServicer(registry, links, self.stats)
-        self._claim = SocketClaim(socket_path)
+        self.nonces = nonces if nonces is not None else NonceBook()
+        self._servicer = HookServicer(registry, links, self.stats, self.nonces, proc_root)
+        self._claim = SocketClaim(socket_path, companions=(self.credential_path,), group=resolve_group(group))
+        self._credentials = CredentialServer(self.credential_path, self.nonces)
         self._server: grpc.aio.Server | None = None
 
     async def start(self) -> None:
-        """Claim the path, bind and start serving.
+        """Claim the paths, bind both sockets, give them their mode and group, and start serving.
 
         Raises:
-            HookSocketError: the path is unusable or another agent serves it.
+            HookSocketError: a path is unusable or another agent serves it.
+            ConfigError: (``agent.socket_group``) the agent may not give the sockets that group.
         """
         self._claim.claim()
+        server: grpc.aio.Server | None = None
         try:
             # gRPC's aio objects bind to the running loop: create the server here.
             server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -227,17 +296,31 @@ class HookServer:
                 server.add_insecure_port(f"unix:{self.socket_path}")
             except RuntimeError as exc:
                 raise HookSocketError(f"cannot listen on {self.socket_path}: {exc}") from None
-            # The socket exists from add_insecure_port on; narrow its mode before serving.
-            self._claim.bound()
+            try:
+                await self._credentials.bind()
+            except OSError as exc:
+                raise HookSocketError(f"cannot listen on {self.credential_path}: {exc.strerror}") from None
+            # Both sockets exist now; narrow their mode and group before serving.
+            self._claim.bound(self.socket_path)
+            self._claim.bound(self.credential_path)
+            await self._credentials.start()
             await server.start()
         except BaseException:
+            await self._credentials.stop()
+            if server is not None:
+                await server.stop(None)
             self._claim.release()
             raise
         self._server = server
-        logger.info("serving training hooks on unix socket %s", self.socket_path)
+        group = "" if self._claim.group is None else f", group {self._claim.group}"
+        logger.info(
+            "serving training hooks on unix socket %s (handshake on %s%s)",
+            self.socket_path, self.credential_path, group,
+        )  # fmt: skip
 
     async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
-        """Stop serving (open streams end after ``grace_s``) and remove the socket."""
+        """Stop serving (open streams end after ``grace_s``) and remove the sockets."""
+        await self._credentials.stop()
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None

@@ -69,6 +69,7 @@ class RankEntry:
         exit: how the process ended, once EXITED.
         pending_exit: an exit seen while the stream was still open (see RankRegistry.report_into).
         retire_after_report: a newer hook in the same process replaced this one.
+        uid: the user the process runs as, as the kernel reported it; None if not verified.
     """
 
     identity: training_pb2.RankIdentity
@@ -86,6 +87,7 @@ class RankEntry:
     exit: training_pb2.RankExit | None = None
     pending_exit: ExitStatus | None = None
     retire_after_report: bool = False
+    uid: int | None = None
 
     @property
     def instance_id(self) -> str:
@@ -176,8 +178,12 @@ class RankRegistry:
 
     # --- what hook streams call ---------------------------------------------
 
-    def hello(self, identity: training_pb2.RankIdentity) -> int:
+    def hello(self, identity: training_pb2.RankIdentity, uid: int | None = None) -> int:
         """Register a process, or re-attach a known one whose hook reconnected.
+
+        Args:
+            identity: from the hello, its pid verified by the caller.
+            uid: the user the process runs as, as the kernel says; None if not verified.
 
         Returns:
             The stream generation to pass to ``disconnect``.
@@ -194,19 +200,22 @@ class RankRegistry:
                     # A new hook in the same process (a second TrainingMonitor): the old one is done.
                     other.retire_after_report = True
             entry = self._entries[identity.instance_id] = RankEntry(
-                identity, collections.deque(maxlen=self.max_steps_per_report)
+                identity, collections.deque(maxlen=self.max_steps_per_report), uid=uid
             )
             self._watcher.watch(identity.pid)
             logger.info(
-                "rank %d of job %s registered (pid %d, instance %s)",
-                identity.rank, identity.job, identity.pid, identity.instance_id,
+                "rank %d of job %s registered (pid %d, uid %s, instance %s)",
+                identity.rank, identity.job, identity.pid, "unverified" if uid is None else uid,
+                identity.instance_id,
             )  # fmt: skip
             return entry.stream
         if entry.state is RankState.EXITED:
             description = entry.exit.description if entry.exit is not None else "exited"
             raise RankGoneError(f"instance {identity.instance_id} already ended: {description}")
         self._check_same_process(entry, identity, "hello")
-        entry.identity = identity
+        self._replace_identity(entry, identity)
+        if uid is not None:
+            entry.uid = uid
         entry.state = RankState.RUNNING
         entry.stream += 1
         return entry.stream
@@ -216,7 +225,7 @@ class RankRegistry:
         entry = self._require(instance_id)
         check_identity(identity, "identity")
         self._check_same_process(entry, identity, "identity")
-        entry.identity = identity
+        self._replace_identity(entry, identity)
 
     def add_steps(self, instance_id: str, steps: Iterable[training_pb2.StepSummary]) -> None:
         """Queue step summaries for the next report; all are checked before any is kept."""
@@ -273,6 +282,8 @@ class RankRegistry:
             report = ranks.add()
             report.identity.CopyFrom(entry.identity)
             report.state = entry.state.value
+            if entry.uid is not None:
+                report.uid = entry.uid
             if entry.heartbeat is not None:
                 report.heartbeat.CopyFrom(entry.heartbeat)
             if entry.steps:
@@ -319,6 +330,20 @@ class RankRegistry:
         if entry is None:
             raise RankGoneError(f"instance {instance_id} is not registered (already reported as exited)")
         return entry
+
+    @staticmethod
+    def _replace_identity(entry: RankEntry, identity: training_pb2.RankIdentity) -> None:
+        """Take the new identity; results saved as another rank or job do not go out as this one."""
+        before = entry.identity
+        if entry.checkpoint_results and (identity.job, identity.rank) != (before.job, before.rank):
+            logger.warning(
+                "rank %d of job %s (pid %d) became rank %d of job %s with %d checkpoint results not "
+                "reported yet; they are dropped (a result counts only for the rank that saved it)",
+                before.rank, before.job, entry.pid, identity.rank, identity.job,
+                len(entry.checkpoint_results),
+            )  # fmt: skip
+            entry.checkpoint_results.clear()
+        entry.identity = identity
 
     @staticmethod
     def _check_same_process(entry: RankEntry, identity: training_pb2.RankIdentity, field: str) -> None:

@@ -113,7 +113,9 @@ class Agent:
         self.ranks = RankRegistry(settings.max_steps_per_report, self.exit_watcher)
         self.hook_links = HookLinks()
         self.hook_server = (
-            HookServer(Path(settings.socket), self.ranks, self.hook_links) if settings.socket else None
+            HookServer(Path(settings.socket), self.ranks, self.hook_links, group=settings.socket_group)
+            if settings.socket
+            else None
         )
         self.commands = CommandHandler(
             checkpoint_relay=self.hook_links if self.hook_server else None,

@@ -32,6 +32,7 @@ from clusterwatch.agent.proc_exit import ProcessExitWatcher
 from clusterwatch.agent.runtime import Agent
 from clusterwatch.config import AgentSettings, CoordinatorSettings
 from clusterwatch.coordinator.server import CoordinatorServer
+from clusterwatch.hook.transport import fetch_credential_nonce
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, hook_pb2, hook_pb2_grpc, training_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -116,13 +117,22 @@ class Harness:
 
 
 class HookClient:
-    """A tiny hook: one HookService.Connect stream over the agent's Unix socket."""
+    """A tiny hook: one HookService.Connect stream over the agent's Unix socket.
+
+    A hello gets a nonce from the agent's credential socket, as the real hook's does.
+    """
 
     def __init__(self, socket_path: Path) -> None:
+        self.socket_path = socket_path
         self.channel = grpc.aio.insecure_channel(f"unix:{socket_path}")
         self.call = hook_pb2_grpc.HookServiceStub(self.channel).Connect()  # type: ignore[call-arg]
 
     async def send(self, **kind: Any) -> None:
+        if "hello" in kind and "credential_nonce" not in kind:
+            # A blocking socket: off the loop, where the agent answers it.
+            kind["credential_nonce"] = await asyncio.to_thread(
+                fetch_credential_nonce, str(self.socket_path), 10
+            )
         await self.call.write(hook_pb2.HookMessage(**kind))
 
     async def read(self, timeout_s: float = 20) -> hook_pb2.HookCommand:
@@ -272,7 +282,7 @@ async def test_first_message_must_be_a_hello(harness: Harness) -> None:
     [
         ({"steps": steps(3, compute_s=-0.1)}, "steps[0].compute_seconds"),
         ({"heartbeat": training_pb2.Heartbeat(step_elapsed_seconds=float("nan"))}, "heartbeat.step_elapsed_seconds"),
-        ({"identity": training_pb2.RankIdentity(job="j", rank=0, world_size=0, pid=1, instance_id="j-0")},
+        ({"identity": training_pb2.RankIdentity(job="j", rank=0, world_size=0, pid=os.getpid(), instance_id="j-0")},
          "identity.world_size"),
         ({"hello": rank(0)}, "hello"),
     ],
@@ -328,11 +338,13 @@ async def test_a_newer_stream_of_the_same_process_supersedes_the_older(harness: 
 CHILD_HOOK = r"""
 import os, queue, sys
 import grpc
+from clusterwatch.hook.transport import fetch_credential_nonce
 from clusterwatch.v1 import hook_pb2, hook_pb2_grpc, training_pb2
 path, job, rank, mode = sys.argv[1:5]
 outgoing = queue.Queue()
 outgoing.put(hook_pb2.HookMessage(hello=training_pb2.RankIdentity(
-    job=job, rank=int(rank), world_size=4, pid=os.getpid(), instance_id=f"child-{rank}")))
+    job=job, rank=int(rank), world_size=4, pid=os.getpid(), instance_id=f"child-{rank}"),
+    credential_nonce=fetch_credential_nonce(path, 10)))
 channel = grpc.insecure_channel("unix:" + path)
 call = hook_pb2_grpc.HookServiceStub(channel).Connect(iter(outgoing.get, None))
 sys.stdin.readline()

@@ -45,11 +45,13 @@ spin_in_named_function(pathlib.Path(sys.argv[1]))
 HOOKED_SPINNER = r"""
 import os, pathlib, queue, sys, time
 import grpc
+from clusterwatch.hook.transport import fetch_credential_nonce
 from clusterwatch.v1 import hook_pb2, hook_pb2_grpc, training_pb2
 path, job, rank = sys.argv[1:4]
 outgoing = queue.Queue()
 outgoing.put(hook_pb2.HookMessage(hello=training_pb2.RankIdentity(
-    job=job, rank=int(rank), world_size=4, pid=os.getpid(), instance_id=f"spinner-{rank}")))
+    job=job, rank=int(rank), world_size=4, pid=os.getpid(), instance_id=f"spinner-{rank}"),
+    credential_nonce=fetch_credential_nonce(path, 10)))
 channel = grpc.insecure_channel("unix:" + path)
 call = hook_pb2_grpc.HookServiceStub(channel).Connect(iter(outgoing.get, None))
 def spin_in_named_function():

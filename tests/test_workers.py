@@ -22,7 +22,7 @@ import psutil
 import pytest
 from fakes.fake_pynvml import FakeNvml, h100
 from helpers import wait_for
-from test_agent_hooks import HookClient, agent_settings, eventually, rank, running_agent
+from test_agent_hooks import agent_settings, eventually, running_agent
 
 from clusterwatch.agent.collectors.gpu import GpuCollector
 from clusterwatch.agent.commands import CommandHandler
@@ -48,6 +48,17 @@ if mode == "stubborn":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 ready.with_suffix(".tmp").write_text(str(child.pid))
 ready.with_suffix(".tmp").rename(ready)
+if len(sys.argv) > 3:  # registers itself on an agent's hook socket, as rank argv[4] of job "j"
+    import queue, grpc
+    from clusterwatch.hook.transport import fetch_credential_nonce
+    from clusterwatch.v1 import hook_pb2, hook_pb2_grpc, training_pb2
+    path, rank = sys.argv[3], int(sys.argv[4])
+    outgoing = queue.Queue()
+    outgoing.put(hook_pb2.HookMessage(hello=training_pb2.RankIdentity(
+        job="j", rank=rank, world_size=2, pid=os.getpid(), instance_id=f"worker-{rank}"),
+        credential_nonce=fetch_credential_nonce(path, 10)))
+    channel = grpc.insecure_channel("unix:" + path)
+    call = hook_pb2_grpc.HookServiceStub(channel).Connect(iter(outgoing.get, None))
 while True:
     time.sleep(1)
 """
@@ -81,12 +92,14 @@ while not stopping:
 HOOKED_WORKER = r"""
 import os, queue, subprocess, sys, time
 import grpc
+from clusterwatch.hook.transport import fetch_credential_nonce
 from clusterwatch.v1 import hook_pb2, hook_pb2_grpc, training_pb2
 path, job, rank = sys.argv[1:4]
 child = subprocess.Popen(["sleep", "600"])
 outgoing = queue.Queue()
 outgoing.put(hook_pb2.HookMessage(hello=training_pb2.RankIdentity(
-    job=job, rank=int(rank), world_size=2, pid=os.getpid(), instance_id=f"worker-{rank}")))
+    job=job, rank=int(rank), world_size=2, pid=os.getpid(), instance_id=f"worker-{rank}"),
+    credential_nonce=fetch_credential_nonce(path, 10)))
 channel = grpc.insecure_channel("unix:" + path)
 call = hook_pb2_grpc.HookServiceStub(channel).Connect(iter(outgoing.get, None))
 while True:
@@ -124,9 +137,11 @@ class Processes:
         self.started.append(psutil.Process(popen.pid))
         return popen
 
-    def worker(self, mode: str = "obedient") -> Worker:
+    def worker(self, mode: str = "obedient", *, socket: Path | None = None, rank: int = 0) -> Worker:
+        """A WORKER; with ``socket``, registered there (by itself) as ``rank`` of job "j"."""
         ready = self.tmp_path / f"worker-{len(self.popens)}.ready"
-        popen = self.popen([sys.executable, "-c", WORKER, str(ready), mode])
+        hook = [str(socket), str(rank)] if socket is not None else []
+        popen = self.popen([sys.executable, "-c", WORKER, str(ready), mode, *hook])
         child_pid = int(
             wait_for(lambda: ready.read_text() if ready.exists() else None, 20, "the worker to start")
         )
@@ -475,35 +490,33 @@ async def test_agent_checks_gpu_memory_in_a_report_collected_after_the_stop(
     processes: Processes, tmp_path: Path
 ) -> None:
     """The agent's own GPU collector (on a fake NVML) answers; a report from before the stop would not do."""
-    first, second = processes.worker(), processes.worker()
     device = h100(0)
-    device.processes = LiveProcesses([(first.pid, GIB), (first.child_pid, GIB), (os.getpid(), GIB)])
     backend = NvmlBackend(FakeNvml([device]), xid_wait_timeout_ms=50)
     socket_path = tmp_path / "a.sock"
     # No coordinator: the uplink retries meanwhile; commands are handed to the handler directly.
     agent = Agent(agent_settings(1, socket_path), collectors=[GpuCollector(backend)])
     stop = asyncio.Event()
     task = asyncio.create_task(agent.run(stop))
-    hooks: list[HookClient] = []
     try:
         await eventually(lambda: task.done() or (agent.latest and agent.latest.gpus), 20, "a GPU report")
-        hooks.append(HookClient(socket_path))
-        await hooks[0].send(hello=rank(0, pid=first.pid))
+        first = await asyncio.to_thread(processes.worker, socket=socket_path, rank=0)
+        device.processes = LiveProcesses([(first.pid, GIB), (first.child_pid, GIB), (os.getpid(), GIB)])
         await eventually(lambda: agent.ranks.worker_pids("j") == {first.pid: 0}, 20, "the worker to register")
-        assert {p.pid for p in agent.latest.gpus[0].processes} >= {first.pid, first.child_pid}  # type: ignore[union-attr]
+        await eventually(
+            lambda: {p.pid for p in agent.latest.gpus[0].processes} >= {first.pid, first.child_pid},  # type: ignore[union-attr]
+            20,
+            "the worker's GPU memory in a report",
+        )
         released = await agent.commands.handle(stop_command("s-1", job="j"))
         assert released.status == OK, released.message
         assert released.message.endswith("; GPU memory released")  # this test's own pid is not named
         # A driver that has not let go of a stopped process's memory yet:
+        second = await asyncio.to_thread(processes.worker, socket=socket_path, rank=1)
         device.processes = [(second.child_pid, GIB)]
-        hooks.append(HookClient(socket_path))
-        await hooks[1].send(hello=rank(1, pid=second.pid))
         await eventually(lambda: agent.ranks.worker_pids("j") == {second.pid: 1}, 20, "the next worker")
         held = await agent.commands.handle(stop_command("s-2", job="j"))
         assert held.status == OK, held.message
         assert held.message.endswith(f"; GPU memory still held by pids {second.child_pid}")
     finally:
-        for hook in hooks:
-            await hook.close()
         stop.set()
         await asyncio.wait_for(task, 20)

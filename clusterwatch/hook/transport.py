@@ -7,16 +7,24 @@ heartbeats go out every interval whether the training thread is busy, blocked
 in a collective or idle. Checkpoint results and identity updates use a
 second small queue so a flood of steps cannot push them out.
 
-No agent (no socket, or nobody listening): one warning, then quiet retries
-with capped, jittered backoff; training never notices. Messages in flight
-when a stream breaks are lost (this is a local, best-effort channel); what is
-still queued goes out on the next stream.
+Before each stream the link fetches a nonce from the agent's credential
+socket (clusterwatch/hook_handshake.py): the kernel tells the agent which
+process connected, and the nonce in the hello proves the stream is that
+process's. An agent without a credential socket (older than the handshake)
+gets a hello without one.
+
+No agent (no socket, or nobody listening), or one that refuses the handshake
+or the hello: one warning, then quiet retries with capped, jittered backoff;
+training never notices. Messages in flight when a stream breaks are lost
+(this is a local, best-effort channel); what is still queued goes out on the
+next stream.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +34,12 @@ import grpc
 from clusterwatch.backoff import Backoff
 from clusterwatch.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.hook.health import HookHealth
+from clusterwatch.hook_handshake import (
+    MAX_REPLY_BYTES,
+    HandshakeError,
+    credential_socket_path,
+    decode_reply,
+)
 from clusterwatch.v1 import hook_pb2, hook_pb2_grpc, training_pb2
 
 logger = logging.getLogger("clusterwatch.hook")
@@ -36,6 +50,9 @@ CONNECT_TIMEOUT_S = 2.0
 # cost more than all the timing it carries (measured with bench/hook_overhead.py).
 FLUSH_INTERVAL_S = 0.25
 STEPS_PER_BATCH = 64
+# A stream that lasted this long was accepted: the backoff starts over. One
+# the agent ends sooner (it refused the hello) keeps backing off, quietly.
+STABLE_STREAM_S = 10.0
 
 
 class AgentLink:
@@ -82,6 +99,8 @@ class AgentLink:
         self._closing = threading.Event()
         self._goodbye: str | None = None
         self._backoff = Backoff(base_s=0.2, cap_s=reconnect_max_s)
+        self._stream_started_s: float | None = None  # when the current stream opened
+        self._flapping = False  # the previous stream ended soon after it opened
         self._thread = threading.Thread(target=self._run, name="clusterwatch-hook", daemon=True)
         self.connected = False
         # Set after the first connection attempt, whatever its outcome.
@@ -116,36 +135,49 @@ class AgentLink:
     def _run(self) -> None:
         warned = False
         while not self._closing.is_set():
+            self._stream_started_s = None
             try:
                 self._stream()
-            except (grpc.RpcError, grpc.FutureTimeoutError) as exc:
+            except (grpc.RpcError, grpc.FutureTimeoutError, HandshakeError) as exc:
+                problem = _describe(exc, self.socket_path)
                 if not warned:
                     logger.warning(
-                        "clusterwatch: no agent at %s (%s); training continues unmonitored, retrying quietly",
-                        self.socket_path, _describe(exc),
-                    )  # fmt: skip
+                        "clusterwatch: %s; training continues unmonitored, retrying quietly", problem
+                    )
                     warned = True
                 else:
-                    logger.debug(
-                        "clusterwatch: agent at %s unavailable: %s", self.socket_path, _describe(exc)
-                    )
+                    logger.debug("clusterwatch: %s", problem)
             except Exception as exc:  # the link must outlive its own bugs
                 self._health.record("agent link", exc)
             self.connected = False
             self.first_attempt_done.set()
+            if self._stream_started_s is not None:
+                lasted_s = time.monotonic() - self._stream_started_s
+                self._flapping = lasted_s < STABLE_STREAM_S
+                if not self._flapping:
+                    self._backoff.reset()
             if self._closing.wait(self._backoff.next_delay_s()):
                 break
 
     def _stream(self) -> None:
+        # The nonce is short-lived: build the hello first. The handshake comes before
+        # the gRPC connection, whose failures say less (a user outside the socket's
+        # group learns it here, not from a timeout).
+        hello = hook_pb2.HookMessage(hello=self._hello())
+        hello.credential_nonce = fetch_credential_nonce(self.socket_path, CONNECT_TIMEOUT_S)
         with grpc.insecure_channel(f"unix:{self.socket_path}", options=CHANNEL_OPTIONS) as channel:
             grpc.channel_ready_future(channel).result(timeout=CONNECT_TIMEOUT_S)
             stub = hook_pb2_grpc.HookServiceStub(channel)
             ended = threading.Event()
-            call = stub.Connect(self._requests(ended))
+            call = stub.Connect(self._requests(hello, ended))
+            self._stream_started_s = time.monotonic()
             self.connected = True
-            self._backoff.reset()
             self.first_attempt_done.set()
-            logger.info("clusterwatch: connected to agent at %s", self.socket_path)
+            logger.log(
+                logging.DEBUG if self._flapping else logging.INFO,
+                "clusterwatch: connected to agent at %s",
+                self.socket_path,
+            )
             try:
                 for command in call:
                     try:
@@ -156,9 +188,11 @@ class AgentLink:
                 ended.set()
                 self._wake.set()
 
-    def _requests(self, ended: threading.Event) -> Iterator[hook_pb2.HookMessage]:
+    def _requests(
+        self, hello: hook_pb2.HookMessage, ended: threading.Event
+    ) -> Iterator[hook_pb2.HookMessage]:
         """The request stream (consumed on gRPC's thread): hello, then batches and heartbeats."""
-        yield hook_pb2.HookMessage(hello=self._hello())
+        yield hello
         next_heartbeat_s = time.monotonic()
         flush_interval_s = min(FLUSH_INTERVAL_S, self.heartbeat_interval_s)
         while not ended.is_set():
@@ -188,8 +222,50 @@ class AgentLink:
             yield hook_pb2.HookMessage(steps=batch)
 
 
-def _describe(exc: Exception) -> str:
+def fetch_credential_nonce(socket_path: str, timeout_s: float) -> str:
+    """A nonce the agent serving ``socket_path`` issued to this process; "" if it issues none.
+
+    The agent reads who connected from the kernel, so there is nothing to
+    send. An agent older than the handshake has no credential socket: its
+    hello goes without a nonce.
+
+    Raises:
+        HandshakeError: the agent refused, the reply is malformed, or the
+            credential socket cannot be used (permissions, no answer in time).
+    """
+    path = credential_socket_path(socket_path)
+    deadline_s = time.monotonic() + timeout_s
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            try:
+                sock.connect(path)
+            except (FileNotFoundError, ConnectionRefusedError):
+                return ""  # no handshake here: the hello itself will tell whether the agent needs one
+            reply = b""
+            while not reply.endswith(b"\n") and len(reply) < MAX_REPLY_BYTES:
+                remaining_s = deadline_s - time.monotonic()
+                if remaining_s <= 0:
+                    raise TimeoutError("timed out")
+                sock.settimeout(remaining_s)
+                chunk = sock.recv(MAX_REPLY_BYTES - len(reply))
+                if not chunk:
+                    break
+                reply += chunk
+    except OSError as exc:
+        hint = " (is this user in the socket's group?)" if isinstance(exc, PermissionError) else ""
+        raise HandshakeError(f"cannot use {path}: {exc.strerror or exc}{hint}") from None
+    return decode_reply(reply)
+
+
+def _describe(exc: Exception, socket_path: str) -> str:
+    """What went wrong, as one clause of the link's warning."""
     if isinstance(exc, grpc.FutureTimeoutError):
-        return "nothing listening"
+        return f"no agent at {socket_path} (nothing listening)"
+    if isinstance(exc, HandshakeError):
+        return f"the agent at {socket_path} could not verify this process: {exc}"
     code = exc.code() if isinstance(exc, grpc.Call) else None
-    return code.name if code is not None else type(exc).__name__
+    if code is None or code == grpc.StatusCode.UNAVAILABLE:
+        return f"no agent at {socket_path} ({code.name if code is not None else type(exc).__name__})"
+    details = exc.details() if isinstance(exc, grpc.Call) else ""
+    return f"the agent at {socket_path} ended the stream ({code.name}: {details})"

@@ -70,6 +70,11 @@ class HookMessage(_message.Message):
     CHECKPOINT_RESULT_FIELD_NUMBER: _builtins.int
     GOODBYE_FIELD_NUMBER: _builtins.int
     IDENTITY_FIELD_NUMBER: _builtins.int
+    CREDENTIAL_NONCE_FIELD_NUMBER: _builtins.int
+    credential_nonce: _builtins.str
+    """With the hello only: the nonce the credential socket issued to this
+    process (see HookService).
+    """
     @_builtins.property
     def hello(self) -> _training_pb2.RankIdentity: ...
     @_builtins.property
@@ -93,10 +98,11 @@ class HookMessage(_message.Message):
         checkpoint_result: _training_pb2.CheckpointResult | None = ...,
         goodbye: Global___Goodbye | None = ...,
         identity: _training_pb2.RankIdentity | None = ...,
+        credential_nonce: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint_result", b"checkpoint_result", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "identity", b"identity", "kind", b"kind", "steps", b"steps"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_result", b"checkpoint_result", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "identity", b"identity", "kind", b"kind", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_result", b"checkpoint_result", "credential_nonce", b"credential_nonce", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "identity", b"identity", "kind", b"kind", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "steps", "heartbeat", "checkpoint_result", "goodbye", "identity"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015

@@ -27,9 +27,23 @@ if _version_not_supported:
 
 class HookServiceStub:
     """One Connect stream per training process. The first message up is a hello
-    (RankIdentity); then step batches, heartbeats and checkpoint results, and a
-    goodbye on a clean exit. The agent answers with the job's checkpoint state
-    and checkpoint requests.
+    (RankIdentity) with a credential_nonce; then step batches, heartbeats and
+    checkpoint results, and a goodbye on a clean exit. The agent answers with
+    the job's checkpoint state and checkpoint requests.
+
+    The nonce proves which process is on the stream. Before each Connect the
+    hook connects to the credential socket next to the hook socket (its path
+    plus ".cred"); the agent reads the kernel's credentials of that connection
+    (SO_PEERCRED: pid, uid, gid), answers one line "ok <nonce>\n" (or
+    "error <reason>\n") and closes it. The nonce is good for one hello within
+    a few seconds. The agent registers the process under the kernel's pid (in
+    the agent's pid namespace) in place of the hello's own, and ends a stream
+    whose hello has no valid nonce with UNAUTHENTICATED.
+
+    Checkpoint results answering a request are accepted only for a request the
+    agent sent to that process as the rank and job it has now, for the step
+    asked; others end the stream with PERMISSION_DENIED. A result with an empty
+    command_id (the training loop's own save) counts for the stream's own rank.
     """
 
     def __init__(self, channel):
@@ -47,9 +61,23 @@ class HookServiceStub:
 
 class HookServiceServicer:
     """One Connect stream per training process. The first message up is a hello
-    (RankIdentity); then step batches, heartbeats and checkpoint results, and a
-    goodbye on a clean exit. The agent answers with the job's checkpoint state
-    and checkpoint requests.
+    (RankIdentity) with a credential_nonce; then step batches, heartbeats and
+    checkpoint results, and a goodbye on a clean exit. The agent answers with
+    the job's checkpoint state and checkpoint requests.
+
+    The nonce proves which process is on the stream. Before each Connect the
+    hook connects to the credential socket next to the hook socket (its path
+    plus ".cred"); the agent reads the kernel's credentials of that connection
+    (SO_PEERCRED: pid, uid, gid), answers one line "ok <nonce>\n" (or
+    "error <reason>\n") and closes it. The nonce is good for one hello within
+    a few seconds. The agent registers the process under the kernel's pid (in
+    the agent's pid namespace) in place of the hello's own, and ends a stream
+    whose hello has no valid nonce with UNAUTHENTICATED.
+
+    Checkpoint results answering a request are accepted only for a request the
+    agent sent to that process as the rank and job it has now, for the step
+    asked; others end the stream with PERMISSION_DENIED. A result with an empty
+    command_id (the training loop's own save) counts for the stream's own rank.
     """
 
     def Connect(self, request_iterator, context):
@@ -76,9 +104,23 @@ def add_HookServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class HookService:
     """One Connect stream per training process. The first message up is a hello
-    (RankIdentity); then step batches, heartbeats and checkpoint results, and a
-    goodbye on a clean exit. The agent answers with the job's checkpoint state
-    and checkpoint requests.
+    (RankIdentity) with a credential_nonce; then step batches, heartbeats and
+    checkpoint results, and a goodbye on a clean exit. The agent answers with
+    the job's checkpoint state and checkpoint requests.
+
+    The nonce proves which process is on the stream. Before each Connect the
+    hook connects to the credential socket next to the hook socket (its path
+    plus ".cred"); the agent reads the kernel's credentials of that connection
+    (SO_PEERCRED: pid, uid, gid), answers one line "ok <nonce>\n" (or
+    "error <reason>\n") and closes it. The nonce is good for one hello within
+    a few seconds. The agent registers the process under the kernel's pid (in
+    the agent's pid namespace) in place of the hello's own, and ends a stream
+    whose hello has no valid nonce with UNAUTHENTICATED.
+
+    Checkpoint results answering a request are accepted only for a request the
+    agent sent to that process as the rank and job it has now, for the step
+    asked; others end the stream with PERMISSION_DENIED. A result with an empty
+    command_id (the training loop's own save) counts for the stream's own rank.
     """
 
     @staticmethod

@@ -28,9 +28,23 @@ GRPC_VERSION: str
 
 class HookServiceStub:
     """One Connect stream per training process. The first message up is a hello
-    (RankIdentity); then step batches, heartbeats and checkpoint results, and a
-    goodbye on a clean exit. The agent answers with the job's checkpoint state
-    and checkpoint requests.
+    (RankIdentity) with a credential_nonce; then step batches, heartbeats and
+    checkpoint results, and a goodbye on a clean exit. The agent answers with
+    the job's checkpoint state and checkpoint requests.
+
+    The nonce proves which process is on the stream. Before each Connect the
+    hook connects to the credential socket next to the hook socket (its path
+    plus ".cred"); the agent reads the kernel's credentials of that connection
+    (SO_PEERCRED: pid, uid, gid), answers one line "ok <nonce>\\n" (or
+    "error <reason>\\n") and closes it. The nonce is good for one hello within
+    a few seconds. The agent registers the process under the kernel's pid (in
+    the agent's pid namespace) in place of the hello's own, and ends a stream
+    whose hello has no valid nonce with UNAUTHENTICATED.
+
+    Checkpoint results answering a request are accepted only for a request the
+    agent sent to that process as the rank and job it has now, for the step
+    asked; others end the stream with PERMISSION_DENIED. A result with an empty
+    command_id (the training loop's own save) counts for the stream's own rank.
     """
 
     @_typing.overload
@@ -42,9 +56,23 @@ class HookServiceStub:
 @_typing.type_check_only
 class HookServiceAsyncStub(HookServiceStub):
     """One Connect stream per training process. The first message up is a hello
-    (RankIdentity); then step batches, heartbeats and checkpoint results, and a
-    goodbye on a clean exit. The agent answers with the job's checkpoint state
-    and checkpoint requests.
+    (RankIdentity) with a credential_nonce; then step batches, heartbeats and
+    checkpoint results, and a goodbye on a clean exit. The agent answers with
+    the job's checkpoint state and checkpoint requests.
+
+    The nonce proves which process is on the stream. Before each Connect the
+    hook connects to the credential socket next to the hook socket (its path
+    plus ".cred"); the agent reads the kernel's credentials of that connection
+    (SO_PEERCRED: pid, uid, gid), answers one line "ok <nonce>\\n" (or
+    "error <reason>\\n") and closes it. The nonce is good for one hello within
+    a few seconds. The agent registers the process under the kernel's pid (in
+    the agent's pid namespace) in place of the hello's own, and ends a stream
+    whose hello has no valid nonce with UNAUTHENTICATED.
+
+    Checkpoint results answering a request are accepted only for a request the
+    agent sent to that process as the rank and job it has now, for the step
+    asked; others end the stream with PERMISSION_DENIED. A result with an empty
+    command_id (the training loop's own save) counts for the stream's own rank.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -52,9 +80,23 @@ class HookServiceAsyncStub(HookServiceStub):
 
 class HookServiceServicer(metaclass=_abc_1.ABCMeta):
     """One Connect stream per training process. The first message up is a hello
-    (RankIdentity); then step batches, heartbeats and checkpoint results, and a
-    goodbye on a clean exit. The agent answers with the job's checkpoint state
-    and checkpoint requests.
+    (RankIdentity) with a credential_nonce; then step batches, heartbeats and
+    checkpoint results, and a goodbye on a clean exit. The agent answers with
+    the job's checkpoint state and checkpoint requests.
+
+    The nonce proves which process is on the stream. Before each Connect the
+    hook connects to the credential socket next to the hook socket (its path
+    plus ".cred"); the agent reads the kernel's credentials of that connection
+    (SO_PEERCRED: pid, uid, gid), answers one line "ok <nonce>\\n" (or
+    "error <reason>\\n") and closes it. The nonce is good for one hello within
+    a few seconds. The agent registers the process under the kernel's pid (in
+    the agent's pid namespace) in place of the hello's own, and ends a stream
+    whose hello has no valid nonce with UNAUTHENTICATED.
+
+    Checkpoint results answering a request are accepted only for a request the
+    agent sent to that process as the rank and job it has now, for the step
+    asked; others end the stream with PERMISSION_DENIED. A result with an empty
+    command_id (the training loop's own save) counts for the stream's own rank.
     """
 
     @_abc_1.abstractmethod

@@ -97,6 +97,10 @@ class RankIdentity(_message.Message):
     local_rank: _builtins.int
     world_size: _builtins.int
     pid: _builtins.int
+    """The process id. The hook sends its own; the agent replaces it with the
+    pid the kernel reports for the hook's connection (the same process seen
+    from the agent's pid namespace: in a container, the host's pid).
+    """
     hostname: _builtins.str
     restart_count: _builtins.int
     """TORCHELASTIC_RESTART_COUNT: how often torchrun restarted the worker group."""
@@ -518,9 +522,14 @@ class RankReport(_message.Message):
     CHECKPOINT_RESULTS_FIELD_NUMBER: _builtins.int
     EXIT_FIELD_NUMBER: _builtins.int
     COLLECTIVES_FIELD_NUMBER: _builtins.int
+    UID_FIELD_NUMBER: _builtins.int
     state: Global___RankState.ValueType
     steps_dropped_total: _builtins.int
     """Steps the agent did not forward (more than it keeps per report)."""
+    uid: _builtins.int
+    """The user id the process runs as, from the kernel (the agent's hook
+    socket handshake, SO_PEERCRED); unset when the agent did not verify it.
+    """
     @_builtins.property
     def identity(self) -> Global___RankIdentity: ...
     @_builtins.property
@@ -554,12 +563,15 @@ class RankReport(_message.Message):
         checkpoint_results: _abc.Iterable[Global___CheckpointResult] | None = ...,
         exit: Global___RankExit | None = ...,
         collectives: _abc.Iterable[Global___CollectiveSummary] | None = ...,
+        uid: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_uid", b"_uid", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "uid", b"uid"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_results", b"checkpoint_results", "collectives", b"collectives", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "state", b"state", "steps", b"steps", "steps_dropped_total", b"steps_dropped_total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_uid", b"_uid", "checkpoint_results", b"checkpoint_results", "collectives", b"collectives", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "state", b"state", "steps", b"steps", "steps_dropped_total", b"steps_dropped_total", "uid", b"uid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__uid: _TypeAlias = _typing.Literal["uid"]  # noqa: Y015
+    _WhichOneofArgType__uid: _TypeAlias = _typing.Literal["_uid", b"_uid"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__uid) -> _WhichOneofReturnType__uid | None: ...
 
 Global___RankReport: _TypeAlias = RankReport  # noqa: Y015
 
