@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import time
@@ -44,6 +45,15 @@ class WorkerLookup(Protocol):
 class CommandHandler:
     """Runs each command id once; a replayed id gets its first result again.
 
+    The coordinator may send an id again: a client retrying RequestAction with
+    its idempotency key, or a command re-sent on a new stream while the first
+    copy still runs (a stop waits out its grace period). A copy that arrives
+    while the first runs waits for that run's result; one that arrives later
+    gets the remembered result. Either way the action happens once. The
+    ``remembered`` newest ids are kept, in this process only (a restarted agent
+    starts with none). A command without an id cannot be told apart from
+    another and is carried out each time.
+
     Args:
         checkpoint_relay: where checkpoint commands go; None: this agent cannot relay them.
         process_lookup: which registered process runs a rank, for diagnose commands;
@@ -69,8 +79,12 @@ class CommandHandler:
         stopper: WorkerStopper | None = None,
         remembered: int = 1024,
     ) -> None:
+        if remembered < 1:
+            raise ValueError(f"remembered must be at least 1, got {remembered}")
         self._results: collections.OrderedDict[str, agent_pb2.CommandResult] = collections.OrderedDict()
+        self._running: dict[str, asyncio.Future[agent_pb2.CommandResult]] = {}
         self._remembered = remembered
+        self.replays_total = 0
         self._checkpoint_relay = checkpoint_relay
         self._process_lookup = process_lookup
         self._diagnoser = diagnoser or ProcessDiagnoser()
@@ -79,9 +93,40 @@ class CommandHandler:
         self.cordoned_jobs: set[str] = set()
 
     async def handle(self, command: agent_pb2.Command) -> agent_pb2.CommandResult:
-        previous = self._results.get(command.command_id)
+        """Carry out ``command``, or answer a repeated id with its first run's result."""
+        command_id = command.command_id
+        if not command_id:
+            return await self._carry_out(command)
+        previous = self._results.get(command_id)
         if previous is not None:
+            self.replays_total += 1
+            logger.info("command %s was already carried out here; answering with its result", command_id)
             return previous
+        running = self._running.get(command_id)
+        if running is not None:
+            self.replays_total += 1
+            logger.info("command %s is being carried out here; its repeat waits for that result", command_id)
+            return await asyncio.shield(running)
+        future = self._running[command_id] = asyncio.get_running_loop().create_future()
+        try:
+            result = await self._carry_out(command)
+        except BaseException as exc:
+            # Nothing to remember, so a later repeat runs it again; a repeat waiting now hears why.
+            if not isinstance(exc, Exception):  # cancelled (the agent is stopping)
+                exc = ConnectionError(f"the run of command {command_id} was cancelled")
+            future.set_exception(exc)
+            future.exception()  # retrieved: a run nobody waited on must not log "never retrieved"
+            raise
+        finally:
+            del self._running[command_id]
+        self._results[command_id] = result
+        if len(self._results) > self._remembered:
+            self._results.popitem(last=False)
+        future.set_result(result)
+        return result
+
+    async def _carry_out(self, command: agent_pb2.Command) -> agent_pb2.CommandResult:
+        """Do what ``command`` asks, now; its result, with how long it took."""
         started = time.monotonic()
         action = command.WhichOneof("action")
         if action == "ping":
@@ -102,9 +147,6 @@ class CommandHandler:
                 message=f"this agent does not support {action or 'an empty'} command",
             )
         result.duration_seconds = time.monotonic() - started
-        self._results[command.command_id] = result
-        if len(self._results) > self._remembered:
-            self._results.popitem(last=False)
         return result
 
     @staticmethod

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,7 +27,7 @@ import grpc
 from clusterwatch.agent.credential_server import CredentialServer
 from clusterwatch.agent.hook_links import AcknowledgementRefusedError, HookLink, HookLinks
 from clusterwatch.agent.hook_socket import HookSocketError, SocketClaim, resolve_group
-from clusterwatch.agent.hook_validation import InvalidHookMessageError, RankGoneError
+from clusterwatch.agent.hook_validation import InvalidHookMessageError, RankGoneError, RefuseUndecodable
 from clusterwatch.agent.peer_credentials import (
     NonceBook,
     PeerMismatchError,
@@ -48,6 +49,8 @@ Context = grpc.aio.ServicerContext[hook_pb2.HookMessage, hook_pb2.HookCommand]
 EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]
 
 SHUTDOWN_GRACE_S = 1.0
+# How long an ending stream waits for its writer to finish the write under way.
+WRITER_STOP_S = 1.0
 
 # The one place hook-side errors become status codes.
 STATUS_BY_ERROR: tuple[tuple[type[ClusterwatchError], grpc.StatusCode], ...] = (
@@ -183,8 +186,13 @@ class HookServicer(hook_pb2_grpc.HookServiceServicer):
                 writer.result()
                 raise Superseded
         finally:
-            for task in (reader, writer):
-                task.cancel()
+            reader.cancel()
+            # The writer finishes the write under way and returns (None): gRPC cannot end
+            # the call while a write is in flight (TOO_MANY_OPERATIONS).
+            link.outbox.put_nowait(None)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.wait({writer}), WRITER_STOP_S)
+            writer.cancel()
             # Let both finish; their outcome was taken above (wait() raises nothing).
             await asyncio.wait({reader, writer})
             self._links.close(link)
@@ -290,7 +298,7 @@ class HookServer:
         server: grpc.aio.Server | None = None
         try:
             # gRPC's aio objects bind to the running loop: create the server here.
-            server = grpc.aio.server(options=SERVER_OPTIONS)
+            server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RefuseUndecodable()])
             hook_pb2_grpc.add_HookServiceServicer_to_server(self._servicer, server)
             try:
                 server.add_insecure_port(f"unix:{self.socket_path}")

@@ -1,15 +1,49 @@
-"""Checks on what training hooks send, so bad data is refused by field name before it is stored."""
+"""Checks on what training hooks send, so bad data is refused by field name before it is stored.
+
+What the agent forwards must pass the coordinator's checks too
+(coordinator/report_checks.py and rank_reports.py), or the coordinator
+refuses a whole rank's report; so the limits here are the same: ids at most
+MAX_ID_CHARS characters, free text MAX_TEXT_CHARS, counted repeated fields,
+every number finite and >= 0, and collective histograms of the shape in
+clusterwatch/collective_stats.py. The hook and the agent share the host's
+clock, so a ``*_unix_seconds`` more than MAX_CLOCK_SKEW_S in the future is
+refused too (earlier ones are left alone: they only order a rank's own events).
+No hook message carries an enum.
+"""
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
+import grpc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
+from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S
 from clusterwatch.errors import ClusterwatchError
 from clusterwatch.job_labels import labels_problem
 from clusterwatch.v1 import training_pb2
+
+MAX_ID_CHARS = 256
+MAX_TEXT_CHARS = 4096
+TEXT_FIELDS = frozenset({"last_error", "path", "error", "description", "reason"})
+MAX_CLOCK_SKEW_S = 86_400.0
+# One duration bucket per bound plus +Inf.
+DURATION_BUCKETS = len(COLLECTIVE_DURATION_BUCKETS_S) + 1
+_V1 = "clusterwatch.v1."
+# Repeated fields and their most entries (DEFAULT_MAX_ENTRIES otherwise).
+MAX_ENTRIES: dict[str, int] = {
+    # One StepBatch: the hook's queue holds 1024 by default.
+    f"{_V1}StepBatch.steps": 4096,
+    # Kinds of collective in one step (op x group x dtype x size bucket).
+    f"{_V1}StepSummary.collectives": 1024,
+    f"{_V1}Heartbeat.flight_recorder": 1024,
+    f"{_V1}CollectiveSummary.duration_bucket_counts": DURATION_BUCKETS,
+}
+DEFAULT_MAX_ENTRIES = 1024
 
 
 class InvalidHookMessageError(ClusterwatchError):
@@ -53,48 +87,152 @@ def check_identity(identity: training_pb2.RankIdentity, field: str) -> None:
         )
     if identity.labels and (problem := labels_problem(identity.labels)):
         raise InvalidHookMessageError(f"{field}.labels", problem)
+    for name in _IDENTITY_STRINGS:
+        _check_length(getattr(identity, name), MAX_ID_CHARS, f"{field}.{name}")
+
+
+_IDENTITY_STRINGS = tuple(
+    f.name for f in training_pb2.RankIdentity.DESCRIPTOR.fields if f.type == FieldDescriptor.TYPE_STRING
+)
+
+
+def _check_length(value: str, limit: int, field: str) -> None:
+    if len(value) > limit:
+        raise InvalidHookMessageError(
+            field, f"at most {limit} characters, got {len(value)} ({value[:32]!r}...)"
+        )
 
 
 # Every double in training.proto is a duration, a timestamp, a count or a
 # rate: none may be negative, NaN or infinite. Per message type, which fields
-# to check and which sub-messages to descend into, worked out once.
-_Plan = tuple[tuple[str, ...], tuple[tuple[str, bool], ...]]
+# to check (and how) and which sub-messages to descend into, worked out once.
+_Plan = tuple[
+    tuple[str, ...],
+    tuple[tuple[str, int], ...],
+    tuple[tuple[str, str, int], ...],
+    tuple[tuple[str, bool], ...],
+]
 _PLANS: dict[str, _Plan] = {}
 _FLOATING = (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT)
 
 
 def _plan(descriptor: Descriptor) -> _Plan:
+    """(numbers, (string, limit), (repeated, full name, limit), (child, repeated)) of one message type."""
     plan = _PLANS.get(descriptor.full_name)
     if plan is None:
-        numbers = tuple(f.name for f in descriptor.fields if f.type in _FLOATING and not f.is_repeated)
+        fields = descriptor.fields
+        numbers = tuple(f.name for f in fields if f.type in _FLOATING and not f.is_repeated)
+        strings = tuple(
+            (f.name, MAX_TEXT_CHARS if f.name in TEXT_FIELDS else MAX_ID_CHARS)
+            for f in fields
+            if f.type == FieldDescriptor.TYPE_STRING and not f.is_repeated
+        )
+        repeated = tuple(
+            (f.name, f.full_name, MAX_ENTRIES.get(f.full_name, DEFAULT_MAX_ENTRIES))
+            for f in fields
+            if f.is_repeated
+        )
         children = tuple(
             (f.name, f.is_repeated)
-            for f in descriptor.fields
+            for f in fields
             if f.type == FieldDescriptor.TYPE_MESSAGE and _ours(f.message_type)
         )
-        plan = _PLANS[descriptor.full_name] = (numbers, children)
+        plan = _PLANS[descriptor.full_name] = (numbers, strings, repeated, children)
     return plan
 
 
 def _ours(descriptor: Descriptor | None) -> bool:
-    """A clusterwatch message (descend into it), not a well-known type."""
-    return descriptor is not None and descriptor.full_name.startswith("clusterwatch.")
+    """A clusterwatch message (descend into it), not a map entry or a well-known type."""
+    return (
+        descriptor is not None
+        and descriptor.full_name.startswith("clusterwatch.")
+        and not descriptor.GetOptions().map_entry
+    )
 
 
-def check_values(message: Message, field: str) -> None:
-    """Refuse a negative, NaN or infinite number anywhere in ``message``.
+def check_values(message: Message, field: str, now_unix_s: float | None = None) -> None:
+    """Refuse a bad number, an oversized string or list, or a malformed histogram anywhere in ``message``.
+
+    Args:
+        message: a step summary, heartbeat or checkpoint result.
+        field: its name in the errors (``steps[2]``).
+        now_unix_s: the agent's wall clock (default: now).
 
     Raises:
         InvalidHookMessageError: naming the first bad field, e.g. ``steps[2].compute_seconds``.
     """
-    numbers, children = _plan(message.DESCRIPTOR)  # type: ignore[arg-type]  # upb's Descriptor is the same API
+    _check(message, field, time.time() if now_unix_s is None else now_unix_s)
+
+
+def _check(message: Message, field: str, now_unix_s: float) -> None:
+    numbers, strings, repeated, children = _plan(message.DESCRIPTOR)  # type: ignore[arg-type]  # upb's Descriptor is the same API
     for name in numbers:
         value = getattr(message, name)
         if not 0.0 <= value < math.inf:  # False for NaN too
             raise InvalidHookMessageError(f"{field}.{name}", f"must be a finite number >= 0, got {value!r}")
-    for name, repeated in children:
-        if repeated:
+        if name.endswith("_unix_seconds") and value > now_unix_s + MAX_CLOCK_SKEW_S:
+            raise InvalidHookMessageError(
+                f"{field}.{name}",
+                f"more than {MAX_CLOCK_SKEW_S:g} s after this host's clock ({now_unix_s:.0f}), got {value!r}",
+            )
+    for name, limit in strings:
+        _check_length(getattr(message, name), limit, f"{field}.{name}")
+    for name, full_name, limit in repeated:
+        count = len(getattr(message, name))
+        if count > limit:
+            raise InvalidHookMessageError(f"{field}.{name}", f"at most {limit} entries, got {count}")
+        if full_name == f"{_V1}CollectiveSummary.duration_bucket_counts" and count != DURATION_BUCKETS:
+            raise InvalidHookMessageError(
+                f"{field}.{name}",
+                f"must have {DURATION_BUCKETS} entries (see clusterwatch/collective_stats.py), got {count}",
+            )
+    for name, is_repeated in children:
+        if is_repeated:
             for index, child in enumerate(getattr(message, name)):
-                check_values(child, f"{field}.{name}[{index}]")
+                _check(child, f"{field}.{name}[{index}]", now_unix_s)
         elif message.HasField(name):
-            check_values(getattr(message, name), f"{field}.{name}")
+            _check(getattr(message, name), f"{field}.{name}", now_unix_s)
+
+
+def check_batch(steps: list[training_pb2.StepSummary]) -> None:
+    """Refuse a StepBatch with more steps than a hook sends at once.
+
+    Raises:
+        InvalidHookMessageError: naming ``steps``.
+    """
+    limit = MAX_ENTRIES[f"{_V1}StepBatch.steps"]
+    if len(steps) > limit:
+        raise InvalidHookMessageError("steps", f"at most {limit} entries, got {len(steps)}")
+
+
+class RefuseUndecodable(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Ends a stream whose message is not valid protobuf with INVALID_ARGUMENT (for HookServer).
+
+    gRPC decodes a streamed message when the servicer reads it, so protobuf's
+    DecodeError would leave the servicer as an unhandled exception: status
+    UNKNOWN and a traceback in the log. Decoded here, it is an
+    InvalidHookMessageError like any other bad message, which the servicer
+    counts and answers. (Every hook method streams its requests.)
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.stream_stream is None or handler.request_deserializer is None:
+            return handler
+        decode = handler.request_deserializer
+
+        def refusing(raw: bytes) -> Any:
+            try:
+                return decode(raw)
+            except DecodeError as exc:
+                raise InvalidHookMessageError("message", f"not a valid protobuf message ({exc})") from None
+
+        return grpc.stream_stream_rpc_method_handler(
+            handler.stream_stream,
+            request_deserializer=refusing,
+            response_serializer=handler.response_serializer,
+        )

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import grpc
 
+from clusterwatch.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.kubelet import podresources_v1_pb2, podresources_v1_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ class PodResources:
     def _list(self) -> podresources_v1_pb2.ListPodResourcesResponse:
         # A fresh channel per refresh: no reconnect backoff left over from a
         # kubelet restart, and nothing held open between refreshes.
-        with grpc.insecure_channel(f"unix:{self.socket_path}") as channel:
+        with grpc.insecure_channel(f"unix:{self.socket_path}", options=CHANNEL_OPTIONS) as channel:
             stub = podresources_v1_pb2_grpc.PodResourcesListerStub(channel)
             response: podresources_v1_pb2.ListPodResourcesResponse = stub.List(
                 podresources_v1_pb2.ListPodResourcesRequest(), timeout=self._timeout_s

@@ -19,6 +19,7 @@ from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from clusterwatch.agent.hook_validation import (
     InvalidHookMessageError,
     RankGoneError,
+    check_batch,
     check_identity,
     check_values,
 )
@@ -231,6 +232,7 @@ class RankRegistry:
         """Queue step summaries for the next report; all are checked before any is kept."""
         entry = self._require(instance_id)
         batch = list(steps)
+        check_batch(batch)
         for index, step in enumerate(batch):
             check_values(step, f"steps[{index}]")
         room = entry.steps.maxlen or 0

@@ -2,12 +2,27 @@
 
 Connect, say hello, replay every unacknowledged report in order, then send
 each new report as it is collected; acknowledgements remove reports from the
-buffer. Any stream error closes the channel and reconnects after a jittered
-exponential backoff (capped, default 30 s). Commands arriving on the stream
-are carried out by the CommandHandler and their results sent back up; the
-coordinator's table of complete checkpoints goes to ``on_checkpoints``;
-``on_connection`` hears when a stream starts (its first ack: a report
-reached the coordinator) and when it is lost (systemd's READY and STATUS).
+buffer. Any stream error closes the channel and reconnects after a delay of
+``uniform(0, min(cap, 0.5 s x 2^attempt))`` (full jitter, clusterwatch.backoff).
+
+Why that and a short cap (``RECONNECT_MAX_S``, 4 s): an agent retries at
+most ``cap`` seconds after its previous attempt, so once a restarted
+coordinator listens every agent is back within ``cap`` plus one handshake
+(under 5 s), and on average in a third of ``cap``. The jitter spreads 10,000
+agents over those seconds instead of landing them in one wave (about 2,500
+streams a second); the reports they replay are then paced by HTTP/2 flow
+control, not by when they connected. Waiting for the outage costs one refused
+TCP connection per agent every ``cap / 2`` s on average. The channel is closed
+between attempts, so this backoff alone paces them: gRPC's own reconnect loop
+(CHANNEL_OPTIONS: 0.2 s to 2 s) would make every agent probe every 2 s and
+would bring them all back within the same 2 s window.
+
+Commands arriving on the stream are carried out by the CommandHandler (at
+most once per command id) and their results sent back up, on a later stream
+if this one broke meanwhile; the coordinator's table of complete checkpoints
+goes to ``on_checkpoints``; ``on_connection`` hears when a stream starts (its
+first ack: a report reached the coordinator) and when it is lost (systemd's
+READY and STATUS).
 """
 
 from __future__ import annotations
@@ -16,6 +31,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import grpc
@@ -27,6 +43,9 @@ from clusterwatch.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+# The default cap of the reconnect backoff, seconds (see the module docstring).
+RECONNECT_MAX_S = 4.0
 
 
 class Uplink:
@@ -50,7 +69,7 @@ class Uplink:
         make_hello: Callable[[int], agent_pb2.Hello],
         buffer: ReportBuffer,
         commands: CommandHandler,
-        reconnect_max_s: float = 30.0,
+        reconnect_max_s: float = RECONNECT_MAX_S,
         *,
         on_checkpoints: Callable[[agent_pb2.JobCheckpoints], None] | None = None,
         on_connection: Callable[[bool], None] | None = None,
@@ -71,6 +90,8 @@ class Uplink:
         self._running_commands: set[asyncio.Task[None]] = set()
         self.connected = False
         self.connections_total = 0
+        # When the current outage began (monotonic), for the log line saying how long it lasted.
+        self._lost_at_s: float | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Keep a stream open until ``stop`` is set; then close it cleanly."""
@@ -83,14 +104,16 @@ class Uplink:
             except grpc.aio.AioRpcError as exc:
                 if not failing:
                     logger.warning(
-                        "cannot reach coordinator %s: %s %s; retrying with backoff up to %.0f s",
+                        "cannot reach coordinator %s: %s %s; retrying with backoff up to %g s",
                         self.target, exc.code().name, exc.details(), self._backoff.cap_s,
                     )  # fmt: skip
                 failing = True
             else:
                 failing = False
-            if self.connected and not stop.is_set() and self._on_connection is not None:
-                self._on_connection(False)
+            if self.connected and not stop.is_set():
+                self._lost_at_s = time.monotonic()
+                if self._on_connection is not None:
+                    self._on_connection(False)
             self.connected = False
             if stop.is_set():
                 break
@@ -135,7 +158,14 @@ class Uplink:
                 self.connected = True
                 self.connections_total += 1
                 self._backoff.reset()
-                logger.info("connected to coordinator %s", self.target)
+                if self._lost_at_s is None:
+                    logger.info("connected to coordinator %s", self.target)
+                else:
+                    logger.info(
+                        "connected to coordinator %s again, %.1f s after the stream was lost",
+                        self.target, time.monotonic() - self._lost_at_s,
+                    )  # fmt: skip
+                    self._lost_at_s = None
                 if self._on_connection is not None:
                     self._on_connection(True)
         elif kind == "command":

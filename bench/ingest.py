@@ -33,6 +33,7 @@ import psutil
 
 from bench.synthetic import PreSerialized, hello, node_report, rank_reports
 from clusterwatch.client import ClusterClient
+from clusterwatch.coordinator.report_checks import MIN_INTERVAL_S
 from clusterwatch.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.v1 import agent_pb2, node_pb2
 
@@ -45,7 +46,10 @@ async def synthetic_agent(
 ) -> None:  # fmt: skip
     # Raw bytes both ways: the generator must cost far less than the coordinator.
     call = channel.stream_stream(CONNECT, request_serializer=lambda b: b, response_deserializer=lambda b: b)()  # type: ignore[call-arg]
-    await call.write(agent_pb2.AgentMessage(hello=hello(node_id)).SerializeToString())
+    # A saturating agent declares the shortest interval the coordinator accepts: its rate limit
+    # (coordinator/admission.py) allows 5x that, 100 reports/s per agent.
+    declared_s = interval_s or MIN_INTERVAL_S
+    await call.write(agent_pb2.AgentMessage(hello=hello(node_id, interval_s=declared_s)).SerializeToString())
     acked = 0
     ack_seen = asyncio.Event()
 

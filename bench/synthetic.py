@@ -3,6 +3,9 @@ and optionally the training ranks on the node with their steps and collectives."
 
 from __future__ import annotations
 
+import struct
+import time
+
 from clusterwatch.agent.gpu.sim_backend import SimulatedBackend
 from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S, duration_bucket_index
 from clusterwatch.v1 import agent_pb2, node_pb2, training_pb2
@@ -15,9 +18,7 @@ IB_PORTS_PER_NODE = 2
 def node_report(node_id: str, sequence: int = 1, gpus: int = GPUS_PER_NODE) -> node_pb2.NodeReport:
     """One full report as a GPU node's agent would send it."""
     backend = SimulatedBackend(gpus, seed=hash(node_id) & 0xFFFF, node_id=node_id)
-    report = node_pb2.NodeReport(
-        sequence=sequence, timestamp_unix_seconds=1.8e9 + sequence, interval_seconds=1.0
-    )
+    report = node_pb2.NodeReport(sequence=sequence, timestamp_unix_seconds=time.time(), interval_seconds=1.0)
     report.gpu_inventory.backend = "sim"
     report.gpu_inventory.simulated = True
     report.gpu_inventory.driver_version = backend.driver_version()
@@ -57,6 +58,8 @@ def rank_reports(
     each with ``steps`` finished steps and their STEP_COLLECTIVES merged per op,
     as the agent sends them."""
     world_size = world_size or ranks * (node_index + 1)
+    # Timestamps near the real clock: the coordinator refuses reports far from its own.
+    now = time.time()
     out = []
     for local_rank in range(ranks):
         rank = node_index * ranks + local_rank
@@ -66,12 +69,12 @@ def rank_reports(
         report.identity.instance_id, report.identity.gpu_uuid = f"bench-{rank}", f"GPU-{rank:08d}"
         report.identity.hostname, report.identity.backend = f"node-{node_index}", "nccl"
         heartbeat = report.heartbeat
-        heartbeat.timestamp_unix_seconds, heartbeat.step = 1.8e9 + steps, first_step + steps
+        heartbeat.timestamp_unix_seconds, heartbeat.step = now + steps * 0.02, first_step + steps
         heartbeat.flight_recorder.add(group_name="0", last_enqueued_collective=7, last_started_collective=7,
                                       last_completed_collective=7)  # fmt: skip
         for i in range(steps):
             report.steps.add(
-                step=first_step + i, start_unix_seconds=1.8e9 + i * 0.02, step_seconds=0.02,
+                step=first_step + i, start_unix_seconds=now + i * 0.02, step_seconds=0.02,
                 communication_seconds=0.005, compute_seconds=0.015,
             )  # fmt: skip
         for op, per_step_calls, size, seconds in STEP_COLLECTIVES if steps else ():
@@ -87,13 +90,13 @@ def rank_reports(
     return out
 
 
-def hello(node_id: str, instance_id: str = "bench") -> agent_pb2.Hello:
+def hello(node_id: str, instance_id: str = "bench", interval_s: float = 1.0) -> agent_pb2.Hello:
     return agent_pb2.Hello(
         node_id=node_id,
         hostname=node_id,
         agent_version="bench",
         instance_id=instance_id,
-        interval_seconds=1.0,
+        interval_seconds=interval_s,
     )
 
 
@@ -125,3 +128,75 @@ class PreSerialized:
     def message(self, sequence: int) -> bytes:
         report = b"\x08" + _varint(sequence) + self._body
         return b"\x12" + _varint(len(report)) + report  # AgentMessage field 2 (report)
+
+
+_DOUBLE = struct.Struct("<d")
+
+
+class StampedReport:
+    """AgentMessage(report=...) bytes of one node with its ranks, fresh per report for a few µs.
+
+    The constant bulk (GPUs, host, NICs, each rank's identity and merged
+    collectives) is serialised once. Per report only the small part that a
+    live node changes is encoded by hand and concatenated: ``sequence`` and
+    ``timestamp_unix_seconds``, and per rank a second ``heartbeat`` (merged
+    into the first by the parser: its scalars win) and the finished steps.
+    The rank suffix is the same for every rank of the node, so it is encoded
+    once per report; only the ranks' length prefixes are per rank.
+
+    Args:
+        report: the node's report; its sequence and timestamp are ignored.
+        ranks: the node's rank reports; their steps and heartbeat
+            timestamp/step are replaced per report.
+        step_s: each step's duration (a quarter of it in collectives).
+    """
+
+    def __init__(
+        self, report: node_pb2.NodeReport, ranks: list[training_pb2.RankReport], step_s: float
+    ) -> None:
+        body = node_pb2.NodeReport()
+        body.CopyFrom(report)
+        body.sequence, body.timestamp_unix_seconds = 0, 0.0
+        body.ClearField("ranks")
+        self._body = body.SerializeToString()
+        self._ranks = []
+        for rank in ranks:
+            constant = training_pb2.RankReport()
+            constant.CopyFrom(rank)
+            constant.ClearField("steps")
+            constant.heartbeat.timestamp_unix_seconds, constant.heartbeat.step = 0.0, 0
+            constant.heartbeat.steps_completed_total = 0
+            self._ranks.append(constant.SerializeToString())
+        # Per length of the rank suffix: each rank's tag, length and constant bytes.
+        self._rank_heads: dict[int, list[bytes]] = {}
+        self._step_s = step_s
+        # StepSummary fields 3-5 (step, communication, compute seconds) never change.
+        self._step_tail = (
+            b"\x19"
+            + _DOUBLE.pack(step_s)
+            + b"\x21"
+            + _DOUBLE.pack(step_s / 4)
+            + b"\x29"
+            + _DOUBLE.pack(step_s * 3 / 4)
+        )
+
+    def message(self, sequence: int, timestamp: float, first_step: int, steps: int) -> bytes:
+        """The message of report ``sequence`` written at ``timestamp`` carrying steps
+        ``first_step`` .. ``first_step + steps - 1`` (finished just before ``timestamp``)."""
+        report = [self._body, b"\x08", _varint(sequence), b"\x11", _DOUBLE.pack(timestamp)]
+        if self._ranks:
+            last = first_step + steps - 1
+            heartbeat = b"\x09" + _DOUBLE.pack(timestamp) + b"\x10" + _varint(last) + b"\x28" + _varint(last)
+            suffix = [b"\x1a", _varint(len(heartbeat)), heartbeat]  # RankReport.heartbeat (3)
+            for i in range(steps):
+                start = timestamp - (steps - i) * self._step_s
+                step = b"\x08" + _varint(first_step + i) + b"\x11" + _DOUBLE.pack(start) + self._step_tail
+                suffix += (b"\x22", _varint(len(step)), step)  # RankReport.steps (4)
+            rank_suffix = b"".join(suffix)
+            heads = self._rank_heads.get(len(rank_suffix))
+            if heads is None:  # NodeReport.ranks (11)
+                heads = [b"\x5a" + _varint(len(c) + len(rank_suffix)) + c for c in self._ranks]
+                self._rank_heads[len(rank_suffix)] = heads
+            report += (rank_suffix.join(heads), rank_suffix)
+        body = b"".join(report)
+        return b"\x12" + _varint(len(body)) + body  # AgentMessage.report (2)

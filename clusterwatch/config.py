@@ -89,7 +89,12 @@ class AgentSettings(TransportSettings):
     proc_root: Path = setting(Path("/proc"), "procfs root (a container may mount the host's elsewhere)")
     sys_root: Path = setting(Path("/sys"), "sysfs root")
     buffer_s: float = setting(600.0, "seconds of reports kept for replay while disconnected", positive=True)
-    reconnect_max_s: float = setting(30.0, "cap of the reconnect backoff, seconds", positive=True)
+    reconnect_max_s: float = setting(
+        4.0,
+        "cap of the reconnect backoff, seconds (full jitter: every agent is back within it once the "
+        "coordinator listens)",
+        positive=True,
+    )
     socket: str = setting(
         "/run/clusterwatch/agent.sock",
         "Unix socket for training hooks, mode 0660 (empty: off); hooks read CLUSTERWATCH_AGENT_SOCKET",

@@ -54,3 +54,24 @@ class UnauthenticatedError(ClusterwatchError):
 class PermissionDeniedError(ClusterwatchError):
     """The caller may not do this: an action without admin rights, or a node
     reporting under another node's name (maps to PERMISSION_DENIED)."""
+
+
+class ResourceExhaustedError(ClusterwatchError):
+    """The coordinator refuses this node's input for now: a penalty after bad input,
+    or reports far faster than its interval (maps to RESOURCE_EXHAUSTED).
+
+    Attributes:
+        retry_after_s: when trying again can succeed.
+    """
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
+
+
+class AbortedError(ClusterwatchError):
+    """A newer stream of the same agent took over this one (maps to ABORTED).
+
+    Raised, not aborted with, so that the stream's writer stops before the
+    status goes out (see AgentSession.stopping).
+    """

@@ -13,7 +13,7 @@ import grpc
 from clusterwatch.coordinator.access import AccessPolicy
 from clusterwatch.coordinator.core import Coordinator
 from clusterwatch.coordinator.sessions import AgentSession
-from clusterwatch.errors import InvalidReportError
+from clusterwatch.errors import AbortedError, InvalidReportError
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -22,6 +22,9 @@ Context = grpc.aio.ServicerContext[agent_pb2.AgentMessage, agent_pb2.Coordinator
 
 # grpc.aio's end-of-stream marker (missing from grpc-stubs).
 EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]
+
+# How long a stream that ends waits for its writer to finish the write under way.
+WRITER_STOP_S = 1.0
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
@@ -48,9 +51,11 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         try:
             graceful = await self._read(session, context)
         finally:
-            writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                await writer
+            # Let the writer finish the write under way: gRPC cannot end a call (with the
+            # status the interceptor sends) while one is in flight.
+            session.stop()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError, TimeoutError):
+                await asyncio.wait_for(writer, WRITER_STOP_S)
             self._core.close_stream(session, graceful)
 
     async def _read(self, session: AgentSession, context: Context) -> bool:
@@ -60,9 +65,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             if message is EOF:
                 return True
             if not self._core.is_current(session):
-                await context.abort(
-                    grpc.StatusCode.ABORTED, "superseded by a newer stream from the same node"
-                )
+                raise AbortedError("superseded by a newer stream from the same node")
             kind = message.WhichOneof("kind")
             if kind == "report":
                 self._core.ingest(session, message.report)
@@ -76,6 +79,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         while True:
             await session.wake.wait()
             session.wake.clear()
+            if session.stopping:
+                return
             sequence = session.take_ack()
             if sequence is not None:
                 await context.write(agent_pb2.CoordinatorMessage(ack=agent_pb2.Ack(sequence=sequence)))

@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 
 from clusterwatch import __version__, config
+from clusterwatch.coordinator import request_checks
 from clusterwatch.coordinator.access import AccessPolicy
 from clusterwatch.coordinator.actions import Actions
 from clusterwatch.coordinator.core import Coordinator
@@ -82,6 +83,7 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
     async def Watch(  # noqa: N802
         self, request: cluster_pb2.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[cluster_pb2.ClusterSnapshot]:
+        request_checks.check_watch(request)
         interval_s = max(MIN_WATCH_INTERVAL_S, request.interval_seconds or DEFAULT_WATCH_INTERVAL_S)
         while True:
             yield self.snapshot(request.summary_only)
@@ -90,6 +92,7 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
     async def ListEvents(  # noqa: N802
         self, request: cluster_pb2.ListEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.ListEventsResponse:
+        request_checks.check_list_events(request)
         stored = self._core.event_log.events(
             after_id=request.after_id, limit=request.limit or DEFAULT_EVENT_LIMIT, node_id=request.node_id
         )
@@ -109,6 +112,7 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
     async def ListIncidents(  # noqa: N802
         self, request: cluster_pb2.ListIncidentsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.ListIncidentsResponse:
+        request_checks.check_list_incidents(request)
         limit = request.limit or DEFAULT_EVENT_LIMIT
         if request.include_resolved:  # history lives in the database
             incidents = self._core.event_log.incidents(True, request.job, limit)
@@ -120,6 +124,7 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
     async def UpdateIncident(  # noqa: N802
         self, request: cluster_pb2.UpdateIncidentRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.Incident:
+        request_checks.check_update_incident(request)
         if not request.id:
             raise InvalidRequestError("id is empty")
         if request.state not in _SETTABLE_STATES:
@@ -139,6 +144,7 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
     async def UpdateDetectionSettings(  # noqa: N802
         self, request: cluster_pb2.UpdateDetectionSettingsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.DetectionSettings:
+        request_checks.check_update_detection_settings(request)
         changes = dict(request.values)
         self._authorize(
             context, "detection settings " + ", ".join(f"{k}={v}" for k, v in sorted(changes.items()))
@@ -149,6 +155,7 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
     async def ListActions(  # noqa: N802
         self, request: cluster_pb2.ListActionsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.ListActionsResponse:
+        request_checks.check_list_actions(request)
         actions = self._core.event_log.actions(
             request.job, request.incident_id, request.limit or DEFAULT_EVENT_LIMIT
         )
@@ -157,14 +164,15 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
     async def RequestAction(  # noqa: N802
         self, request: cluster_pb2.ActionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.ActionResponse:
+        request_checks.check_action(request)
         who = self._authorize(context, f"{request.action or 'action'} of job {request.job!r}")
         return await self._actions.request(request, context.time_remaining(), requested_by=who)
 
     async def BeginJob(  # noqa: N802
         self, request: cluster_pb2.BeginJobRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.JobStatus:
-        self._authorize(context, f"begin job {request.job!r}")
         check_begin(request)
+        self._authorize(context, f"begin job {request.job!r}")
         core = self._core
         core.begin_job(request.job, request.labels, request.nodes)
         view = job_view(core.jobs, core.checkpoints, request.job, core.now()[0])
@@ -174,8 +182,8 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
     async def EndJob(  # noqa: N802
         self, request: cluster_pb2.EndJobRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.EndJobResponse:
-        self._authorize(context, f"end job {request.job!r}")
         check_end(request)
+        self._authorize(context, f"end job {request.job!r}")
         ended = self._core.end_job(request.job, request.reason)
         if ended.known:
             message = (

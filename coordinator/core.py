@@ -13,13 +13,21 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 from clusterwatch.config import DetectionSettings
+from clusterwatch.coordinator.admission import Admission
 from clusterwatch.coordinator.checkpoints import CheckpointTracker, CompletedCheckpoint
 from clusterwatch.coordinator.event_log import EventLog
 from clusterwatch.coordinator.jobs import JobRecord, JobStore, Rejection
 from clusterwatch.coordinator.rank_reports import RejectReason
+from clusterwatch.coordinator.report_checks import (
+    ReportCheckError,
+    ReportProblem,
+    check_hello,
+    check_report,
+)
 from clusterwatch.coordinator.sessions import ACK_INTERVAL_S, AgentSession
 from clusterwatch.coordinator.state import ClusterState, Event, EventKind
 from clusterwatch.coordinator.watchdog import Watchdog
+from clusterwatch.errors import ResourceExhaustedError
 from clusterwatch.v1 import agent_pb2, node_pb2, training_pb2
 
 logger = logging.getLogger(__name__)
@@ -29,6 +37,12 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_RETENTION_S = 30 * 86400.0
 # How often finished and silent jobs are looked for (JobStore.expire).
 JOB_EXPIRY_PERIOD_S = 5.0
+# The ``reason`` of clusterwatch_reports_rejected_total for a report refused by the rate limit.
+RATE_LIMITED = "rate_limited"
+# A hello naming a node whose stream, from another agent instance, delivered
+# something this many intervals ago or less is a second agent with the same
+# node id (a restarted agent's old stream ends when its process does).
+DUPLICATE_WINDOW_INTERVALS = 2.0
 
 
 class JobEnd(NamedTuple):
@@ -81,6 +95,10 @@ class Coordinator:
         )
         # (node, reason) pairs already logged at warning level: one line each, then debug.
         self._rejections_logged: set[tuple[str, str]] = set()
+        # Penalties after invalid input and each node's report rate (see coordinator/admission.py).
+        self.admission = Admission()
+        # (node, reason) -> node reports refused (clusterwatch_reports_rejected_total).
+        self.reports_rejected_total: dict[tuple[str, str], int] = {}
         # Called with a job's name once it ended on purpose (end_job): other keepers of per-job state.
         self.job_ended_listeners: list[Callable[[str], None]] = []
         for node in event_log.nodes():
@@ -94,8 +112,17 @@ class Coordinator:
         return self._clock(), self._wall()
 
     def open_stream(self, hello: agent_pb2.Hello) -> AgentSession:
-        """Register a new agent stream; a newer stream for the same node supersedes the old."""
-        stream_id, events = self.state.hello(hello, self._clock(), self._wall())
+        """Register a new agent stream; a newer stream of the same agent supersedes the old.
+
+        Raises:
+            ReportCheckError: a malformed hello, or a node id another live agent uses.
+            ResourceExhaustedError: the node serves a penalty (coordinator/admission.py).
+        """
+        now_mono = self._clock()
+        check_hello(hello)
+        self.admission.check_hello(hello.node_id, now_mono)
+        self._check_not_duplicate(hello, now_mono)
+        stream_id, events = self.state.hello(hello, now_mono, self._wall())
         self.event_log.upsert_node(hello.node_id, hello.hostname, hello.interval_seconds, self._wall())
         self._record(events)
         previous = self.sessions.get(hello.node_id)
@@ -109,25 +136,76 @@ class Coordinator:
         logger.info("node %s connected (agent %s, stream %d)", hello.node_id, hello.agent_version, stream_id)
         return session
 
+    def _check_not_duplicate(self, hello: agent_pb2.Hello, now_mono: float) -> None:
+        """Refuse a second live agent under one node id instead of letting the two supersede each other forever."""
+        record = self.state.nodes.get(hello.node_id)
+        if hello.node_id not in self.sessions or record is None or record.instance_id == hello.instance_id:
+            return
+        silent_s = now_mono - record.last_seen_monotonic_s
+        if silent_s < DUPLICATE_WINDOW_INTERVALS * record.interval_s:
+            raise ReportCheckError(
+                ReportProblem.DUPLICATE,
+                "hello.node_id",
+                f"{hello.node_id!r} is in use by another agent (instance {record.instance_id!r}, heard from "
+                f"{silent_s:.1f} s ago); every agent needs a node id of its own",
+            )
+
     def is_current(self, session: AgentSession) -> bool:
         return self.state.is_current_stream(session.node_id, session.stream_id)
 
     def ingest(self, session: AgentSession, report: node_pb2.NodeReport) -> None:
-        """Apply one node report: node state, then its ranks (unless it is a replay)."""
+        """Apply one node report: node state, then its ranks (unless it is a replay).
+
+        A new report is checked whole first (coordinator/report_checks.py). A bad
+        one is refused but consumed: its sequence counts as received, so the
+        agent's replay after it reconnects skips it instead of failing again.
+
+        Raises:
+            ReportCheckError: the report breaks a rule; nothing of it was applied.
+            ResourceExhaustedError: the node sends faster than its interval allows;
+                the report was not applied and is accepted when replayed.
+        """
+        node_id = session.node_id
+        record = self.state.nodes[node_id]
+        now_mono, now_unix = self._clock(), self._wall()
+        sequence = report.sequence
+        try:
+            self.admission.charge(node_id, record.interval_s, sequence, now_mono)
+        except ResourceExhaustedError as exc:
+            self._refused(node_id, RATE_LIMITED, exc, now_mono)
+            raise
+        # What the checks read stays referenced until the ranks are applied (see check_report).
+        _read = None
+        if not 0 < sequence <= record.last_sequence:  # new: a replay was checked (or refused) before
+            try:
+                _read = check_report(report, now_unix, record.last_sequence)
+            except ReportCheckError as exc:
+                self.state.refuse(node_id, sequence)
+                self._refused(node_id, exc.problem.value, exc, now_mono)
+                raise
         ranks: list[training_pb2.RankReport] = []
         if report.ranks:
             ranks, report = _split_ranks(report)
-        now_mono, now_unix = self._clock(), self._wall()
-        self._record(self.state.ingest(session.node_id, report, now_mono, now_unix))
-        record = self.state.nodes[session.node_id]
+        self._record(self.state.ingest(node_id, report, now_mono, now_unix))
         session.applied(record.last_sequence)
         if ranks and record.report is report:  # stored, so applied for the first time
             try:
-                self._ingest_ranks(session.node_id, ranks, now_mono, now_unix)
+                self._ingest_ranks(node_id, ranks, now_mono, now_unix)
             except Exception:  # a bug here must not cut every agent's stream
-                logger.exception(
-                    "could not apply the ranks of node %s's report %d", session.node_id, report.sequence
-                )
+                logger.exception("could not apply the ranks of node %s's report %d", node_id, report.sequence)
+
+    def _refused(self, node_id: str, reason: str, exc: Exception, now_mono: float) -> None:
+        """Count a refused report, give its node a strike, and say so (once per node and reason at warning)."""
+        key = (node_id, reason)
+        self.reports_rejected_total[key] = self.reports_rejected_total.get(key, 0) + 1
+        penalty_s = self.admission.strike(node_id, now_mono)
+        first = key not in self._rejections_logged
+        self._rejections_logged.add(key)
+        logger.log(
+            logging.WARNING if first else logging.DEBUG,
+            "refused a report from node %s (%s): %s; its stream ends and its hellos are refused for %.3g s%s",
+            node_id, reason, exc, penalty_s, "; further ones like it are logged at debug level" if first else "",
+        )  # fmt: skip
 
     def _ingest_ranks(
         self, node_id: str, ranks: list[training_pb2.RankReport], now_mono: float, now_unix: float

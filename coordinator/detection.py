@@ -4,21 +4,30 @@ Pure (no I/O, the clock is an argument); the detectors keep only the state
 their rules need (streaks, baselines, GPUs seen). The watchdog
 (coordinator/watchdog.py) runs a round every ``period_s`` and hands the
 findings to the incident book.
+
+An unreachable node is judged with what the other nodes say (``judge_unreachable``):
+when the ranks it hosts have peers on reachable nodes that finished steps it
+could not have missed, its ranks are alive and only its link to the
+coordinator is down (a partition), so the finding is a warning, which the
+recovery policy leaves alone (it acts on critical node findings), instead of
+a restart of a job that is training. Hangs are judged the same way
+(coordinator/hangs.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from clusterwatch.config import DetectionSettings
 from clusterwatch.coordinator.causes import Cause, network_cause, straggler_cause
 from clusterwatch.coordinator.failures import NodeFailureDetector, rank_failure
 from clusterwatch.coordinator.hangs import HangFinding, HangSettings, detect_hang
 from clusterwatch.coordinator.incidents import Finding, Kind, Severity
-from clusterwatch.coordinator.jobs import JobRecord
+from clusterwatch.coordinator.jobs import RUNNING, JobRecord
 from clusterwatch.coordinator.slowdowns import SlowdownDetector, SlowdownFinding, SlowdownSettings
-from clusterwatch.coordinator.state import NodeRecord
+from clusterwatch.coordinator.state import NodeRecord, NodeState
 from clusterwatch.coordinator.stragglers import StragglerDetector, StragglerFinding, StragglerSettings
 
 
@@ -93,18 +102,28 @@ class Detection:
         self, jobs: Mapping[str, JobRecord], nodes: dict[str, NodeRecord], now_mono_s: float
     ) -> list[Finding]:
         """Every finding that holds now."""
+        unreachable = frozenset(
+            node_id for node_id, node in nodes.items() if node.state == NodeState.NODE_STATE_UNREACHABLE
+        )
         findings: list[Finding] = []
         for job in jobs.values():
-            findings.extend(self._job(job, nodes, now_mono_s))
-        findings.extend(self._nodes.update(nodes, dict(jobs)))
+            findings.extend(self._job(job, nodes, now_mono_s, unreachable))
+        findings.extend(
+            judge_unreachable(f, jobs.values(), nodes, now_mono_s)
+            if f.kind == Kind.NODE_UNREACHABLE and f.severity == Severity.CRITICAL
+            else f
+            for f in self._nodes.update(nodes, dict(jobs))
+        )
         return findings
 
-    def _job(self, job: JobRecord, nodes: dict[str, NodeRecord], now_mono_s: float) -> list[Finding]:
+    def _job(
+        self, job: JobRecord, nodes: dict[str, NodeRecord], now_mono_s: float, unreachable: frozenset[str]
+    ) -> list[Finding]:
         findings: list[Finding] = []
         failure = rank_failure(job)
         if failure is not None:
             findings.append(failure)
-        hang = detect_hang(job, now_mono_s, self._hang)
+        hang = detect_hang(job, now_mono_s, self._hang, unreachable)
         if hang is not None:
             findings.append(_hang_finding(job, hang))
         stragglers = self._stragglers.update(job)
@@ -124,6 +143,69 @@ class Detection:
         if slowdown is not None:
             findings.append(_slowdown_finding(job, slowdown, network_cause(job, nodes)))
         return findings
+
+
+# How long after a rank finishes a step the coordinator may learn of it, beyond its
+# agent's report interval: the hook sends steps every 0.25 s
+# (clusterwatch/hook/transport.py), plus transit.
+STEP_NEWS_LAG_S = 0.5
+
+
+def judge_unreachable(
+    finding: Finding, jobs: Iterable[JobRecord], nodes: Mapping[str, NodeRecord], now_mono_s: float
+) -> Finding:
+    """A critical node_unreachable finding, made a warning while the node's ranks are known to be alive.
+
+    Alive means: every job with a running rank on the node has a running rank
+    (same generation) on a reachable node that finished a step the coordinator
+    learned of after ``silent_at + node interval + peer interval + STEP_NEWS_LAG_S``,
+    where ``silent_at`` is the node's last report. By then a step finished
+    before the node could have died would have arrived already, and a step
+    (with its collective) cannot finish without every rank. Until that moment
+    has passed by another peer interval (no news yet either way) it is a
+    warning too, so the policy does not act on a guess; after that, without
+    the proof, critical as the failure detector made it. Assumes the job's
+    ranks step together (a collective per step, as in DDP and FSDP).
+    """
+    node_id = finding.nodes[0] if finding.nodes else ""
+    node = nodes.get(node_id)
+    if node is None:
+        return finding
+    waiting = False
+    for job in jobs:
+        if not any(r.node_id == node_id and r.state == RUNNING for r in job.ranks.values()):
+            continue
+        peers = [
+            r
+            for r in job.ranks.values()
+            if r.node_id != node_id
+            and r.state == RUNNING
+            and r.identity.restart_count == job.restart_count
+            and (peer_node := nodes.get(r.node_id)) is not None
+            and peer_node.state == NodeState.NODE_STATE_UP
+        ]
+        if not peers:
+            return finding  # nobody to tell
+        peer_interval_s = max(nodes[r.node_id].interval_s for r in peers)
+        proof_after_s = node.last_seen_monotonic_s + node.interval_s + peer_interval_s + STEP_NEWS_LAG_S
+        if any(r.last_progress_mono_s > proof_after_s for r in peers):
+            continue
+        if now_mono_s <= proof_after_s + peer_interval_s + STEP_NEWS_LAG_S:
+            waiting = True
+            continue
+        return finding  # its peers stopped when it went silent: it (or its link to them) failed
+    if waiting:
+        why = "; its ranks' peers on other nodes have not told yet whether they still progress"
+        evidence = {**finding.evidence, "peers_progressing": 0.0}
+    else:
+        why = (
+            "; its ranks' peers on other nodes keep finishing steps, so its ranks are alive: "
+            "only its link to the coordinator is down"
+        )
+        evidence = {**finding.evidence, "peers_progressing": 1.0}
+    return dataclasses.replace(
+        finding, severity=Severity.WARNING, summary=finding.summary + why, evidence=evidence
+    )
 
 
 def _hang_finding(job: JobRecord, hang: HangFinding) -> Finding:

@@ -8,8 +8,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from clusterwatch.errors import (
+    AbortedError,
     ClusterwatchError,
     ConfigError,
     FailedPreconditionError,
@@ -17,6 +19,7 @@ from clusterwatch.errors import (
     InvalidRequestError,
     NotFoundError,
     PermissionDeniedError,
+    ResourceExhaustedError,
     UnauthenticatedError,
     UnimplementedError,
 )
@@ -30,6 +33,8 @@ STATUS_BY_ERROR: tuple[tuple[type[ClusterwatchError], grpc.StatusCode], ...] = (
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (UnimplementedError, grpc.StatusCode.UNIMPLEMENTED),
+    (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (AbortedError, grpc.StatusCode.ABORTED),
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
     (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
 )
@@ -57,9 +62,16 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-
         for kind, factory in _FACTORIES.items():
             behavior = getattr(handler, kind)
             if behavior is not None:
-                return factory(  # type: ignore[no-any-return]
-                    _wrap(behavior, method),
-                    request_deserializer=handler.request_deserializer,
+                decode = handler.request_deserializer
+                if kind.startswith("stream_"):  # the servicer's reads decode: make a failure ours
+                    return factory(  # type: ignore[no-any-return]
+                        _wrap(behavior, method),
+                        request_deserializer=_decoding(decode),
+                        response_serializer=handler.response_serializer,
+                    )
+                return factory(  # type: ignore[no-any-return]  # decoded in _wrap, where it can fail
+                    _wrap(behavior, method, decode),
+                    request_deserializer=None,
                     response_serializer=handler.response_serializer,
                 )
         return handler
@@ -79,13 +91,33 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: ClusterwatchE
     await context.abort(code, str(exc))
 
 
-def _wrap(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+def _decoding(decode: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """``decode`` raising InvalidRequestError instead of protobuf's DecodeError (status UNKNOWN)."""
+    if decode is None:
+        return None
+
+    def checked(raw: bytes) -> Any:
+        try:
+            return decode(raw)
+        except DecodeError as exc:
+            raise InvalidRequestError(f"not a valid protobuf message ({exc})") from None
+
+    return checked
+
+
+def _wrap(
+    behavior: Callable[..., Any], method: str, decode: Callable[[bytes], Any] | None = None
+) -> Callable[..., Any]:
+    """``behavior`` with ClusterwatchError mapped to a status; with ``decode``, the request arrives as bytes."""
+    checked = _decoding(decode)
     if inspect.isasyncgenfunction(behavior):
 
         async def stream_wrapper(
             request: Any, context: grpc.aio.ServicerContext[Any, Any]
         ) -> AsyncIterator[Any]:
             try:
+                if checked is not None:
+                    request = checked(request)
                 async for item in behavior(request, context):
                     yield item
             except ClusterwatchError as exc:
@@ -95,6 +127,8 @@ def _wrap(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
 
     async def wrapper(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
+            if checked is not None:
+                request = checked(request)
             return await behavior(request, context)
         except ClusterwatchError as exc:
             await _abort(context, exc, method)

@@ -13,11 +13,22 @@ The culprits, in the order a person would check them:
    collective, so silence means the whole process is stuck);
 3. ranks whose Flight Recorder ``last_enqueued_collective`` is behind the rest
    of their process group: they never joined the collective everyone else
-   waits in (DESIGN.md, "Signals").
+   waits in (DESIGN.md, "Signals");
+4. ranks on a node that stopped reporting (unreachable): nothing is known of
+   them now, so they come last, and only their node is blamed.
 
 If none of these names anyone and every rank waits in the same collective
 (same group and sequence), the finding says so: the collective itself is
 stuck, and the fabric under it is the next suspect.
+
+Progress is judged from the ranks whose news still arrives. A rank on an
+unreachable node has not necessarily stopped, only its reports have (the
+node's agent may be cut off from the coordinator while training goes on), and
+its peers on the other nodes tell: a collective completes only once every
+rank has joined it, so while they finish steps it does too. A job with no rank
+on a reachable node is not judged at all; the node_unreachable incident says
+what is known. Ranks on unreachable nodes are never called frozen or behind
+on their stale heartbeats.
 
 Heartbeats are compared on the coordinator's monotonic clock (when a newer one
 last arrived), never on the ranks' wall clocks, so skew between hosts cannot
@@ -29,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Collection
 
 from clusterwatch.coordinator.jobs import JobRecord, RankRecord
 from clusterwatch.v1 import training_pb2
@@ -59,6 +71,7 @@ class CulpritReason(enum.StrEnum):
     EXITED = "exited"
     HEARTBEAT_STOPPED = "heartbeat_stopped"
     BEHIND_IN_GROUP = "behind_in_group"
+    NODE_UNREACHABLE = "node_unreachable"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,14 +128,17 @@ def timeout_s(job: JobRecord, settings: HangSettings) -> float:
     return max(settings.floor_s, settings.p99_factor * p99)
 
 
-def detect_hang(job: JobRecord, now_mono_s: float, settings: HangSettings) -> HangFinding | None:
+def detect_hang(
+    job: JobRecord, now_mono_s: float, settings: HangSettings, unreachable_nodes: Collection[str] = ()
+) -> HangFinding | None:
     """A finding if ``job`` is hung at ``now_mono_s`` (coordinator monotonic clock), else None.
 
     A job none of whose ranks has finished a step yet is not judged: start-up
     (imports, rendezvous, data loading) has no step time to scale with. Nor
     is one with no rank left running: it finished (or failed, which the
     failure detector reports), and nobody waits for anybody. Ranks of an
-    older generation (before a restart) are not judged at all.
+    older generation (before a restart) are not judged at all, and ranks on
+    ``unreachable_nodes`` only through their peers (see the module docstring).
     """
     # Only the newest generation: right after torchrun restarted the group,
     # ranks of the old one still show their last steps while the new ones
@@ -130,9 +146,10 @@ def detect_hang(job: JobRecord, now_mono_s: float, settings: HangSettings) -> Ha
     ranks = [r for r in job.ranks.values() if r.identity.restart_count == job.restart_count]
     if not any(r.state == RUNNING for r in ranks):
         return None
+    heard = [r for r in ranks if r.node_id not in unreachable_nodes]
     # Progress of the ranks still running: a relaunch of a finished job (same
     # generation, new processes starting up) is judged once they stepped.
-    progressed = [r.last_progress_mono_s for r in ranks if r.last_step is not None and r.state == RUNNING]
+    progressed = [r.last_progress_mono_s for r in heard if r.last_step is not None and r.state == RUNNING]
     if not progressed:
         return None
     stalled_s = now_mono_s - max(progressed)
@@ -141,8 +158,9 @@ def detect_hang(job: JobRecord, now_mono_s: float, settings: HangSettings) -> Ha
         return None
     culprits = [
         *_exited(ranks),
-        *_frozen(ranks, now_mono_s, settings.heartbeat_stale_s),
-        *_behind_in_group(ranks),
+        *_frozen(heard, now_mono_s, settings.heartbeat_stale_s),
+        *_behind_in_group(heard),
+        *_unheard(ranks, unreachable_nodes),
     ]
     first_reason: dict[int, Culprit] = {}  # a rank is named once, for its strongest reason
     for culprit in culprits:
@@ -154,7 +172,7 @@ def detect_hang(job: JobRecord, now_mono_s: float, settings: HangSettings) -> Ha
         timeout_s=limit_s,
         last_step=max(r.last_step.step for r in ranks if r.last_step is not None),
         culprits=unique,
-        shared_collective=None if unique else _shared_collective(ranks),
+        shared_collective=None if unique else _shared_collective(heard),
     )
 
 
@@ -178,6 +196,16 @@ def _frozen(ranks: list[RankRecord], now_mono_s: float, stale_s: float) -> list[
         if r.state != EXITED
         and r.heartbeat is not None
         and now_mono_s - r.heartbeat_advanced_mono_s > stale_s
+    ]
+
+
+def _unheard(ranks: list[RankRecord], unreachable_nodes: Collection[str]) -> list[Culprit]:
+    return [
+        Culprit(
+            r.rank, r.node_id, CulpritReason.NODE_UNREACHABLE, "its node stopped reporting: state unknown"
+        )
+        for r in ranks
+        if r.state != EXITED and r.node_id in unreachable_nodes
     ]
 
 

@@ -23,12 +23,20 @@ def check_begin(request: cluster_pb2.BeginJobRequest) -> None:
         raise InvalidRequestError(f"labels: {problem}")
     if len(request.nodes) > MAX_NODES:
         raise InvalidRequestError(f"nodes: at most {MAX_NODES}, got {len(request.nodes)}")
+    seen: dict[str, int] = {}
     for index, node in enumerate(request.nodes):
-        if not node or len(node) > MAX_NODE_CHARS or not node.isprintable() or " " in node:
-            raise InvalidRequestError(
-                f"nodes[{index}]: {node[:MAX_NODE_CHARS]!r} is not a node id (1 to {MAX_NODE_CHARS} "
-                "printable characters, no spaces)"
-            )
+        if problem := node_problem(node):
+            raise InvalidRequestError(f"nodes[{index}]: {problem}")
+        if node in seen:
+            raise InvalidRequestError(f"nodes[{index}]: {node!r} is listed twice (also nodes[{seen[node]}])")
+        seen[node] = index
+
+
+def node_problem(node: str) -> str:
+    """What makes ``node`` no node id, or '' (1 to MAX_NODE_CHARS printable characters, no whitespace)."""
+    if not node or len(node) > MAX_NODE_CHARS or not node.isprintable() or any(c.isspace() for c in node):
+        return f"{node[:64]!r} is not a node id (1 to {MAX_NODE_CHARS} printable characters, no spaces)"
+    return ""
 
 
 def check_end(request: cluster_pb2.EndJobRequest) -> None:

@@ -24,6 +24,17 @@ then, with the recovery time (incident opened -> resumed) and the steps lost
 in its evidence and counted, with the unproductive time the ETTR is made of.
 One that has not recovered within ``recovery_timeout_s`` goes back to
 ACKNOWLEDGED, for a person.
+
+After a coordinator restart (same database) nothing is done twice
+(``_take_over``): an incident that already had an action is not decided
+again; the actions of the past hour still count against each job's cooldown
+and restart budget; an action still ``pending`` was in flight when the
+previous coordinator died, and is recorded ``failed`` (interrupted), not
+redone: how much of it reached the agents is unknown, and doing it again
+could stop a job that its first half already restarted. Its incident, and
+any other that recovery was acting on (whose tracking was in the dead
+process's memory), goes to a person (ACKNOWLEDGED) and resolves by itself
+once its condition clears.
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ from clusterwatch.coordinator.policy import (
     ALERT,
     CHECKPOINT,
     EXCLUDE_NODE_AND_RESTART,
+    HOUR_S,
     RESTARTS,
     Decision,
     Policy,
@@ -61,6 +73,8 @@ CHECKPOINT_TIMEOUT_S = 60.0
 PENDING, DONE, FAILED, SKIPPED = "pending", "done", "failed", "skipped"
 # The restart reason of an operator's restart (the others are incident kinds).
 REQUESTED = "requested"
+# Action records read at start (the newest this many), to take over from the previous coordinator.
+MAX_ACTIONS_LOADED = 10_000
 
 # Asks every rank of a job to checkpoint; returns the step, once complete (raises on failure/timeout).
 CheckpointNow = Callable[[str, float], Awaitable[int]]
@@ -174,6 +188,9 @@ class Recovery:
         self._wall = wall_clock
         self._restarted: dict[str, _Restarted] = {}
         self._actions = BackgroundTasks()
+        # Live incidents a previous coordinator already acted on: never decided again.
+        self._decided_before: set[str] = set()
+        self._take_over(event_log.actions(limit=MAX_ACTIONS_LOADED))
 
     def apply_settings(self, settings: RecoverySettings) -> None:
         """New ``[recovery]`` settings (SIGHUP); decisions already made and the restart budget stay."""
@@ -193,12 +210,58 @@ class Recovery:
         for name in self._jobs():
             self.counts.first_seen_unix_s.setdefault(name, now)
         live = self._watchdog.book.live()
-        self.policy.retain({incident.id for incident in live})
+        live_ids = {incident.id for incident in live}
+        self.policy.retain(live_ids)
+        self._decided_before &= live_ids
         for incident in live:
+            if incident.id in self._decided_before:
+                continue
             decision = self.policy.decide(incident, now)
             if decision is not None:
                 self._actions.start(self._carry_out(decision, incident), f"action on {incident.id}")
         self._track(now)
+
+    def _take_over(self, records: list[cluster_pb2.ActionRecord]) -> None:
+        """Carry on from the coordinator that used this database before (see the module docstring).
+
+        Args:
+            records: its action records, oldest first.
+        """
+        now = self._wall()
+        interrupted: list[cluster_pb2.ActionRecord] = []
+        for record in records:
+            if record.incident_id:
+                self._decided_before.add(record.incident_id)
+            if record.outcome != SKIPPED and now - record.decided_unix_seconds < HOUR_S:
+                self.policy.note_action(record.job, record.action, record.decided_unix_seconds)
+            if record.outcome == PENDING:
+                interrupted.append(record)
+        for record in interrupted:
+            so_far = f"{record.detail}; " if record.detail else ""
+            self._finish(
+                record,
+                FAILED,
+                f"{so_far}interrupted: the coordinator stopped while this action was in progress; "
+                "not redone, since how much of it was carried out is unknown",
+            )
+            if record.incident_id:
+                self._give_back(
+                    record.incident_id,
+                    f"{record.action.replace('_', ' ')} {record.id} was interrupted by a coordinator restart "
+                    "and is not redone; left to a person (resolves by itself once the condition clears)",
+                )
+        for incident in self._watchdog.book.live():
+            if incident.state == IncidentState.ACTING:
+                self._give_back(
+                    incident.id,
+                    "the coordinator restarted while recovery was acting on it and no longer tracks that "
+                    "recovery; left to a person (resolves by itself once the condition clears)",
+                )
+        if records:
+            logger.info(
+                "recovery: took over %d action record(s) of the previous coordinator; %d interrupted, not redone",
+                len(records), len(interrupted),
+            )  # fmt: skip
 
     def forget_job(self, job: str) -> None:
         """A job ended on purpose (EndJob): stop tracking its restart and drop its counts.

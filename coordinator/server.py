@@ -25,7 +25,7 @@ from clusterwatch.coordinator.agent_servicer import AgentServicer
 from clusterwatch.coordinator.cluster_servicer import ClusterServicer
 from clusterwatch.coordinator.core import Coordinator
 from clusterwatch.coordinator.errors_interceptor import ErrorMappingInterceptor
-from clusterwatch.coordinator.event_log import EventLog
+from clusterwatch.coordinator.event_log import EventLog, StateHealth
 from clusterwatch.coordinator.incident_metrics import IncidentView, incident_view
 from clusterwatch.coordinator.job_views import TrainingView, training_view
 from clusterwatch.coordinator.launchers import (
@@ -81,6 +81,18 @@ def launcher_from(
         kubernetes_pod_selector=settings.kubernetes_pod_selector,
         kubectl=settings.kubectl,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsPage:
+    """What /metrics shows, copied on the event loop and rendered in the HTTP thread."""
+
+    nodes: list[NodeView]
+    training: TrainingView
+    incidents: IncidentView
+    recovery: RecoveryView
+    reports_rejected: dict[tuple[str, str], int]
+    state: StateHealth
 
 
 class CoordinatorServer:
@@ -224,18 +236,25 @@ class CoordinatorServer:
     def render_metrics(self) -> bytes:
         """Called from the HTTP thread: copy state on the loop, render here."""
         assert self._loop is not None  # noqa: S101 - start() ran
-        views, training, incidents, recovery = asyncio.run_coroutine_threadsafe(
-            self._views(), self._loop
-        ).result(RENDER_SNAPSHOT_TIMEOUT_S)
-        return render(views, training, incidents, recovery)
+        page = asyncio.run_coroutine_threadsafe(self._page(), self._loop).result(RENDER_SNAPSHOT_TIMEOUT_S)
+        return render(
+            page.nodes,
+            page.training,
+            page.incidents,
+            page.recovery,
+            reports_rejected=page.reports_rejected,
+            state_db=page.state,
+        )
 
-    async def _views(self) -> tuple[list[NodeView], TrainingView, IncidentView, RecoveryView]:
+    async def _page(self) -> MetricsPage:
         core = self.core
-        return (
-            node_views(core.state),
-            training_view(core.jobs, core.checkpoints, core.now()[0]),
-            incident_view(core.watchdog, core.jobs.jobs),
-            recovery_view(self.recovery.counts, time.time()),
+        return MetricsPage(
+            nodes=node_views(core.state),
+            training=training_view(core.jobs, core.checkpoints, core.now()[0]),
+            incidents=incident_view(core.watchdog, core.jobs.jobs),
+            recovery=recovery_view(self.recovery.counts, time.time()),
+            reports_rejected=dict(core.reports_rejected_total),
+            state=core.event_log.health(),
         )
 
     def _write_ready_file(self, path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 
+from clusterwatch.coordinator.report_checks import check_command_result
 from clusterwatch.v1 import agent_pb2
 
 ACK_INTERVAL_S = 2.0
@@ -37,6 +38,9 @@ class AgentSession:
         self._checkpoints: agent_pb2.JobCheckpoints | None = None
         self.wake = asyncio.Event()
         self.wake.set()
+        # Set when the stream ends: the writer returns once the write under way is done
+        # (ending the call while a write is in flight fails in gRPC: TOO_MANY_OPERATIONS).
+        self.stopping = False
         self._waiting: dict[str, asyncio.Future[agent_pb2.CommandResult]] = {}
 
     def applied(self, sequence: int) -> None:
@@ -44,6 +48,11 @@ class AgentSession:
         if sequence > self.applied_sequence:
             self.applied_sequence = sequence
             self.ack_due = True
+
+    def stop(self) -> None:
+        """The stream is ending: wake the writer so that it returns (see ``stopping``)."""
+        self.stopping = True
+        self.wake.set()
 
     def wake_if_ack_due(self) -> None:
         if self.ack_due:
@@ -76,6 +85,12 @@ class AgentSession:
         return checkpoints
 
     def resolve(self, result: agent_pb2.CommandResult) -> None:
+        """Hand a command's result to whoever waits for it (nobody: it is dropped).
+
+        Raises:
+            ReportCheckError: a result no honest agent sends (an unknown status, a 10 MB message...).
+        """
+        check_command_result(result)
         future = self._waiting.pop(result.command_id, None)
         if future is not None and not future.done():
             future.set_result(result)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from clusterwatch.coordinator.report_checks import MAX_SEQUENCE_JUMP
 from clusterwatch.errors import InvalidReportError
 from clusterwatch.v1 import agent_pb2, cluster_pb2, node_pb2
 
@@ -26,6 +27,11 @@ NodeState = cluster_pb2.NodeState
 
 # Interval assumed for nodes known only from the database.
 DEFAULT_INTERVAL_S = 1.0
+
+
+# A node restored from the database after a coordinator restart is not called
+# unreachable before this: at least twice the agents' reconnect backoff cap (4 s).
+RESTORED_GRACE_S = 10.0
 
 
 class EventKind(enum.StrEnum):
@@ -150,6 +156,18 @@ class ClusterState:
         record.previous, record.report = record.report, report
         return events
 
+    def refuse(self, node_id: str, sequence: int) -> None:
+        """A report of this sequence was refused: count it as received, so that its replay is skipped.
+
+        A sequence that is no plausible successor (0, or MAX_SEQUENCE_JUMP ahead) changes nothing.
+        """
+        record = self.nodes[node_id]
+        if not record.last_sequence < sequence <= record.last_sequence + MAX_SEQUENCE_JUMP:
+            return
+        if record.last_sequence and sequence > record.last_sequence + 1:
+            record.reports_missed_total += sequence - record.last_sequence - 1
+        record.last_sequence = sequence
+
     def stream_closed(self, node_id: str, stream_id: int, graceful: bool, now_unix: float) -> list[Event]:
         """A stream ended; a graceful close by the agent means the node left."""
         record = self.nodes.get(node_id)
@@ -171,7 +189,11 @@ class ClusterState:
             if record.state not in (NodeState.NODE_STATE_UP, NodeState.NODE_STATE_UNKNOWN):
                 continue
             silent_s = now_mono - record.last_seen_monotonic_s
-            if silent_s > self.unreachable_after_intervals * record.interval_s:
+            limit_s = self.unreachable_after_intervals * record.interval_s
+            if record.state == NodeState.NODE_STATE_UNKNOWN:
+                # Known from before a restart: give its agent time to find us again.
+                limit_s = max(limit_s, RESTORED_GRACE_S)
+            if silent_s > limit_s:
                 record.state = NodeState.NODE_STATE_UNREACHABLE
                 events.append(
                     Event(

@@ -5,7 +5,10 @@ cluster state into findings (coordinator/detection.py), the incident book
 opens, updates and resolves incidents (coordinator/incidents.py), changed
 incidents are persisted, counted for /metrics and logged, and a hang with
 new culprits sends the agents a diagnose command (coordinator/diagnosis.py)
-whose answer is attached to the incident when it arrives.
+whose answer is attached to the incident when it arrives. Each round also
+gives the event log its chance to write what it queued while the database
+could not be written (EventLog.retry_pending): the loop that keeps running
+in a quiet cluster, when nothing else writes.
 
 Runs on the event loop, like everything that reads the job store.
 """
@@ -186,7 +189,14 @@ class Watchdog:
         period_s: float = DETECTION_PERIOD_S,
     ) -> None:  # fmt: skip
         """Rounds forever (cancel to stop); a failing round is logged and the next one runs."""
-        await every(period_s, lambda: self.round(jobs(), nodes), "detection round")
+
+        def round_then_catch_up() -> None:
+            try:
+                self.round(jobs(), nodes)
+            finally:
+                self._event_log.retry_pending()
+
+        await every(period_s, round_then_catch_up, "detection round")
 
     async def close(self) -> None:
         await self._diagnoses.close()

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from clusterwatch.agent.hook_validation import InvalidHookMessageError, RankGoneError
+from clusterwatch.agent.hook_validation import DURATION_BUCKETS, InvalidHookMessageError, RankGoneError
 from clusterwatch.agent.proc_exit import ExitStatus
 from clusterwatch.agent.ranks import RankRegistry, RankState
 from clusterwatch.v1 import node_pb2, training_pb2
@@ -115,7 +115,7 @@ def test_collectives_are_merged_per_report_and_survive_dropped_steps(registry: R
             summary.collectives.add(
                 op=op, group_name="0", group_size=4, dtype="torch.float32", size_bucket_bytes=size, count=1,
                 bytes_total=size, duration_seconds_total=0.01 * n, duration_seconds_max=0.01 * n,
-                last_sequence=10 * n, duration_bucket_counts=[0, 1],
+                last_sequence=10 * n, duration_bucket_counts=[0, 1] + [0] * (DURATION_BUCKETS - 2),
             )  # fmt: skip
         return summary
 
@@ -131,7 +131,7 @@ def test_collectives_are_merged_per_report_and_survive_dropped_steps(registry: R
     assert all_reduce.duration_seconds_total == pytest.approx(2 * 0.01 * 21)
     assert all_reduce.duration_seconds_max == pytest.approx(0.06)
     assert all_reduce.last_sequence == 60
-    assert list(all_reduce.duration_bucket_counts) == [0, 12]
+    assert list(all_reduce.duration_bucket_counts) == [0, 12] + [0] * (DURATION_BUCKETS - 2)
     assert all_reduce.bus_bandwidth_bytes_per_second == pytest.approx((12 << 20) / (2 * 0.01 * 21) * 1.5)
     (second,) = report(registry)
     assert not second.collectives

@@ -174,7 +174,7 @@ async def _scrape_the_demo_and_check(
         return line.split(key, 1)[1].strip() if line else None
 
     address_and_url = await poll(
-        lambda: (a, u) if (a := banner("status --coordinator")) and (u := banner("metrics:")) else None,
+        lambda: (a, u) if (a := banner("status --insecure --coordinator")) and (u := banner("metrics:")) else None,
         90, "the demo's coordinator address and metrics URL", demo=demo, log=log,
     )  # fmt: skip
     address, metrics_url = address_and_url

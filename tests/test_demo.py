@@ -39,12 +39,12 @@ def test_the_demo_detects_and_recovers_from_a_straggler_and_a_hang(tmp_path: Pat
         )  # fmt: skip
     try:
         line = wait_for(
-            lambda: next((ln for ln in log.read_text().splitlines() if "clusterwatch status --coordinator" in ln), None),
+            lambda: next((ln for ln in log.read_text().splitlines() if "clusterwatch status --insecure --coordinator" in ln), None),
             60, "the demo to say where its coordinator is",
         )  # fmt: skip
         address = line.split("--coordinator", 1)[1].strip()
         status = wait_for(
-            lambda: (s if "demo-node-1" in (s := run_cli("status", "--coordinator", address)).stdout else None),
+            lambda: (s if "demo-node-1" in (s := run_cli("status", "--insecure", "--coordinator", address)).stdout else None),
             60, "both demo nodes in clusterwatch status",
         )  # fmt: skip
         assert demo.wait(timeout=240) == 0, log.read_text()

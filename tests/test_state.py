@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clusterwatch.coordinator.state import ClusterState, EventKind
+from clusterwatch.coordinator.state import RESTORED_GRACE_S, ClusterState, EventKind
 from clusterwatch.errors import InvalidReportError
 from clusterwatch.v1 import agent_pb2, cluster_pb2, node_pb2
 
@@ -94,7 +94,15 @@ def test_restored_node_is_unknown_then_up_without_an_event_or_unreachable_if_sil
     assert state.nodes["quiet"].state == S.NODE_STATE_UNKNOWN
     _, events = state.hello(hello(node="back"), 1.0, 101.0)
     assert events == []
-    assert kinds(state.check_liveness(3.5, 103.5)) == [EventKind.NODE_UNREACHABLE]
+    # A restored node gets RESTORED_GRACE_S (its agent's reconnect backoff), not just 3 intervals.
+    assert kinds(state.check_liveness(3.5, 103.5)) == []
+    assert state.nodes["quiet"].state == S.NODE_STATE_UNKNOWN
+    later_s = RESTORED_GRACE_S + 0.5
+    events = state.check_liveness(later_s, 100 + later_s)  # "back" fell silent too, after 3 intervals
+    assert sorted((e.kind, e.node_id) for e in events) == [
+        (EventKind.NODE_UNREACHABLE, "back"),
+        (EventKind.NODE_UNREACHABLE, "quiet"),
+    ]
     assert state.nodes["quiet"].state == S.NODE_STATE_UNREACHABLE
 
 

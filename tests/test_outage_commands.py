@@ -1,0 +1,171 @@
+"""Nothing done twice: the agent carries out a command id once, and a restarted coordinator does not
+redo (or re-decide) what the previous one had started.
+
+The agent side runs the real CommandHandler against real worker processes (see test_workers.py);
+the coordinator side the real Watchdog and Recovery over a real SQLite database, with a launcher
+that only records what it is asked (the launcher is the boundary to torchrun, SLURM or Kubernetes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from test_workers import Processes, alive, identity, outcomes, processes, registry, stop_command
+from training_builders import poll_until
+
+from clusterwatch.agent.commands import CommandHandler
+from clusterwatch.config import DetectionSettings, RecoverySettings
+from clusterwatch.coordinator.event_log import EventLog
+from clusterwatch.coordinator.incidents import Incident, IncidentState, Kind, Severity
+from clusterwatch.coordinator.launchers import LaunchOutcome
+from clusterwatch.coordinator.recovery import Recovery
+from clusterwatch.coordinator.watchdog import Watchdog
+from clusterwatch.v1 import agent_pb2, cluster_pb2
+
+pytestmark = pytest.mark.timeout(60)
+
+OK = agent_pb2.CommandResult.Status.STATUS_OK
+__all__ = ["processes"]  # the fixture, imported for this module's tests
+
+
+async def test_a_command_repeated_while_it_runs_is_carried_out_once(processes: Processes) -> None:
+    ranks = registry()
+    stubborn = processes.worker("stubborn")  # ignores SIGTERM: the stop takes the whole grace period
+    ranks.hello(identity(0, stubborn.pid))
+    handler = CommandHandler(worker_lookup=ranks)
+    command = stop_command("stop-1", job="j", grace_seconds=0.5, reason="hang incident h-1")
+    # The same id twice at once, as when the coordinator re-sends it on a new stream mid-stop.
+    first, second = await asyncio.gather(handler.handle(command), handler.handle(command))
+    assert second is first
+    assert (first.status, outcomes(first)[stubborn.pid]) == (OK, (0, "sigkill"))
+    assert len(first.stopped) == 2  # the worker and its child, each stopped once
+    assert handler.replays_total == 1
+    assert not alive(stubborn.pid)
+    # And once more after it finished: the remembered result, nothing run.
+    assert await handler.handle(command) is first
+    assert handler.replays_total == 2
+
+
+async def test_commands_without_an_id_are_each_carried_out() -> None:
+    handler = CommandHandler()
+    ping = agent_pb2.Command(ping=agent_pb2.PingCommand())
+    first, second = await handler.handle(ping), await handler.handle(ping)
+    assert first is not second
+    assert (first.status, second.status) == (OK, OK)
+    assert handler.replays_total == 0
+
+
+async def test_a_repeat_waiting_on_a_run_that_fails_hears_why() -> None:
+    class BrokenLookup:
+        def worker_pids(self, job: str) -> dict[int, int]:
+            raise OSError("cannot read /proc")
+
+        def mark_stopping(self, pids: object, why: str) -> None:
+            raise AssertionError("not reached")
+
+    handler = CommandHandler(worker_lookup=BrokenLookup())
+    command = stop_command("stop-2", job="j")
+    results = await asyncio.gather(handler.handle(command), handler.handle(command), return_exceptions=True)
+    assert [type(r) for r in results] == [OSError, OSError]
+    # Nothing remembered from a run that failed: the next copy runs again.
+    with pytest.raises(OSError, match="cannot read /proc"):
+        await handler.handle(command)
+
+
+class RecordingLauncher:
+    """Says what it was asked to restart, and does nothing."""
+
+    name = "torchrun"
+    replaces_nodes = False
+
+    def __init__(self) -> None:
+        self.restarts: list[str] = []
+
+    async def restart(
+        self, job: str, nodes: Sequence[str], exclude_nodes: Sequence[str], reason: str
+    ) -> LaunchOutcome:
+        self.restarts.append(job)
+        return LaunchOutcome(True, "recorded")
+
+
+def hang(job: str, state: IncidentState, opened_unix_s: float) -> Incident:
+    return Incident(
+        id=f"hang-{job}", key=("hang", job, 0), kind=Kind.HANG, severity=Severity.CRITICAL,
+        summary=f"job {job} made no progress", cause="heartbeat_stopped", state=state,
+        opened_unix_s=opened_unix_s, updated_unix_s=opened_unix_s, job=job, ranks=(1,),
+    )  # fmt: skip
+
+
+def record(incident: Incident, outcome: str, decided_unix_s: float) -> cluster_pb2.ActionRecord:
+    return cluster_pb2.ActionRecord(
+        id=f"restart-{incident.job}", job=incident.job, action="restart", reason=incident.summary,
+        incident_id=incident.id, outcome=outcome, decided_unix_seconds=decided_unix_s,
+    )  # fmt: skip
+
+
+async def unexpected_send(
+    node_id: str, command: agent_pb2.Command, timeout_s: float
+) -> agent_pb2.CommandResult:
+    raise KeyError(node_id)  # no agent is connected
+
+
+async def unexpected_checkpoint(job: str, timeout_s: float) -> int:
+    raise AssertionError("no checkpoint expected")
+
+
+async def test_a_restarted_coordinator_does_not_redo_or_redecide_what_the_previous_one_started(
+    tmp_path: Path,
+) -> None:
+    now = time.time()
+    # What the coordinator that was SIGKILLed left in its database:
+    interrupted = hang("j", IncidentState.ACTING, now - 30)  # its restart was in flight
+    restarted = hang("k", IncidentState.ACTING, now - 60)  # restarted, recovery being tracked
+    undecided = hang("m", IncidentState.OPEN, now - 5)  # opened just before the kill
+    previous = EventLog(tmp_path)
+    previous.save_incidents([interrupted, restarted, undecided])
+    previous.save_action(record(interrupted, "pending", now - 29))
+    previous.save_action(record(restarted, "done", now - 59))
+    previous.close()
+
+    log = EventLog(tmp_path)
+    watchdog = Watchdog(DetectionSettings(), log, unexpected_send, time.monotonic, time.time)
+    launcher = RecordingLauncher()
+    recovery = Recovery(
+        RecoverySettings(cooldown_s=0), watchdog=watchdog, event_log=log, jobs=lambda: {},
+        latest_checkpoint=lambda job: None, checkpoint_now=unexpected_checkpoint, launcher=launcher,
+        wall_clock=time.time,
+    )  # fmt: skip
+    rounds = asyncio.create_task(recovery.run(period_s=0.01))
+    try:
+        # Every live incident is looked at in each round: once "m" is decided, "j" and "k" were looked at too.
+        await poll_until(lambda: log.actions(job="m"), 10, "the undecided incident to be decided")
+    finally:
+        rounds.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await rounds
+
+    (j,) = log.actions(job="j")  # interrupted, recorded as such, not redone
+    assert (j.outcome, j.id) == ("failed", "restart-j")
+    assert "interrupted: the coordinator stopped while this action was in progress" in j.detail
+    assert [a.outcome for a in log.actions(job="k")] == ["done"]  # done before: not decided again
+    # The incident never decided is decided now (its job is gone from this new coordinator's memory).
+    assert [(a.action, a.outcome, a.detail) for a in log.actions(job="m")] == [
+        ("restart", "failed", "job m is gone")
+    ]
+    assert launcher.restarts == []
+    for incident in (interrupted, restarted):
+        live = watchdog.book.get(incident.id)
+        assert live is not None
+        assert live.state == IncidentState.ACKNOWLEDGED  # a person's now; resolves once the condition clears
+    assert (
+        "interrupted by a coordinator restart" in (watchdog.book.get("hang-j") or interrupted).recovery_note
+    )
+    # The restarts of the past hour still count against the budget and the cooldown.
+    assert recovery.policy.restarts_in_last_hour("k", now) == 1
+    assert recovery.policy.restarts_in_last_hour("j", now) == 1
+    log.close()
