@@ -26,14 +26,14 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 from helpers import run_cli, samples_named, scrape
+from hook_client import HookClient
 
 from clusterwatch.agent.hook_socket import HookSocketError, SocketClaim
 from clusterwatch.agent.proc_exit import ProcessExitWatcher
 from clusterwatch.agent.runtime import Agent
 from clusterwatch.config import AgentSettings, CoordinatorSettings
 from clusterwatch.coordinator.server import CoordinatorServer
-from clusterwatch.hook.transport import fetch_credential_nonce
-from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, hook_pb2, hook_pb2_grpc, training_pb2
+from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, hook_pb2, training_pb2
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,44 +114,6 @@ class Harness:
 
     def metrics(self) -> Any:
         return scrape(f"http://127.0.0.1:{self.agent.metrics_port}/metrics")
-
-
-class HookClient:
-    """A tiny hook: one HookService.Connect stream over the agent's Unix socket.
-
-    A hello gets a nonce from the agent's credential socket, as the real hook's does.
-    """
-
-    def __init__(self, socket_path: Path) -> None:
-        self.socket_path = socket_path
-        self.channel = grpc.aio.insecure_channel(f"unix:{socket_path}")
-        self.call = hook_pb2_grpc.HookServiceStub(self.channel).Connect()  # type: ignore[call-arg]
-
-    async def send(self, **kind: Any) -> None:
-        if "hello" in kind and "credential_nonce" not in kind:
-            # A blocking socket: off the loop, where the agent answers it.
-            kind["credential_nonce"] = await asyncio.to_thread(
-                fetch_credential_nonce, str(self.socket_path), 10
-            )
-        await self.call.write(hook_pb2.HookMessage(**kind))
-
-    async def read(self, timeout_s: float = 20) -> hook_pb2.HookCommand:
-        message = await asyncio.wait_for(self.call.read(), timeout_s)
-        assert isinstance(message, hook_pb2.HookCommand), "the agent ended the stream"
-        return message
-
-    async def error(self) -> grpc.aio.AioRpcError:
-        """Read until the agent ends the stream with an error; return it."""
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await self._drain()
-        return info.value
-
-    async def _drain(self) -> None:
-        while await asyncio.wait_for(self.call.read(), 20) is not EOF:
-            pass
-
-    async def close(self) -> None:
-        await self.channel.close(None)
 
 
 def rank(

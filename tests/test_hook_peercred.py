@@ -30,6 +30,7 @@ import grpc
 import psutil
 import pytest
 from helpers import run_cli
+from hook_client import HookClient
 
 from clusterwatch.agent.hook_links import HookLinks
 from clusterwatch.agent.hook_server import HookServer
@@ -40,12 +41,11 @@ from clusterwatch.errors import ConfigError
 from clusterwatch.hook.health import HookHealth
 from clusterwatch.hook.transport import AgentLink, fetch_credential_nonce
 from clusterwatch.hook_handshake import HandshakeError
-from clusterwatch.v1 import hook_pb2, hook_pb2_grpc, node_pb2, training_pb2
+from clusterwatch.v1 import node_pb2, training_pb2
 
 pytestmark = pytest.mark.timeout(60)
 
 T = TypeVar("T")
-EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]
 
 
 async def eventually(predicate: Callable[[], T | None], timeout_s: float, what: str) -> T:
@@ -88,42 +88,15 @@ async def hook_node(tmp_path: Path, **options: Any) -> AsyncIterator[Node]:
         await server.stop(0)
 
 
-class Client:
+class Client(HookClient):
     """One raw HookService.Connect stream from this test process."""
 
     def __init__(self, node: Node) -> None:
+        super().__init__(node.path)
         self.node = node
-        self.channel = grpc.aio.insecure_channel(f"unix:{node.path}")
-        self.call = hook_pb2_grpc.HookServiceStub(self.channel).Connect()  # type: ignore[call-arg]
-
-    async def nonce(self) -> str:
-        # A blocking socket: off the loop, which is where the agent answers it.
-        return await asyncio.to_thread(fetch_credential_nonce, str(self.node.path), 10)
 
     async def hello(self, identity: training_pb2.RankIdentity, nonce: str | None = None) -> None:
-        nonce = await self.nonce() if nonce is None else nonce
-        await self.call.write(hook_pb2.HookMessage(hello=identity, credential_nonce=nonce))
-
-    async def send(self, **kind: Any) -> None:
-        await self.call.write(hook_pb2.HookMessage(**kind))
-
-    async def read(self) -> hook_pb2.HookCommand:
-        message = await asyncio.wait_for(self.call.read(), 20)
-        assert isinstance(message, hook_pb2.HookCommand), "the agent ended the stream"
-        return message
-
-    async def error(self) -> grpc.aio.AioRpcError:
-        """Read until the agent ends the stream with an error; return it."""
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await self._drain()
-        return info.value
-
-    async def _drain(self) -> None:
-        while await asyncio.wait_for(self.call.read(), 20) is not EOF:
-            pass
-
-    async def close(self) -> None:
-        await self.channel.close(None)
+        await self.send(hello=identity, **({} if nonce is None else {"credential_nonce": nonce}))
 
 
 @pytest.fixture
