@@ -4,6 +4,7 @@ Imported as ``helpers`` (pytest puts tests/ on sys.path, as for ``fakes``)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -50,6 +51,18 @@ def wait_for(predicate: Callable[[], T | None], timeout_s: float, what: str, pol
                 return value
         time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; last error: {last_error!r}")
+
+
+async def eventually(predicate: Callable[[], T | None], timeout_s: float, what: str) -> T:
+    """Poll ``predicate`` on the loop until it returns something truthy; fail at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.02)
 
 
 def clusterwatch_cmd(*args: str) -> list[str]:

@@ -17,15 +17,14 @@ import signal
 import socket
 import stat
 import sys
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import pytest
-from helpers import run_cli, samples_named, scrape
+from helpers import eventually, run_cli, samples_named, scrape
 from hook_client import HookClient
 
 from clusterwatch.agent.hook_socket import HookSocketError, SocketClaim
@@ -37,25 +36,12 @@ from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, hook_pb2, training_pb2
 
 pytestmark = pytest.mark.timeout(60)
 
-T = TypeVar("T")
 EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]
 OK = agent_pb2.CommandResult.Status.STATUS_OK
 FAILED = agent_pb2.CommandResult.Status.STATUS_FAILED
 RUNNING = training_pb2.RANK_STATE_RUNNING
 DISCONNECTED = training_pb2.RANK_STATE_DISCONNECTED
 EXITED = training_pb2.RANK_STATE_EXITED
-
-
-async def eventually(predicate: Callable[[], T | None], timeout_s: float, what: str) -> T:
-    """Poll ``predicate`` on the loop until it returns something truthy; fail at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 class ScriptedCoordinator(agent_pb2_grpc.AgentServiceServicer):

@@ -20,16 +20,15 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import psutil
 import pytest
-from helpers import run_cli
+from helpers import eventually, run_cli
 from hook_client import HookClient
 
 from clusterwatch.agent.hook_links import HookLinks
@@ -44,20 +43,6 @@ from clusterwatch.hook_handshake import HandshakeError
 from clusterwatch.v1 import node_pb2, training_pb2
 
 pytestmark = pytest.mark.timeout(60)
-
-T = TypeVar("T")
-
-
-async def eventually(predicate: Callable[[], T | None], timeout_s: float, what: str) -> T:
-    """Poll ``predicate`` on the loop until it returns something truthy; fail at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @dataclass
