@@ -20,6 +20,8 @@ from pathlib import Path
 
 import psutil
 
+from bench.coordinator_process import start_coordinator, stop_coordinator
+
 WARMUP_S = 10.0
 
 
@@ -33,18 +35,10 @@ def main() -> int:
     args = parser.parse_args()
     cw = [sys.executable, "-m", "clusterwatch"]
     with tempfile.TemporaryDirectory() as tmp:
-        ready = Path(tmp) / "ready"
-        coordinator = subprocess.Popen([*cw, "coordinator", "--insecure", "--listen", "127.0.0.1:0", "--metrics-listen", "",
-                                        "--state-dir", tmp, "--ready-file", str(ready), "--log-level", "warning"])  # fmt: skip
+        coordinator = start_coordinator(Path(tmp), metrics=False)
         agent = None
         try:
-            deadline = time.monotonic() + 30
-            while not ready.exists():
-                if time.monotonic() > deadline:
-                    raise SystemExit("coordinator did not start")
-                time.sleep(0.05)
-            port = json.loads(ready.read_text())["grpc_port"]
-            agent = subprocess.Popen([*cw, "agent", "--insecure", "--coordinator", f"127.0.0.1:{port}", "--node-id", "bench",
+            agent = subprocess.Popen([*cw, "agent", "--insecure", "--coordinator", coordinator.address, "--node-id", "bench",
                                       "--gpu-backend", "sim", "--sim-gpus", str(args.gpus),
                                       "--interval", str(args.interval), "--socket", f"{tmp}/agent.sock",
                                       "--log-level", "warning"])  # fmt: skip
@@ -54,10 +48,10 @@ def main() -> int:
             time.sleep(args.seconds)
             cpu1, wall1, rss1 = sum(process.cpu_times()[:2]), time.monotonic(), process.memory_info().rss
         finally:
-            for p in (agent, coordinator):
-                if p is not None:
-                    p.terminate()
-                    p.wait(timeout=30)
+            if agent is not None:
+                agent.terminate()
+                agent.wait(timeout=30)
+            stop_coordinator(coordinator.process, 30)
     print(json.dumps({
         "gpus": args.gpus,
         "interval_s": args.interval,

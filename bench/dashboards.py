@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.coordinator_process import start_coordinator, stop_coordinator
 from bench.prometheus import PrometheusServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,24 +33,6 @@ DASHBOARDS = sorted((ROOT / "dashboards").glob("*.json"))
 SCENARIO = ROOT / "bench" / "scenarios" / "thermal_throttle.toml"
 # Grafana asks for about this many points per series (a panel's width in pixels, roughly).
 MAX_POINTS = 300
-
-
-def start_coordinator(workdir: Path) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
-    ready = workdir / "ready.json"
-    with (workdir / "coordinator.log").open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "clusterwatch", "coordinator", "--insecure", "--listen", "127.0.0.1:0",
-             "--metrics-listen", "127.0.0.1:0", "--state-dir", str(workdir / "state"), "--ready-file", str(ready),
-             "--hang-action", "alert", "--straggler-action", "alert"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while not ready.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the coordinator did not start: {(workdir / 'coordinator.log').read_text()}")
-        time.sleep(0.1)
-    ports: dict[str, int] = json.loads(ready.read_text())
-    return process, ports
 
 
 def expand(expr: str, variables: list[str], range_s: int, rate_interval_s: int) -> str:
@@ -96,16 +79,19 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-dashboards-") as tmp:
         workdir = Path(tmp)
-        coordinator, ports = start_coordinator(workdir)
+        coordinator = start_coordinator(
+            workdir / "state", "--hang-action", "alert", "--straggler-action", "alert",
+            log_level="info", log=workdir / "coordinator.log",
+        )  # fmt: skip
         prometheus = PrometheusServer(workdir / "prometheus", args.scrape_interval_s)
         simulate = subprocess.Popen(
-            [sys.executable, "-m", "clusterwatch", "simulate", "--coordinator", f"127.0.0.1:{ports['grpc_port']}",
+            [sys.executable, "-m", "clusterwatch", "simulate", "--coordinator", coordinator.address,
              "--scenario", str(SCENARIO), "--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node),
              "--step-s", "1", "--interval-s", "1", "--log-level", "warning"],
             stdout=subprocess.DEVNULL, stderr=(workdir / "simulate.log").open("wb"),
         )  # fmt: skip
         try:
-            prometheus.scrape(f"http://127.0.0.1:{ports['metrics_port']}/metrics")
+            prometheus.scrape(f"http://127.0.0.1:{coordinator.metrics_port}/metrics")
             start_s = time.time()
             time.sleep(args.seconds)  # a benchmark's fixed run length, not a wait for a condition
             end_s = time.time()
@@ -135,8 +121,7 @@ def main() -> None:
             simulate.terminate()
             simulate.wait(timeout=30)
             prometheus.close()
-            coordinator.terminate()
-            coordinator.wait(timeout=30)
+            stop_coordinator(coordinator.process, 30)
 
 
 if __name__ == "__main__":

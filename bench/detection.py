@@ -39,6 +39,7 @@ from typing import Any
 import grpc
 import psutil
 
+from bench.coordinator_process import start_coordinator, stop_coordinator
 from clusterwatch.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.sim.scoring import (
     PRECISION_TARGET,
@@ -55,7 +56,6 @@ from clusterwatch.sim.truth import GroundTruth
 from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
 
 SCENARIOS_DIR = Path(__file__).parent / "scenarios"
-START_TIMEOUT_S = 30.0
 # After the last simulation ends: one more poll catches incidents opened at its very end.
 FINAL_POLL_DELAY_S = 2.0
 INCIDENT_LIMIT = 100_000
@@ -70,31 +70,6 @@ class Run:
     truth_path: Path
     log_path: Path
     popen: subprocess.Popen[bytes]
-
-
-def start_coordinator(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """A coordinator on 127.0.0.1 (any free port); its process and gRPC address."""
-    ready = tmp / "coordinator.ready"
-    log = (tmp / "coordinator.log").open("wb")
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "clusterwatch", "coordinator", "--insecure", "--listen", "127.0.0.1:0",
-         "--metrics-listen", "127.0.0.1:0", "--state-dir", str(tmp / "state"), "--ready-file", str(ready),
-         "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    log.close()
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not ready.exists():
-        if popen.poll() is not None:
-            raise RuntimeError(
-                f"the coordinator exited with {popen.returncode}; see {tmp / 'coordinator.log'}"
-            )
-        if time.monotonic() > deadline:
-            popen.kill()
-            raise RuntimeError(f"the coordinator did not start within {START_TIMEOUT_S:.0f} s")
-        time.sleep(0.05)
-    ports = json.loads(ready.read_text())
-    return popen, f"127.0.0.1:{ports['grpc_port']}"
 
 
 def start_simulation(coordinator: str, scenario: Path, job: str, tmp: Path, extra: Sequence[str] = ()) -> Run:
@@ -368,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.coordinator:
             coordinator = args.coordinator
         else:
-            coordinator_popen, coordinator = start_coordinator(tmp)
+            started = start_coordinator(tmp / "state", log=tmp / "coordinator.log")
+            coordinator_popen, coordinator = started.process, started.address
         try:
             if args.healthy_steps:
                 pid = coordinator_popen.pid if coordinator_popen else None
@@ -376,11 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             return report_suite(run_suite(args, coordinator, tmp), args)
         finally:
             if coordinator_popen is not None:
-                coordinator_popen.terminate()
-                try:
-                    coordinator_popen.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    coordinator_popen.kill()
+                stop_coordinator(coordinator_popen, 10)
 
 
 def report_suite(result: dict[str, Any], args: argparse.Namespace) -> int:

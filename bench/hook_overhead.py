@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.coordinator_process import start_coordinator, stop_coordinator
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "hook_workers" / "train_ddp.py"
 
@@ -85,16 +87,12 @@ def main() -> int:
     cw = [sys.executable, "-m", "clusterwatch"]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        ready, socket = tmp / "ready", tmp / "agent.sock"
-        coordinator = subprocess.Popen([*cw, "coordinator", "--insecure", "--listen", "127.0.0.1:0", "--metrics-listen", "",
-                                        "--state-dir", str(tmp), "--ready-file", str(ready), "--log-level", "warning"])  # fmt: skip
+        socket = tmp / "agent.sock"
+        coordinator = start_coordinator(tmp, metrics=False)
         agent = None
         try:
             deadline = time.monotonic() + 30
-            while not ready.exists() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            port = json.loads(ready.read_text())["grpc_port"]
-            agent = subprocess.Popen([*cw, "agent", "--insecure", "--coordinator", f"127.0.0.1:{port}", "--node-id", "bench",
+            agent = subprocess.Popen([*cw, "agent", "--insecure", "--coordinator", coordinator.address, "--node-id", "bench",
                                       "--socket", str(socket), "--gpu-backend", "none", "--log-level", "warning"])  # fmt: skip
             while not socket.exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -110,10 +108,10 @@ def main() -> int:
                     f"round {i}: step {off[-1]['step_s'] * 1e3:.3f} ms off, {on[-1]['step_s'] * 1e3:.3f} ms on"
                 )
         finally:
-            for process in (agent, coordinator):
-                if process is not None:
-                    process.terminate()
-                    process.wait(timeout=10)
+            if agent is not None:
+                agent.terminate()
+                agent.wait(timeout=10)
+            stop_coordinator(coordinator.process, 10)
     step_off = statistics.median(r["step_s"] for r in off)
     step_on = statistics.median(r["step_s"] for r in on)
     cpu_off = statistics.median(r["cpu_s_per_step"] for r in off)

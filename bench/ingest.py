@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 import grpc
 import psutil
 
+from bench.coordinator_process import start_coordinator, stop_coordinator
 from bench.synthetic import PreSerialized, hello, node_report, rank_reports
 from clusterwatch.client import ClusterClient
 from clusterwatch.coordinator.report_checks import MIN_INTERVAL_S
@@ -97,22 +97,11 @@ def main() -> int:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        ready = Path(tmp) / "ready"
-        coordinator = subprocess.Popen(
-            [sys.executable, "-m", "clusterwatch", "coordinator", "--insecure", "--listen", "127.0.0.1:0", "--metrics-listen", "",
-             "--state-dir", tmp, "--ready-file", str(ready), "--log-level", "warning"],
-        )  # fmt: skip
+        coordinator = start_coordinator(Path(tmp), metrics=False)
         try:
-            deadline = time.monotonic() + 30
-            while not ready.exists():
-                if time.monotonic() > deadline or coordinator.poll() is not None:
-                    raise SystemExit("coordinator did not start")
-                time.sleep(0.05)
-            address = f"127.0.0.1:{json.loads(ready.read_text())['grpc_port']}"
-            result = asyncio.run(measure(address, coordinator.pid, args))
+            result = asyncio.run(measure(coordinator.address, coordinator.process.pid, args))
         finally:
-            coordinator.terminate()
-            coordinator.wait(timeout=30)
+            stop_coordinator(coordinator.process, 30)
     print(json.dumps(result, indent=2))
     return 0
 

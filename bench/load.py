@@ -54,6 +54,7 @@ from typing import Any
 
 import psutil
 
+from bench.coordinator_process import start_coordinator, stop_coordinator
 from bench.load_agents import WorkerSpec, worker_main
 from bench.load_probes import ProbeAgents, Prober, Sampler, Scraper, cpu_s, percentile
 
@@ -69,30 +70,13 @@ class Coordinator:
 @contextlib.contextmanager
 def coordinator_process(state_dir: Path, log_level: str = "warning") -> Iterator[Coordinator]:
     """A `clusterwatch coordinator` on loopback ports, state and log (at ``log_level``) in ``state_dir``."""
-    ready = state_dir / "ready.json"
     log = state_dir / "coordinator.log"
-    with log.open("wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "clusterwatch", "coordinator", "--insecure", "--listen", "127.0.0.1:0",
-             "--metrics-listen", "127.0.0.1:0", "--state-dir", str(state_dir), "--ready-file", str(ready),
-             "--log-level", log_level],
-            stdout=log_file, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 60
-            while not ready.exists():
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise SystemExit(f"coordinator did not start:\n{log.read_text()[-2000:]}")
-                time.sleep(0.05)
-            ports = json.loads(ready.read_text())
-            yield Coordinator(process.pid, ports["grpc_port"], ports["metrics_port"], log)
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+    started = start_coordinator(state_dir, log_level=log_level, log=log)
+    try:
+        assert started.metrics_port is not None
+        yield Coordinator(started.process.pid, started.grpc_port, started.metrics_port, log)
+    finally:
+        stop_coordinator(started.process)
 
 
 class Stats(threading.Thread):

@@ -24,25 +24,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.coordinator_process import StartedCoordinator, start_coordinator, stop_coordinator
 from clusterwatch.agent.commands import CommandHandler
 from clusterwatch.agent.report_buffer import ReportBuffer
 from clusterwatch.agent.uplink import Uplink
 from clusterwatch.client import ClusterClient
 from clusterwatch.v1 import agent_pb2, node_pb2
 
-START_TIMEOUT_S = 60.0
 BACK_TIMEOUT_S = 120.0
 BUFFER_REPORTS = 600
 
@@ -74,24 +74,6 @@ class Agent:
                 sequence=self.sequence, timestamp_unix_seconds=time.time(), interval_seconds=self.interval_s
             )
         )
-
-
-def start_coordinator(state_dir: Path, port: int) -> tuple[subprocess.Popen[bytes], int, float]:
-    """A coordinator listening on ``port`` (0: any); its process, its port, and when it was ready (monotonic)."""
-    ready = state_dir / "ready"
-    ready.unlink(missing_ok=True)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "clusterwatch", "coordinator", "--insecure", "--listen", f"127.0.0.1:{port}",
-         "--metrics-listen", "", "--state-dir", str(state_dir), "--ready-file", str(ready), "--log-level", "error"],
-    )  # fmt: skip
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not ready.exists():
-        if time.monotonic() > deadline or process.poll() is not None:
-            process.kill()
-            raise SystemExit("the coordinator did not start")
-        time.sleep(0.005)
-    listening_at = time.monotonic()
-    return process, json.loads(ready.read_text())["grpc_port"], listening_at
 
 
 async def wait_until(predicate: Any, timeout_s: float, what: str) -> None:
@@ -136,13 +118,16 @@ def marked_unreachable(address: str, after_unix_s: float) -> int:
 async def run(args: argparse.Namespace, cap_s: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         state_dir = Path(tmp)
-        first, port, _ = start_coordinator(state_dir, 0)
-        target = f"127.0.0.1:{port}"
+        start = functools.partial(
+            start_coordinator, state_dir, metrics=False, log_level="error", poll_s=0.005
+        )
+        started = start()
+        first, target = started.process, started.address
         agents = [Agent(target, f"bench-{i:05d}", cap_s, args.interval_s) for i in range(args.agents)]
         stop = asyncio.Event()
         tasks = [asyncio.create_task(a.uplink.run(stop)) for a in agents]
         tasks.append(asyncio.create_task(collect_forever(agents, args.interval_s, stop)))
-        second: subprocess.Popen[bytes] | None = None
+        second: StartedCoordinator | None = None
         try:
             await wait_until(lambda: all(a.uplink.connected for a in agents), BACK_TIMEOUT_S, "every agent")
             first.send_signal(signal.SIGKILL)
@@ -151,7 +136,8 @@ async def run(args: argparse.Namespace, cap_s: float) -> dict[str, Any]:
             await asyncio.sleep(args.outage_s)  # the outage: agents retry with their backoff
             before = [len(a.connected_at) for a in agents]
             restarted_unix_s = time.time()
-            second, _, listening_at = await asyncio.to_thread(start_coordinator, state_dir, port)
+            second = await asyncio.to_thread(start, port=started.grpc_port)
+            listening_at = second.ready_at_s
             await wait_until(
                 lambda: all(len(a.connected_at) > n for a, n in zip(agents, before, strict=True)),
                 BACK_TIMEOUT_S, "every agent to reconnect",
@@ -163,10 +149,9 @@ async def run(args: argparse.Namespace, cap_s: float) -> dict[str, Any]:
         finally:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for process in (first, second):
+            for process in (first, second.process if second else None):
                 if process is not None and process.poll() is None:
-                    process.terminate()
-                    process.wait(timeout=30)
+                    stop_coordinator(process, 30)
     return {
         "agents": args.agents,
         "outage_s": args.outage_s,
