@@ -41,7 +41,8 @@ from clusterwatch.agent.commands import CommandHandler
 from clusterwatch.agent.report_buffer import ReportBuffer
 from clusterwatch.agent.uplink import Uplink
 from clusterwatch.client import ClusterClient
-from clusterwatch.v1 import agent_pb2, node_pb2
+from clusterwatch.coordinator.request_checks import MAX_LIST_LIMIT
+from clusterwatch.v1 import agent_pb2, cluster_pb2, node_pb2
 
 BACK_TIMEOUT_S = 120.0
 BUFFER_REPORTS = 600
@@ -104,8 +105,10 @@ def missed_reports(address: str) -> int:
 
 def marked_unreachable(address: str, after_unix_s: float) -> int:
     """Nodes the restarted coordinator called unreachable before their agent was back."""
+    events: list[cluster_pb2.Event] = []
     with ClusterClient(address, timeout_s=30) as client:
-        events = client.events(limit=100_000)
+        while page := client.events(after_id=events[-1].id if events else 0, limit=MAX_LIST_LIMIT):
+            events += page
     return len(
         {
             e.node_id
