@@ -55,12 +55,7 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         except ClusterwatchError as exc:
             logger.warning("refused %s from %s: %s", what, context.peer(), exc)
             raise
-        event = Event(EventKind.ADMIN_REQUEST, "", time.time(), f"{who}: {what}")
-        logger.info("%s asked for %s", who, what)
-        try:
-            self._core.event_log.append([event])
-        except Exception:  # the action still happens; the log line above says who asked
-            logger.exception("could not record who asked for %s", what)
+        self._core.record([Event(EventKind.ADMIN_REQUEST, "", time.time(), f"{who}: {what}")])
         return who
 
     def snapshot(self, summary_only: bool = False) -> cluster_pb2.ClusterSnapshot:

@@ -103,7 +103,7 @@ class Coordinator:
         self.job_ended_listeners: list[Callable[[str], None]] = []
         for node in event_log.nodes():
             self.state.restore(node.node_id, node.hostname, node.interval_s, clock())
-        self._record(
+        self.record(
             [Event(EventKind.COORDINATOR_STARTED, "", self.started_unix_s, f"{len(self.state.nodes)} known")]
         )
 
@@ -124,7 +124,7 @@ class Coordinator:
         self._check_not_duplicate(hello, now_mono)
         stream_id, events = self.state.hello(hello, now_mono, self._wall())
         self.event_log.upsert_node(hello.node_id, hello.hostname, hello.interval_seconds, self._wall())
-        self._record(events)
+        self.record(events)
         previous = self.sessions.get(hello.node_id)
         if previous is not None:
             previous.fail_pending("superseded by a newer stream")
@@ -186,7 +186,7 @@ class Coordinator:
         ranks: list[training_pb2.RankReport] = []
         if report.ranks:
             ranks, report = _split_ranks(report)
-        self._record(self.state.ingest(node_id, report, now_mono, now_unix))
+        self.record(self.state.ingest(node_id, report, now_mono, now_unix))
         session.applied(record.last_sequence)
         if ranks and record.report is report:  # stored, so applied for the first time
             try:
@@ -253,7 +253,7 @@ class Coordinator:
         session.fail_pending("stream closed")
         if self.sessions.get(session.node_id) is session:
             del self.sessions[session.node_id]
-        self._record(self.state.stream_closed(session.node_id, session.stream_id, graceful, self._wall()))
+        self.record(self.state.stream_closed(session.node_id, session.stream_id, graceful, self._wall()))
 
     async def send_command(
         self, node_id: str, command: agent_pb2.Command, timeout_s: float
@@ -273,7 +273,7 @@ class Coordinator:
         next_expiry = self._clock()
         while True:
             now_mono = self._clock()
-            self._record(self.state.check_liveness(now_mono, self._wall()))
+            self.record(self.state.check_liveness(now_mono, self._wall()))
             if now_mono >= next_expiry:
                 self.expire_jobs()
                 next_expiry = now_mono + JOB_EXPIRY_PERIOD_S
@@ -288,7 +288,7 @@ class Coordinator:
         record = self.jobs.register(job, dict(labels), nodes, self._clock())
         if not known:
             where = f" on {len(record.registered_nodes)} nodes" if record.registered_nodes else ""
-            self._record([Event(EventKind.JOB_REGISTERED, "", self._wall(), f"job {job}{where}")])
+            self.record([Event(EventKind.JOB_REGISTERED, "", self._wall(), f"job {job}{where}")])
         return record
 
     def end_job(self, job: str, reason: str) -> JobEnd:
@@ -313,7 +313,7 @@ class Coordinator:
             return JobEnd(known=False, ranks=0, incidents_resolved=0)
         ranks = len(record.ranks) if record is not None else 0
         detail = f"job {job} ended ({reason or 'no reason given'}): {ranks} ranks, {len(resolved)} incidents resolved"
-        self._record([Event(EventKind.JOB_ENDED, "", self._wall(), detail)])
+        self.record([Event(EventKind.JOB_ENDED, "", self._wall(), detail)])
         return JobEnd(known=True, ranks=ranks, incidents_resolved=len(resolved))
 
     def expire_jobs(self) -> list[str]:
@@ -342,7 +342,8 @@ class Coordinator:
             for session in self.sessions.values():
                 session.wake_if_ack_due()
 
-    def _record(self, events: list[Event]) -> None:
+    def record(self, events: list[Event]) -> None:
+        """Log each event and append it to the event log (which queues what it cannot write yet)."""
         for event in events:
             logger.info("event %s node=%s %s", event.kind.value, event.node_id or "-", event.detail)
         try:
