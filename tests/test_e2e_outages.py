@@ -109,6 +109,12 @@ def test_coordinator_sigkill_mid_action_loses_nothing_and_does_nothing_twice(
         return next((a for a in _actions(first, "solo") if a.outcome == "pending"), None)
 
     in_flight = wait_for(restart_in_flight, 30, "the hang's restart to be under way")
+    # The record is pending before the command reaches the agent: kill only once the agent acts on it.
+    wait_for(
+        lambda: "stopping 1 worker(s) of job solo" in agents["node-a"].log(),
+        30,
+        "node-a to be stopping the worker",
+    )
     first.kill()  # SIGKILL, mid-action: the agent is stopping the worker (it waits out the grace period)
     for node, port in ports.items():
         wait_for(
