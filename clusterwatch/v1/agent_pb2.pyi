@@ -32,6 +32,7 @@ class Hello(_message.Message):
     CAPABILITIES_FIELD_NUMBER: _builtins.int
     INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
     LAST_ACKED_SEQUENCE_FIELD_NUMBER: _builtins.int
+    TOPOLOGY_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     hostname: _builtins.str
     agent_version: _builtins.str
@@ -44,6 +45,12 @@ class Hello(_message.Message):
     """
     @_builtins.property
     def capabilities(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def topology(self) -> _node_pb2.NodeTopology:
+        """The node's topology as discovered at the time; unset when the agent does
+        not discover it.
+        """
+
     def __init__(
         self,
         *,
@@ -54,12 +61,15 @@ class Hello(_message.Message):
         capabilities: _abc.Iterable[_builtins.str] | None = ...,
         interval_seconds: _builtins.float = ...,
         last_acked_sequence: _builtins.int = ...,
+        topology: _node_pb2.NodeTopology | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_topology", b"_topology", "topology", b"topology"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "capabilities", b"capabilities", "hostname", b"hostname", "instance_id", b"instance_id", "interval_seconds", b"interval_seconds", "last_acked_sequence", b"last_acked_sequence", "node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_topology", b"_topology", "agent_version", b"agent_version", "capabilities", b"capabilities", "hostname", b"hostname", "instance_id", b"instance_id", "interval_seconds", b"interval_seconds", "last_acked_sequence", b"last_acked_sequence", "node_id", b"node_id", "topology", b"topology"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__topology: _TypeAlias = _typing.Literal["topology"]  # noqa: Y015
+    _WhichOneofArgType__topology: _TypeAlias = _typing.Literal["_topology", b"_topology"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__topology) -> _WhichOneofReturnType__topology | None: ...
 
 Global___Hello: _TypeAlias = Hello  # noqa: Y015
 

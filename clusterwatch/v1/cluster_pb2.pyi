@@ -1055,3 +1055,184 @@ class ActionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ActionResponse: _TypeAlias = ActionResponse  # noqa: Y015
+
+@_typing.final
+class GetTopologyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    """Only this node (its topology, the ranks on it); empty: every node."""
+    job: _builtins.str
+    """Only this job's placements and findings; empty: every job."""
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        job: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTopologyRequest: _TypeAlias = GetTopologyRequest  # noqa: Y015
+
+@_typing.final
+class NodeTopologyStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    TOPOLOGY_FIELD_NUMBER: _builtins.int
+    RECEIVED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    state: Global___NodeState.ValueType
+    received_unix_seconds: _builtins.float
+    """When the coordinator received it."""
+    @_builtins.property
+    def topology(self) -> _node_pb2.NodeTopology:
+        """Unset when the agent sent none (an older agent, or discovery is off)."""
+
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        state: Global___NodeState.ValueType = ...,
+        topology: _node_pb2.NodeTopology | None = ...,
+        received_unix_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_topology", b"_topology", "topology", b"topology"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_topology", b"_topology", "node_id", b"node_id", "received_unix_seconds", b"received_unix_seconds", "state", b"state", "topology", b"topology"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__topology: _TypeAlias = _typing.Literal["topology"]  # noqa: Y015
+    _WhichOneofArgType__topology: _TypeAlias = _typing.Literal["_topology", b"_topology"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__topology) -> _WhichOneofReturnType__topology | None: ...
+
+Global___NodeTopologyStatus: _TypeAlias = NodeTopologyStatus  # noqa: Y015
+
+@_typing.final
+class RankPlacement(_message.Message):
+    """Where one rank runs: node, GPU and the NICs nearest that GPU."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    GPU_FIELD_NUMBER: _builtins.int
+    NEAREST_NICS_FIELD_NUMBER: _builtins.int
+    NIC_LINK_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    rank: _builtins.int
+    node_id: _builtins.str
+    gpu: _builtins.int
+    """The rank's GPU (RankIdentity.gpu_uuid matched on the node's topology);
+    unset for a CPU rank or before the rank reported its GPU.
+    """
+    nic_link: _node_pb2.LinkType.ValueType
+    @_builtins.property
+    def nearest_nics(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The NICs the GPU reaches with the nearest link type, best first (RDMA
+        before ethernet, then faster); empty when unknown.
+        """
+
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        node_id: _builtins.str = ...,
+        gpu: _builtins.int | None = ...,
+        nearest_nics: _abc.Iterable[_builtins.str] | None = ...,
+        nic_link: _node_pb2.LinkType.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_gpu", b"_gpu", "gpu", b"gpu"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_gpu", b"_gpu", "gpu", b"gpu", "job", b"job", "nearest_nics", b"nearest_nics", "nic_link", b"nic_link", "node_id", b"node_id", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__gpu: _TypeAlias = _typing.Literal["gpu"]  # noqa: Y015
+    _WhichOneofArgType__gpu: _TypeAlias = _typing.Literal["_gpu", b"_gpu"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__gpu) -> _WhichOneofReturnType__gpu | None: ...
+
+Global___RankPlacement: _TypeAlias = RankPlacement  # noqa: Y015
+
+@_typing.final
+class TopologyFinding(_message.Message):
+    """A statement about how a job's parallelism sits on the wiring: advice, not an order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    SEVERITY_FIELD_NUMBER: _builtins.int
+    GROUP_NAME_FIELD_NUMBER: _builtins.int
+    GROUP_DESCRIPTION_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    kind: _builtins.str
+    """"tensor_parallel_spans_nodes", "tensor_parallel_outside_nvlink",
+    "pipeline_slow_nic", "pipeline_nic_across_sockets".
+    """
+    severity: _builtins.str
+    """"warning" or "info"."""
+    group_name: _builtins.str
+    group_description: _builtins.str
+    message: _builtins.str
+    """For people: what was found and what it costs."""
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        severity: _builtins.str = ...,
+        group_name: _builtins.str = ...,
+        group_description: _builtins.str = ...,
+        ranks: _abc.Iterable[_builtins.int] | None = ...,
+        nodes: _abc.Iterable[_builtins.str] | None = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_description", b"group_description", "group_name", b"group_name", "job", b"job", "kind", b"kind", "message", b"message", "nodes", b"nodes", "ranks", b"ranks", "severity", b"severity"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopologyFinding: _TypeAlias = TopologyFinding  # noqa: Y015
+
+@_typing.final
+class ClusterTopology(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODES_FIELD_NUMBER: _builtins.int
+    PLACEMENTS_FIELD_NUMBER: _builtins.int
+    FINDINGS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeTopologyStatus]: ...
+    @_builtins.property
+    def placements(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankPlacement]: ...
+    @_builtins.property
+    def findings(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopologyFinding]: ...
+    def __init__(
+        self,
+        *,
+        nodes: _abc.Iterable[Global___NodeTopologyStatus] | None = ...,
+        placements: _abc.Iterable[Global___RankPlacement] | None = ...,
+        findings: _abc.Iterable[Global___TopologyFinding] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["findings", b"findings", "nodes", b"nodes", "placements", b"placements"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClusterTopology: _TypeAlias = ClusterTopology  # noqa: Y015

@@ -89,6 +89,11 @@ class ClusterServiceStub:
                 request_serializer=clusterwatch_dot_v1_dot_cluster__pb2.EndJobRequest.SerializeToString,
                 response_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.EndJobResponse.FromString,
                 _registered_method=True)
+        self.GetTopology = channel.unary_unary(
+                '/clusterwatch.v1.ClusterService/GetTopology',
+                request_serializer=clusterwatch_dot_v1_dot_cluster__pb2.GetTopologyRequest.SerializeToString,
+                response_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.ClusterTopology.FromString,
+                _registered_method=True)
 
 
 class ClusterServiceServicer:
@@ -172,6 +177,14 @@ class ClusterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTopology(self, request, context):
+        """How the nodes are wired, where each rank runs on that wiring, and what
+        it means for each job's parallelism (`clusterwatch topology`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -229,6 +242,11 @@ def add_ClusterServiceServicer_to_server(servicer, server):
                     servicer.EndJob,
                     request_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.EndJobRequest.FromString,
                     response_serializer=clusterwatch_dot_v1_dot_cluster__pb2.EndJobResponse.SerializeToString,
+            ),
+            'GetTopology': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTopology,
+                    request_deserializer=clusterwatch_dot_v1_dot_cluster__pb2.GetTopologyRequest.FromString,
+                    response_serializer=clusterwatch_dot_v1_dot_cluster__pb2.ClusterTopology.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -528,6 +546,33 @@ class ClusterService:
             '/clusterwatch.v1.ClusterService/EndJob',
             clusterwatch_dot_v1_dot_cluster__pb2.EndJobRequest.SerializeToString,
             clusterwatch_dot_v1_dot_cluster__pb2.EndJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTopology(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/clusterwatch.v1.ClusterService/GetTopology',
+            clusterwatch_dot_v1_dot_cluster__pb2.GetTopologyRequest.SerializeToString,
+            clusterwatch_dot_v1_dot_cluster__pb2.ClusterTopology.FromString,
             options,
             channel_credentials,
             insecure,

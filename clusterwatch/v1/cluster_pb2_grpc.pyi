@@ -58,6 +58,10 @@ class ClusterServiceStub:
     --slurm`): its open incidents resolve ("job ended"), its ranks' exits
     are not failures, its series go. Idempotent.
     """
+    GetTopology: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.GetTopologyRequest, _cluster_pb2.ClusterTopology]
+    """How the nodes are wired, where each rank runs on that wiring, and what
+    it means for each job's parallelism (`clusterwatch topology`).
+    """
 
 @_typing.type_check_only
 class ClusterServiceAsyncStub(ClusterServiceStub):
@@ -88,6 +92,10 @@ class ClusterServiceAsyncStub(ClusterServiceStub):
     """The job ended on purpose (a SLURM Epilog: `clusterwatch job end
     --slurm`): its open incidents resolve ("job ended"), its ranks' exits
     are not failures, its series go. Idempotent.
+    """
+    GetTopology: _aio.UnaryUnaryMultiCallable[_cluster_pb2.GetTopologyRequest, _cluster_pb2.ClusterTopology]  # type: ignore[assignment]
+    """How the nodes are wired, where each rank runs on that wiring, and what
+    it means for each job's parallelism (`clusterwatch topology`).
     """
 
 class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -182,6 +190,16 @@ class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
         """The job ended on purpose (a SLURM Epilog: `clusterwatch job end
         --slurm`): its open incidents resolve ("job ended"), its ranks' exits
         are not failures, its series go. Idempotent.
+        """
+
+    @_abc_1.abstractmethod
+    def GetTopology(
+        self,
+        request: _cluster_pb2.GetTopologyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cluster_pb2.ClusterTopology, _abc.Awaitable[_cluster_pb2.ClusterTopology]]:
+        """How the nodes are wired, where each rank runs on that wiring, and what
+        it means for each job's parallelism (`clusterwatch topology`).
         """
 
 def add_ClusterServiceServicer_to_server(servicer: ClusterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

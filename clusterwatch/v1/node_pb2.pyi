@@ -14,6 +14,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -24,6 +25,48 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _LinkType:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _LinkTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LinkType.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    LINK_TYPE_UNSPECIFIED: _LinkType.ValueType  # 0
+    """Not known (the query failed or a device has no PCI path)."""
+    LINK_TYPE_NVLINK: _LinkType.ValueType  # 1
+    """NV#: a bonded set of NVLinks, directly or through NVSwitches."""
+    LINK_TYPE_PIX: _LinkType.ValueType  # 2
+    """PIX: through at most a single PCIe bridge (one PCIe switch)."""
+    LINK_TYPE_PXB: _LinkType.ValueType  # 3
+    """PXB: through several PCIe bridges, not through a host bridge."""
+    LINK_TYPE_PHB: _LinkType.ValueType  # 4
+    """PHB: through a PCIe host bridge (the same root complex)."""
+    LINK_TYPE_NODE: _LinkType.ValueType  # 5
+    """NODE: between PCIe host bridges within one NUMA node."""
+    LINK_TYPE_SYS: _LinkType.ValueType  # 6
+    """SYS: across the interconnect between NUMA nodes (CPU sockets)."""
+
+class LinkType(_LinkType, metaclass=_LinkTypeEnumTypeWrapper):
+    """How two devices of one node are connected, nearest first: the legend of
+    `nvidia-smi topo -m`.
+    """
+
+LINK_TYPE_UNSPECIFIED: LinkType.ValueType  # 0
+"""Not known (the query failed or a device has no PCI path)."""
+LINK_TYPE_NVLINK: LinkType.ValueType  # 1
+"""NV#: a bonded set of NVLinks, directly or through NVSwitches."""
+LINK_TYPE_PIX: LinkType.ValueType  # 2
+"""PIX: through at most a single PCIe bridge (one PCIe switch)."""
+LINK_TYPE_PXB: LinkType.ValueType  # 3
+"""PXB: through several PCIe bridges, not through a host bridge."""
+LINK_TYPE_PHB: LinkType.ValueType  # 4
+"""PHB: through a PCIe host bridge (the same root complex)."""
+LINK_TYPE_NODE: LinkType.ValueType  # 5
+"""NODE: between PCIe host bridges within one NUMA node."""
+LINK_TYPE_SYS: LinkType.ValueType  # 6
+"""SYS: across the interconnect between NUMA nodes (CPU sockets)."""
+Global___LinkType: _TypeAlias = LinkType  # noqa: Y015
 
 @_typing.final
 class NvLinkSample(_message.Message):
@@ -694,6 +737,231 @@ class IbPortSample(_message.Message):
 Global___IbPortSample: _TypeAlias = IbPortSample  # noqa: Y015
 
 @_typing.final
+class TopologyGpu(_message.Message):
+    """One GPU as the topology sees it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    UUID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    PCI_BUS_ID_FIELD_NUMBER: _builtins.int
+    NUMA_NODE_FIELD_NUMBER: _builtins.int
+    LOCAL_CPUS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    uuid: _builtins.str
+    name: _builtins.str
+    pci_bus_id: _builtins.str
+    """sysfs spelling, lower case: "0000:07:00.0"."""
+    numa_node: _builtins.int
+    """-1 when the platform does not say."""
+    local_cpus: _builtins.str
+    """CPUs close to the GPU, a kernel cpulist ("0-31,64-95"); empty when unknown."""
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        uuid: _builtins.str = ...,
+        name: _builtins.str = ...,
+        pci_bus_id: _builtins.str = ...,
+        numa_node: _builtins.int = ...,
+        local_cpus: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "local_cpus", b"local_cpus", "name", b"name", "numa_node", b"numa_node", "pci_bus_id", b"pci_bus_id", "uuid", b"uuid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopologyGpu: _TypeAlias = TopologyGpu  # noqa: Y015
+
+@_typing.final
+class GpuLink(_message.Message):
+    """How two GPUs are connected; each unordered pair appears once (gpu < peer_gpu)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GPU_FIELD_NUMBER: _builtins.int
+    PEER_GPU_FIELD_NUMBER: _builtins.int
+    LINK_FIELD_NUMBER: _builtins.int
+    NVLINKS_FIELD_NUMBER: _builtins.int
+    gpu: _builtins.int
+    peer_gpu: _builtins.int
+    link: Global___LinkType.ValueType
+    nvlinks: _builtins.int
+    """With LINK_TYPE_NVLINK: how many NVLinks join them (to each other, or to
+    the NVSwitches both reach: the fewer of the two GPUs' switch links).
+    """
+    def __init__(
+        self,
+        *,
+        gpu: _builtins.int = ...,
+        peer_gpu: _builtins.int = ...,
+        link: Global___LinkType.ValueType = ...,
+        nvlinks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu", b"gpu", "link", b"link", "nvlinks", b"nvlinks", "peer_gpu", b"peer_gpu"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GpuLink: _TypeAlias = GpuLink  # noqa: Y015
+
+@_typing.final
+class TopologyNic(_message.Message):
+    """A network adapter with a PCI function: an RDMA device (/sys/class/infiniband)
+    or an Ethernet interface (/sys/class/net) that is not one of an RDMA
+    device's interfaces. Virtual interfaces (lo, bridges, veth) are left out.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEVICE_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    PCI_BUS_ID_FIELD_NUMBER: _builtins.int
+    NUMA_NODE_FIELD_NUMBER: _builtins.int
+    INTERFACES_FIELD_NUMBER: _builtins.int
+    RATE_BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    device: _builtins.str
+    """"mlx5_0" for an RDMA device, "eth0" for a plain interface."""
+    kind: _builtins.str
+    """"infiniband", "roce" or "ethernet"."""
+    pci_bus_id: _builtins.str
+    numa_node: _builtins.int
+    rate_bytes_per_second: _builtins.float
+    """Fastest active port (IB rate) or the link speed (ethernet), when discovered."""
+    state: _builtins.str
+    """"ACTIVE"/"DOWN"... of the best port for RDMA devices, "up"/"down" for ethernet."""
+    @_builtins.property
+    def interfaces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Network interfaces of the device ("ib0"; the device itself for ethernet)."""
+
+    def __init__(
+        self,
+        *,
+        device: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        pci_bus_id: _builtins.str = ...,
+        numa_node: _builtins.int = ...,
+        interfaces: _abc.Iterable[_builtins.str] | None = ...,
+        rate_bytes_per_second: _builtins.float | None = ...,
+        state: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_rate_bytes_per_second", b"_rate_bytes_per_second", "rate_bytes_per_second", b"rate_bytes_per_second"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_rate_bytes_per_second", b"_rate_bytes_per_second", "device", b"device", "interfaces", b"interfaces", "kind", b"kind", "numa_node", b"numa_node", "pci_bus_id", b"pci_bus_id", "rate_bytes_per_second", b"rate_bytes_per_second", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__rate_bytes_per_second: _TypeAlias = _typing.Literal["rate_bytes_per_second"]  # noqa: Y015
+    _WhichOneofArgType__rate_bytes_per_second: _TypeAlias = _typing.Literal["_rate_bytes_per_second", b"_rate_bytes_per_second"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__rate_bytes_per_second) -> _WhichOneofReturnType__rate_bytes_per_second | None: ...
+
+Global___TopologyNic: _TypeAlias = TopologyNic  # noqa: Y015
+
+@_typing.final
+class GpuNicLink(_message.Message):
+    """How a GPU reaches a NIC; every GPU x NIC pair appears once."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GPU_FIELD_NUMBER: _builtins.int
+    NIC_FIELD_NUMBER: _builtins.int
+    LINK_FIELD_NUMBER: _builtins.int
+    gpu: _builtins.int
+    nic: _builtins.str
+    link: Global___LinkType.ValueType
+    def __init__(
+        self,
+        *,
+        gpu: _builtins.int = ...,
+        nic: _builtins.str = ...,
+        link: Global___LinkType.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu", b"gpu", "link", b"link", "nic", b"nic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GpuNicLink: _TypeAlias = GpuNicLink  # noqa: Y015
+
+@_typing.final
+class NumaNode(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    CPUS_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    cpus: _builtins.str
+    """Kernel cpulist ("0-31,64-95")."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        cpus: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpus", b"cpus", "id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NumaNode: _TypeAlias = NumaNode  # noqa: Y015
+
+@_typing.final
+class NodeTopology(_message.Message):
+    """How a node is wired: GPUs, how they reach each other and the NICs, CPU
+    sockets and NUMA nodes. Discovered by the agent at start and again every
+    `topology_interval_s`; sent in Hello and in the first report after a change.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GPUS_FIELD_NUMBER: _builtins.int
+    GPU_LINKS_FIELD_NUMBER: _builtins.int
+    NICS_FIELD_NUMBER: _builtins.int
+    GPU_NICS_FIELD_NUMBER: _builtins.int
+    NUMA_NODES_FIELD_NUMBER: _builtins.int
+    CPU_SOCKETS_FIELD_NUMBER: _builtins.int
+    PROBLEMS_FIELD_NUMBER: _builtins.int
+    cpu_sockets: _builtins.int
+    @_builtins.property
+    def gpus(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopologyGpu]: ...
+    @_builtins.property
+    def gpu_links(self) -> _containers.RepeatedCompositeFieldContainer[Global___GpuLink]: ...
+    @_builtins.property
+    def nics(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopologyNic]: ...
+    @_builtins.property
+    def gpu_nics(self) -> _containers.RepeatedCompositeFieldContainer[Global___GpuNicLink]: ...
+    @_builtins.property
+    def numa_nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NumaNode]: ...
+    @_builtins.property
+    def problems(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What could not be discovered, for people ("nvml: NotSupported in
+        nvmlDeviceGetTopologyCommonAncestor"); discovery goes on without it.
+        """
+
+    def __init__(
+        self,
+        *,
+        gpus: _abc.Iterable[Global___TopologyGpu] | None = ...,
+        gpu_links: _abc.Iterable[Global___GpuLink] | None = ...,
+        nics: _abc.Iterable[Global___TopologyNic] | None = ...,
+        gpu_nics: _abc.Iterable[Global___GpuNicLink] | None = ...,
+        numa_nodes: _abc.Iterable[Global___NumaNode] | None = ...,
+        cpu_sockets: _builtins.int = ...,
+        problems: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_sockets", b"cpu_sockets", "gpu_links", b"gpu_links", "gpu_nics", b"gpu_nics", "gpus", b"gpus", "nics", b"nics", "numa_nodes", b"numa_nodes", "problems", b"problems"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeTopology: _TypeAlias = NodeTopology  # noqa: Y015
+
+@_typing.final
 class CollectorStatus(_message.Message):
     """How one collector did in this report."""
 
@@ -738,6 +1006,7 @@ class NodeReport(_message.Message):
     COLLECTORS_FIELD_NUMBER: _builtins.int
     REPORTS_DROPPED_TOTAL_FIELD_NUMBER: _builtins.int
     RANKS_FIELD_NUMBER: _builtins.int
+    TOPOLOGY_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """1, 2, 3... per agent instance; see Hello.instance_id."""
     timestamp_unix_seconds: _builtins.float
@@ -763,6 +1032,12 @@ class NodeReport(_message.Message):
         socket, including those that exited since the previous report.
         """
 
+    @_builtins.property
+    def topology(self) -> Global___NodeTopology:
+        """Set only in the first report after the node's topology changed (the
+        Hello carries it whenever a stream opens).
+        """
+
     def __init__(
         self,
         *,
@@ -777,11 +1052,14 @@ class NodeReport(_message.Message):
         collectors: _abc.Iterable[Global___CollectorStatus] | None = ...,
         reports_dropped_total: _builtins.int = ...,
         ranks: _abc.Iterable[_training_pb2.RankReport] | None = ...,
+        topology: Global___NodeTopology | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["gpu_inventory", b"gpu_inventory", "host", b"host"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_topology", b"_topology", "gpu_inventory", b"gpu_inventory", "host", b"host", "topology", b"topology"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["collectors", b"collectors", "gpu_inventory", b"gpu_inventory", "gpus", b"gpus", "host", b"host", "ib_ports", b"ib_ports", "interval_seconds", b"interval_seconds", "nics", b"nics", "ranks", b"ranks", "reports_dropped_total", b"reports_dropped_total", "sequence", b"sequence", "timestamp_unix_seconds", b"timestamp_unix_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_topology", b"_topology", "collectors", b"collectors", "gpu_inventory", b"gpu_inventory", "gpus", b"gpus", "host", b"host", "ib_ports", b"ib_ports", "interval_seconds", b"interval_seconds", "nics", b"nics", "ranks", b"ranks", "reports_dropped_total", b"reports_dropped_total", "sequence", b"sequence", "timestamp_unix_seconds", b"timestamp_unix_seconds", "topology", b"topology"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__topology: _TypeAlias = _typing.Literal["topology"]  # noqa: Y015
+    _WhichOneofArgType__topology: _TypeAlias = _typing.Literal["_topology", b"_topology"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__topology) -> _WhichOneofReturnType__topology | None: ...
 
 Global___NodeReport: _TypeAlias = NodeReport  # noqa: Y015

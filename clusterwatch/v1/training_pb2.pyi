@@ -349,6 +349,54 @@ class FlightRecorderGroup(_message.Message):
 Global___FlightRecorderGroup: _TypeAlias = FlightRecorderGroup  # noqa: Y015
 
 @_typing.final
+class ProcessGroupMembership(_message.Message):
+    """A process group this rank belongs to, from torch.distributed's registry
+    (what the Flight Recorder's pg_config is built from; on gloo that config
+    comes back empty, so the hook reads the registry itself).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    FIRST_RANK_FIELD_NUMBER: _builtins.int
+    STRIDE_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    group_name: _builtins.str
+    """As the Flight Recorder names it ("0" is WORLD)."""
+    description: _builtins.str
+    """group_desc: "default_pg", "mesh_tp" (DeviceMesh dimension "tp"), or what
+    the user passed to new_group(group_desc=...).
+    """
+    first_rank: _builtins.int
+    """Members (global ranks). A progression first_rank, first_rank + stride,
+    ... (size members) when they form one, which every DeviceMesh dimension
+    does; otherwise `ranks` lists them and stride is 0.
+    """
+    stride: _builtins.int
+    size: _builtins.int
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        group_name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        first_rank: _builtins.int = ...,
+        stride: _builtins.int = ...,
+        size: _builtins.int = ...,
+        ranks: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "first_rank", b"first_rank", "group_name", b"group_name", "ranks", b"ranks", "size", b"size", "stride", b"stride"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProcessGroupMembership: _TypeAlias = ProcessGroupMembership  # noqa: Y015
+
+@_typing.final
 class HookHealth(_message.Message):
     """The hook's own health: it never raises into training, so it counts instead."""
 
@@ -393,6 +441,7 @@ class Heartbeat(_message.Message):
     FLIGHT_RECORDER_ENABLED_FIELD_NUMBER: _builtins.int
     FLIGHT_RECORDER_FIELD_NUMBER: _builtins.int
     HEALTH_FIELD_NUMBER: _builtins.int
+    PROCESS_GROUPS_FIELD_NUMBER: _builtins.int
     timestamp_unix_seconds: _builtins.float
     step: _builtins.int
     """Current step, or the last one finished when between steps."""
@@ -408,6 +457,10 @@ class Heartbeat(_message.Message):
     def flight_recorder(self) -> _containers.RepeatedCompositeFieldContainer[Global___FlightRecorderGroup]: ...
     @_builtins.property
     def health(self) -> Global___HookHealth: ...
+    @_builtins.property
+    def process_groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProcessGroupMembership]:
+        """Process groups with more than one member this rank belongs to."""
+
     def __init__(
         self,
         *,
@@ -420,10 +473,11 @@ class Heartbeat(_message.Message):
         flight_recorder_enabled: _builtins.bool = ...,
         flight_recorder: _abc.Iterable[Global___FlightRecorderGroup] | None = ...,
         health: Global___HookHealth | None = ...,
+        process_groups: _abc.Iterable[Global___ProcessGroupMembership] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["collective", b"collective", "health", b"health"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["collective", b"collective", "flight_recorder", b"flight_recorder", "flight_recorder_enabled", b"flight_recorder_enabled", "health", b"health", "in_step", b"in_step", "step", b"step", "step_elapsed_seconds", b"step_elapsed_seconds", "steps_completed_total", b"steps_completed_total", "timestamp_unix_seconds", b"timestamp_unix_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["collective", b"collective", "flight_recorder", b"flight_recorder", "flight_recorder_enabled", b"flight_recorder_enabled", "health", b"health", "in_step", b"in_step", "process_groups", b"process_groups", "step", b"step", "step_elapsed_seconds", b"step_elapsed_seconds", "steps_completed_total", b"steps_completed_total", "timestamp_unix_seconds", b"timestamp_unix_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
