@@ -754,7 +754,7 @@ class TopologyGpu(_message.Message):
     pci_bus_id: _builtins.str
     """sysfs spelling, lower case: "0000:07:00.0"."""
     numa_node: _builtins.int
-    """-1 when the platform does not say."""
+    """Unset when the platform does not say (sysfs numa_node -1)."""
     local_cpus: _builtins.str
     """CPUs close to the GPU, a kernel cpulist ("0-31,64-95"); empty when unknown."""
     def __init__(
@@ -764,14 +764,16 @@ class TopologyGpu(_message.Message):
         uuid: _builtins.str = ...,
         name: _builtins.str = ...,
         pci_bus_id: _builtins.str = ...,
-        numa_node: _builtins.int = ...,
+        numa_node: _builtins.int | None = ...,
         local_cpus: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_numa_node", b"_numa_node", "numa_node", b"numa_node"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "local_cpus", b"local_cpus", "name", b"name", "numa_node", b"numa_node", "pci_bus_id", b"pci_bus_id", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_numa_node", b"_numa_node", "index", b"index", "local_cpus", b"local_cpus", "name", b"name", "numa_node", b"numa_node", "pci_bus_id", b"pci_bus_id", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__numa_node: _TypeAlias = _typing.Literal["numa_node"]  # noqa: Y015
+    _WhichOneofArgType__numa_node: _TypeAlias = _typing.Literal["_numa_node", b"_numa_node"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__numa_node) -> _WhichOneofReturnType__numa_node | None: ...
 
 Global___TopologyGpu: _TypeAlias = TopologyGpu  # noqa: Y015
 
@@ -844,17 +846,22 @@ class TopologyNic(_message.Message):
         device: _builtins.str = ...,
         kind: _builtins.str = ...,
         pci_bus_id: _builtins.str = ...,
-        numa_node: _builtins.int = ...,
+        numa_node: _builtins.int | None = ...,
         interfaces: _abc.Iterable[_builtins.str] | None = ...,
         rate_bytes_per_second: _builtins.float | None = ...,
         state: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_rate_bytes_per_second", b"_rate_bytes_per_second", "rate_bytes_per_second", b"rate_bytes_per_second"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_numa_node", b"_numa_node", "_rate_bytes_per_second", b"_rate_bytes_per_second", "numa_node", b"numa_node", "rate_bytes_per_second", b"rate_bytes_per_second"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_rate_bytes_per_second", b"_rate_bytes_per_second", "device", b"device", "interfaces", b"interfaces", "kind", b"kind", "numa_node", b"numa_node", "pci_bus_id", b"pci_bus_id", "rate_bytes_per_second", b"rate_bytes_per_second", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_numa_node", b"_numa_node", "_rate_bytes_per_second", b"_rate_bytes_per_second", "device", b"device", "interfaces", b"interfaces", "kind", b"kind", "numa_node", b"numa_node", "pci_bus_id", b"pci_bus_id", "rate_bytes_per_second", b"rate_bytes_per_second", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__numa_node: _TypeAlias = _typing.Literal["numa_node"]  # noqa: Y015
+    _WhichOneofArgType__numa_node: _TypeAlias = _typing.Literal["_numa_node", b"_numa_node"]  # noqa: Y015
     _WhichOneofReturnType__rate_bytes_per_second: _TypeAlias = _typing.Literal["rate_bytes_per_second"]  # noqa: Y015
     _WhichOneofArgType__rate_bytes_per_second: _TypeAlias = _typing.Literal["_rate_bytes_per_second", b"_rate_bytes_per_second"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__numa_node) -> _WhichOneofReturnType__numa_node | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__rate_bytes_per_second) -> _WhichOneofReturnType__rate_bytes_per_second | None: ...
 
 Global___TopologyNic: _TypeAlias = TopologyNic  # noqa: Y015
