@@ -26,7 +26,8 @@ straggler names the cause:
    straggler whose node differs from the healthy ranks' nodes: when a peer runs
    on the straggler's node this rule is skipped, and it does not count when most
    peer nodes (with data) show the same signal.
-3. Network (its node): a link down (an InfiniBand port not ACTIVE, a NIC not up,
+3. Network (its node; with the node's topology and the rank's GPU known, only
+   the NICs nearest that GPU, clusterwatch/topology.py): a link down (an InfiniBand port not ACTIVE, a NIC not up,
    that was up in the previous report or is up on most of the job's other
    nodes that have it), InfiniBand or NIC errors or link flaps at
    >= ``errors_min_per_s``, InfiniBand transmit wait >= ``transmit_wait_min_per_s``
@@ -59,8 +60,10 @@ from typing import Literal, NamedTuple, TypeVar
 
 from clusterwatch.coordinator.jobs import JobRecord, RankRecord
 from clusterwatch.coordinator.state import NodeRecord
+from clusterwatch.coordinator.topology_advice import Placement, place
 from clusterwatch.errors import ConfigError
 from clusterwatch.gpu_reasons import CLOCK_EVENT_REASONS
+from clusterwatch.topology import link_name
 from clusterwatch.v1 import node_pb2
 
 
@@ -576,7 +579,10 @@ def _links(report: node_pb2.NodeReport) -> list[tuple[str, bool]]:
     return links
 
 
-def _node_network(node: NodeRecord, report: node_pb2.NodeReport, census: _LinkCensus) -> _NodeNetwork:
+def _node_network(
+    node: NodeRecord, report: node_pb2.NodeReport, census: _LinkCensus, devices: frozenset[str] | None = None
+) -> _NodeNetwork:
+    """The node's network; with ``devices``, only those NICs' links and error counters."""
     node_id = node.node_id
     previous = node.previous
     elapsed_s = report.timestamp_unix_seconds - previous.timestamp_unix_seconds if previous else 0.0
@@ -584,11 +590,13 @@ def _node_network(node: NodeRecord, report: node_pb2.NodeReport, census: _LinkCe
     down = tuple(
         name
         for name, up in _links(report)
-        if not up and (was_up.get(name, False) or census.mostly_up_elsewhere(name, node_id))
+        if not up
+        and (devices is None or name.partition("/")[0] in devices)
+        and (was_up.get(name, False) or census.mostly_up_elsewhere(name, node_id))
     )
     if previous is None or elapsed_s <= 0:
         return _NodeNetwork(None, None, None, None, down)
-    ports_now, ports_before = report.ib_ports, previous.ib_ports
+    ports_now, ports_before = _only(report.ib_ports, devices), _only(previous.ib_ports, devices)
     ib_errors = [
         _rate(ports_before, ports_now, _port_key, _optional(field), elapsed_s) for field in _IB_ERRORS
     ]
@@ -599,14 +607,29 @@ def _node_network(node: NodeRecord, report: node_pb2.NodeReport, census: _LinkCe
             ports_before, ports_now, _port_key, _optional("link_downed_total"), elapsed_s
         ),
         nic_errors_per_s=_rate(
-            previous.nics,
-            report.nics,
+            _only(previous.nics, devices),
+            _only(report.nics, devices),
             lambda n: n.device,
             lambda n: n.receive_errors_total + n.transmit_errors_total,
             elapsed_s,
         ),
         links_down=down,
     )
+
+
+_Device = TypeVar("_Device", node_pb2.IbPortSample, node_pb2.NicSample)
+
+
+def _only(samples: Iterable[_Device], devices: frozenset[str] | None) -> list[_Device]:
+    """The samples of ``devices`` (all when None)."""
+    return [s for s in samples if devices is None or s.device in devices]
+
+
+def _nearest_devices(placement: Placement) -> frozenset[str] | None:
+    """The rank's nearest NICs and their interfaces; None when its GPU or NICs are unknown."""
+    if not placement.nics:
+        return None
+    return frozenset(name for nic in placement.nics for name in (nic.device, *nic.interfaces))
 
 
 def _transmit_wait_per_s(node: NodeRecord | None) -> float | None:
@@ -687,7 +710,11 @@ def _network_cause(
         return None
     running = job.running_ranks()
     census = _LinkCensus(nodes, {r.node_id for r in running} | {record.node_id})
-    net = _node_network(node, report, census)
+    # With the node's topology, only the NICs next to the rank's GPU speak for it:
+    # a port down elsewhere on the node carries other GPUs' traffic.
+    placement = place(record, nodes)
+    devices = _nearest_devices(placement)
+    net = _node_network(node, report, census, devices)
     healthy_elsewhere = [
         r for r in running if r.node_id != record.node_id and r.rank not in slow and r.rank != record.rank
     ]
@@ -701,9 +728,14 @@ def _network_cause(
     signals = _network_signals(net, _median(peer_waits), busbw, peer_busbw, settings)
     if not signals.reasons:
         return None
+    where = ""
+    if devices is not None:
+        nics = ", ".join(nic.device for nic in placement.nics)
+        where = f" on {nics}, the NIC nearest its GPU {placement.gpu} ({link_name(placement.nic_link)})"
     return Cause(
         CauseName.NETWORK,
-        f"{record.node_id}, where rank {record.rank} runs, has network trouble: {'; '.join(signals.reasons)}",
+        f"{record.node_id}, where rank {record.rank} runs, has network trouble{where}: "
+        f"{'; '.join(signals.reasons)}",
         signals.evidence,
         (record.node_id,),
     )

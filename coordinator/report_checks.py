@@ -118,13 +118,20 @@ _SKIPPED = frozenset({f"{_V1}RankIdentity.labels"})
 # Counted, not descended into: the job store reads and checks these per rank.
 _NOT_DESCENDED = frozenset({f"{_V1}RankReport.steps", f"{_V1}RankReport.collectives"})
 # Repeated strings (their elements are ids).
-_REPEATED_STRINGS = frozenset({f"{_V1}Hello.capabilities"})
+_REPEATED_STRINGS = frozenset(
+    {f"{_V1}Hello.capabilities", f"{_V1}TopologyNic.interfaces", f"{_V1}NodeTopology.problems"}
+)
 # Lists whose elements must differ in these fields within one report.
 _UNIQUE_KEYS: dict[str, tuple[str, ...]] = {
     f"{_V1}NodeReport.gpus": ("index",),
     f"{_V1}NodeReport.nics": ("device",),
     f"{_V1}NodeReport.ib_ports": ("device", "port"),
     f"{_V1}NodeReport.collectors": ("name",),
+    f"{_V1}NodeTopology.gpus": ("index",),
+    f"{_V1}NodeTopology.nics": ("device",),
+    f"{_V1}NodeTopology.gpu_links": ("gpu", "peer_gpu"),
+    f"{_V1}NodeTopology.gpu_nics": ("gpu", "nic"),
+    f"{_V1}NodeTopology.numa_nodes": ("id",),
 }
 
 
@@ -612,7 +619,8 @@ def check_report(report: node_pb2.NodeReport, now_unix_s: float, last_sequence: 
             f"jumps from {last_sequence} to {sequence}",
             f"report {sequence}: ",
         )
-    if _fast_ok(report, now_unix_s, keep):
+    # A report with a topology (rare: the wiring changed) takes the full walk.
+    if not report.HasField("topology") and _fast_ok(report, now_unix_s, keep):
         return keep
     try:
         _walk(report, _REPORT, "", now_unix_s)
@@ -624,6 +632,8 @@ def check_report(report: node_pb2.NodeReport, now_unix_s: float, last_sequence: 
                     f"must be below {MAX_GPUS}, got {gpu.index}",
                 )
         _walk_ranks(report.ranks)
+        if report.HasField("topology"):
+            check_topology(report.topology, "topology")
     except ReportCheckError as exc:
         raise exc.within(f"report {report.sequence}: ") from None
     return keep  # the column checks are conservative: a huge but finite sum overflows
@@ -677,6 +687,8 @@ def check_hello(hello: agent_pb2.Hello) -> None:
         if not getattr(hello, name):
             raise ReportCheckError(ReportProblem.MISSING, f"hello.{name}", "must not be empty")
     _walk(hello, _HELLO, "hello", 0.0)
+    if hello.HasField("topology"):
+        check_topology(hello.topology, "hello.topology")
     node_id = hello.node_id
     if not node_id.isprintable() or any(c.isspace() for c in node_id):
         raise ReportCheckError(
@@ -684,6 +696,40 @@ def check_hello(hello: agent_pb2.Hello) -> None:
             "hello.node_id",
             f"must be printable without spaces, got {node_id[:64]!r}",
         )
+
+
+def check_topology(topology: node_pb2.NodeTopology, path: str) -> None:
+    """Links must join devices the topology lists, each GPU pair once in order (gpu < peer_gpu).
+
+    Raises:
+        ReportCheckError: naming the field, e.g. ``hello.topology.gpu_links[3].peer_gpu: no GPU 9``.
+    """
+    gpus = {gpu.index for gpu in topology.gpus}
+    nics = {nic.device for nic in topology.nics}
+    for index, gpu in enumerate(topology.gpus):
+        if gpu.index >= MAX_GPUS:
+            raise ReportCheckError(
+                ReportProblem.BAD_NUMBER, f"{path}.gpus[{index}].index", f"must be below {MAX_GPUS}"
+            )
+    for index, link in enumerate(topology.gpu_links):
+        field = f"{path}.gpu_links[{index}]"
+        for name in ("gpu", "peer_gpu"):
+            if getattr(link, name) not in gpus:
+                raise ReportCheckError(
+                    ReportProblem.MALFORMED, f"{field}.{name}", f"no GPU {getattr(link, name)}"
+                )
+        if not link.gpu < link.peer_gpu:
+            raise ReportCheckError(
+                ReportProblem.MALFORMED,
+                field,
+                f"gpu must be below peer_gpu, got {link.gpu} and {link.peer_gpu}",
+            )
+    for index, affinity in enumerate(topology.gpu_nics):
+        field = f"{path}.gpu_nics[{index}]"
+        if affinity.gpu not in gpus:
+            raise ReportCheckError(ReportProblem.MALFORMED, f"{field}.gpu", f"no GPU {affinity.gpu}")
+        if affinity.nic not in nics:
+            raise ReportCheckError(ReportProblem.MALFORMED, f"{field}.nic", f"no NIC {affinity.nic!r}")
 
 
 def check_command_result(result: agent_pb2.CommandResult) -> None:

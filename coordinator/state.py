@@ -74,6 +74,9 @@ class NodeRecord:
     previous: node_pb2.NodeReport | None = None
     # Identifies the stream currently feeding this node; a newer one supersedes it.
     stream_id: int = 0
+    # How the node is wired (Hello.topology, NodeReport.topology); None until an agent sends one.
+    topology: node_pb2.NodeTopology | None = None
+    topology_received_unix_s: float = 0.0
 
 
 class ClusterState:
@@ -125,6 +128,8 @@ class ClusterState:
         record.state = NodeState.NODE_STATE_UP
         record.last_seen_monotonic_s = now_mono
         record.last_seen_unix_s = now_unix
+        if hello.HasField("topology"):
+            record.topology, record.topology_received_unix_s = hello.topology, now_unix
         self._next_stream_id += 1
         record.stream_id = self._next_stream_id
         return record.stream_id, events
@@ -154,6 +159,8 @@ class ClusterState:
         record.last_sequence = report.sequence
         record.reports_received_total += 1
         record.previous, record.report = record.report, report
+        if report.HasField("topology"):
+            record.topology, record.topology_received_unix_s = report.topology, now_unix
         return events
 
     def refuse(self, node_id: str, sequence: int) -> None:

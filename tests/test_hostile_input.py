@@ -846,6 +846,12 @@ def violations(descriptor: Any, path: str = "", at: Callable[[Any], Any] = lambd
         if fd.is_repeated:
             limit = rc.MAX_ENTRIES.get(fd.full_name, rc.DEFAULT_MAX_ENTRIES)
             container = lambda r, at=at, fd=fd: getattr(at(r), fd.name)  # noqa: E731
+            if fd.message_type is None:  # repeated ids (Hello.capabilities) or numbers (group members)
+                element: object = "x" if fd.type == fd.TYPE_STRING else 1
+                found.append((name, lambda r, c=container, n=limit, e=element: c(r).extend([e] * (n + 1))))
+                if fd.type == fd.TYPE_STRING:
+                    found.append((f"{name}[", lambda r, c=container: c(r).append("x" * (rc.MAX_ID_CHARS + 1))))
+                continue
             if fd.message_type.GetOptions().map_entry:
                 found.append(
                     (name, lambda r, c=container, n=limit: c(r).update({f"k{i}": 1 for i in range(n + 1)}))
