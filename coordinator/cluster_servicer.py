@@ -19,6 +19,7 @@ from clusterwatch.coordinator.incidents import IncidentState
 from clusterwatch.coordinator.job_requests import check_begin, check_end
 from clusterwatch.coordinator.job_views import job_status, job_view, training_view
 from clusterwatch.coordinator.state import Event, EventKind
+from clusterwatch.coordinator.topology_views import cluster_topology
 from clusterwatch.coordinator.views import node_status, node_views
 from clusterwatch.errors import ClusterwatchError, InvalidRequestError
 from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
@@ -192,6 +193,12 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         return cluster_pb2.EndJobResponse(
             known=ended.known, ranks=ended.ranks, incidents_resolved=ended.incidents_resolved, message=message
         )
+
+    async def GetTopology(  # noqa: N802
+        self, request: cluster_pb2.GetTopologyRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> cluster_pb2.ClusterTopology:
+        request_checks.check_get_topology(request)
+        return cluster_topology(self._core.state, self._core.jobs, request.node, request.job)
 
 
 def _count(n: int, noun: str) -> str:

@@ -54,6 +54,12 @@ def check_list_incidents(request: cluster_pb2.ListIncidentsRequest) -> None:
     _check_limit(request.limit)
 
 
+def check_get_topology(request: cluster_pb2.GetTopologyRequest) -> None:
+    """Raises: InvalidRequestError naming ``node`` or ``job``."""
+    _check_length("node", request.node, MAX_ID_CHARS)
+    _check_length("job", request.job, MAX_JOB_CHARS)
+
+
 def check_list_actions(request: cluster_pb2.ListActionsRequest) -> None:
     """Raises: InvalidRequestError naming ``job``, ``incident_id`` or ``limit``."""
     _check_length("job", request.job, MAX_JOB_CHARS)

@@ -453,6 +453,7 @@ VALID_REQUESTS: dict[str, Message] = {
     "ListActions": cluster_pb2.ListActionsRequest(job="j", incident_id="i", limit=10),
     "BeginJob": cluster_pb2.BeginJobRequest(job="j", labels={"slurm_job_id": "1"}, nodes=["a", "b"]),
     "EndJob": cluster_pb2.EndJobRequest(job="j", reason="epilog"),
+    "GetTopology": cluster_pb2.GetTopologyRequest(node="n", job="j"),
 }
 
 
