@@ -57,7 +57,9 @@ def gpu_link(topology: node_pb2.NodeTopology, gpu: int, peer_gpu: int) -> node_p
     return None
 
 
-def nearest_nics(topology: node_pb2.NodeTopology, gpu: int) -> tuple[list[node_pb2.TopologyNic], int]:
+def nearest_nics(
+    topology: node_pb2.NodeTopology, gpu: int
+) -> tuple[list[node_pb2.TopologyNic], node_pb2.LinkType.ValueType]:
     """The NICs ``gpu`` reaches with its nearest link, best first, and that link type.
 
     Best first: RDMA (InfiniBand, RoCE) before ethernet, then the faster,
