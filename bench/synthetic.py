@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Sequence
 
 from clusterwatch.agent.gpu.sim_backend import SimulatedBackend
 from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S, duration_bucket_index
@@ -200,3 +201,52 @@ class StampedReport:
             report += (rank_suffix.join(heads), rank_suffix)
         body = b"".join(report)
         return b"\x12" + _varint(len(body)) + body  # AgentMessage.report (2)
+
+
+HGX_NIC_BYTES_PER_S = 50e9  # NDR, 400 Gb/s
+SLOW_NIC_BYTES_PER_S = 25e9  # HDR, 200 Gb/s
+
+
+def hgx_topology(
+    uuids: Sequence[str],
+    *,
+    slow_nic: str = "",
+    nics_on_one_socket: bool = False,
+    nvlink_halves: bool = False,
+) -> node_pb2.NodeTopology:
+    """An HGX node as its agent reports it: 8 GPUs (``uuids``) on NVSwitches (NV18), two
+    sockets (GPUs 0-3 on NUMA 0), GPUs 2i and 2i+1 behind the PCIe switch of mlx5_i (PIX),
+    the other NICs NODE on the same socket and SYS across it.
+
+    Args:
+        slow_nic: this NIC runs at 200 Gb/s, the others at 400.
+        nics_on_one_socket: only mlx5_0 and mlx5_1 (socket 0) are fitted.
+        nvlink_halves: GPUs 0-3 and 4-7 are two NVLink domains, joined across the sockets.
+    """
+    nvlink, pix, numa, sys_ = (
+        node_pb2.LINK_TYPE_NVLINK, node_pb2.LINK_TYPE_PIX, node_pb2.LINK_TYPE_NODE, node_pb2.LINK_TYPE_SYS,
+    )  # fmt: skip
+    gpus = len(uuids)
+    topo = node_pb2.NodeTopology(cpu_sockets=2)
+    topo.numa_nodes.add(id=0, cpus="0-55,112-167")
+    topo.numa_nodes.add(id=1, cpus="56-111,168-223")
+    for gpu, uuid in enumerate(uuids):
+        topo.gpus.add(index=gpu, uuid=uuid, name="NVIDIA H100 80GB HBM3", numa_node=gpu * 2 // gpus,
+                      pci_bus_id=f"0000:{0x18 + 0x10 * gpu:02x}:00.0")  # fmt: skip
+        for peer in range(gpu + 1, gpus):
+            if nvlink_halves and gpu * 2 // gpus != peer * 2 // gpus:
+                topo.gpu_links.add(gpu=gpu, peer_gpu=peer, link=sys_)
+            else:
+                topo.gpu_links.add(gpu=gpu, peer_gpu=peer, link=nvlink, nvlinks=18)
+    nics = range(NICS_PER_NODE // 2 if nics_on_one_socket else NICS_PER_NODE)
+    for i in nics:
+        rate = SLOW_NIC_BYTES_PER_S if f"mlx5_{i}" == slow_nic else HGX_NIC_BYTES_PER_S
+        topo.nics.add(
+            device=f"mlx5_{i}", kind="infiniband", numa_node=i // 2, interfaces=[f"ib{i}"],
+            rate_bytes_per_second=rate, state="ACTIVE", pci_bus_id=f"0000:{0x19 + 0x20 * i:02x}:00.0",
+        )  # fmt: skip
+    for gpu in range(gpus):
+        for i in nics:
+            link = pix if gpu // 2 == i else numa if gpu // 4 == i // 2 else sys_
+            topo.gpu_nics.add(gpu=gpu, nic=f"mlx5_{i}", link=link)
+    return topo

@@ -6,6 +6,7 @@ Shared by the coordinator (placements, advice, metrics), the agent's own
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 from clusterwatch.v1 import node_pb2, training_pb2
@@ -110,6 +111,36 @@ def gpu_by_uuid(topology: node_pb2.NodeTopology, uuid: str) -> node_pb2.Topology
     if not uuid:
         return None
     return next((gpu for gpu in topology.gpus if gpu.uuid == uuid), None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Wiring:
+    """What placements and advice read from a node's topology, worked out once per topology.
+
+    Attributes:
+        topology: as the agent sent it.
+        gpu_by_uuid: GPU index by NVML UUID.
+        nearest: per GPU index, ``nearest_nics`` of it.
+        domains: ``nvlink_domains``.
+    """
+
+    topology: node_pb2.NodeTopology
+    gpu_by_uuid: dict[str, int]
+    nearest: dict[int, tuple[tuple[node_pb2.TopologyNic, ...], node_pb2.LinkType.ValueType]]
+    domains: list[set[int]]
+
+    @classmethod
+    def of(cls, topology: node_pb2.NodeTopology) -> Wiring:
+        nearest = {}
+        for gpu in topology.gpus:
+            nics, link = nearest_nics(topology, gpu.index)
+            nearest[gpu.index] = (tuple(nics), link)
+        return cls(
+            topology,
+            {gpu.uuid: gpu.index for gpu in topology.gpus if gpu.uuid},
+            nearest,
+            nvlink_domains(topology),
+        )
 
 
 def format_ranks(ranks: Iterable[int]) -> str:

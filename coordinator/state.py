@@ -21,6 +21,7 @@ import enum
 
 from clusterwatch.coordinator.report_checks import MAX_SEQUENCE_JUMP
 from clusterwatch.errors import InvalidReportError
+from clusterwatch.topology import Wiring
 from clusterwatch.v1 import agent_pb2, cluster_pb2, node_pb2
 
 NodeState = cluster_pb2.NodeState
@@ -75,8 +76,15 @@ class NodeRecord:
     # Identifies the stream currently feeding this node; a newer one supersedes it.
     stream_id: int = 0
     # How the node is wired (Hello.topology, NodeReport.topology); None until an agent sends one.
-    topology: node_pb2.NodeTopology | None = None
+    wiring: Wiring | None = None
     topology_received_unix_s: float = 0.0
+
+    @property
+    def topology(self) -> node_pb2.NodeTopology | None:
+        return self.wiring.topology if self.wiring is not None else None
+
+    def set_topology(self, topology: node_pb2.NodeTopology, now_unix: float) -> None:
+        self.wiring, self.topology_received_unix_s = Wiring.of(topology), now_unix
 
 
 class ClusterState:
@@ -129,7 +137,7 @@ class ClusterState:
         record.last_seen_monotonic_s = now_mono
         record.last_seen_unix_s = now_unix
         if hello.HasField("topology"):
-            record.topology, record.topology_received_unix_s = hello.topology, now_unix
+            record.set_topology(hello.topology, now_unix)
         self._next_stream_id += 1
         record.stream_id = self._next_stream_id
         return record.stream_id, events
@@ -160,7 +168,7 @@ class ClusterState:
         record.reports_received_total += 1
         record.previous, record.report = record.report, report
         if report.HasField("topology"):
-            record.topology, record.topology_received_unix_s = report.topology, now_unix
+            record.set_topology(report.topology, now_unix)
         return events
 
     def refuse(self, node_id: str, sequence: int) -> None:

@@ -95,12 +95,13 @@ def node_topology(node: NodeRecord | None) -> node_pb2.NodeTopology | None:
 
 def place(record: RankRecord, nodes: Mapping[str, NodeRecord]) -> Placement:
     """Where ``record`` runs, as far as its node's topology tells."""
-    topo = node_topology(nodes.get(record.node_id))
-    gpu = topology.gpu_by_uuid(topo, record.identity.gpu_uuid) if topo is not None else None
-    if topo is None or gpu is None:
+    node = nodes.get(record.node_id)
+    wiring = node.wiring if node is not None else None
+    gpu = wiring.gpu_by_uuid.get(record.identity.gpu_uuid) if wiring is not None else None
+    if wiring is None or gpu is None:
         return Placement(record.rank, record.node_id, None, (), node_pb2.LINK_TYPE_UNSPECIFIED)
-    nics, link = topology.nearest_nics(topo, gpu.index)
-    return Placement(record.rank, record.node_id, gpu.index, tuple(nics), link)
+    nics, link = wiring.nearest[gpu]
+    return Placement(record.rank, record.node_id, gpu, nics, link)
 
 
 def job_placements(job: JobRecord, nodes: Mapping[str, NodeRecord]) -> dict[int, Placement]:
@@ -119,9 +120,16 @@ def job_groups(job: JobRecord) -> list[training_pb2.ProcessGroupMembership]:
     return [groups[name] for name in sorted(groups, key=_name_order)]
 
 
-def job_findings(job: JobRecord, nodes: Mapping[str, NodeRecord]) -> list[cluster_pb2.TopologyFinding]:
-    """What the job's tensor-parallel and pipeline groups meet on the wiring (see the module docstring)."""
-    placements = job_placements(job, nodes)
+def job_findings(
+    job: JobRecord, nodes: Mapping[str, NodeRecord], placements: Mapping[int, Placement] | None = None
+) -> list[cluster_pb2.TopologyFinding]:
+    """What the job's tensor-parallel and pipeline groups meet on the wiring (see the module docstring).
+
+    Args:
+        placements: ``job_placements(job, nodes)`` when the caller has them already.
+    """
+    if placements is None:
+        placements = job_placements(job, nodes)
     findings: list[cluster_pb2.TopologyFinding] = []
     for group in job_groups(job):
         role = group_role(group.description)
@@ -157,12 +165,14 @@ def _tensor_finding(judged: _Judged, nodes: Mapping[str, NodeRecord]) -> cluster
             f"cross the network instead of staying inside a node{room}",
         )  # fmt: skip
     (node_id,) = by_node
-    topo = node_topology(nodes.get(node_id))
+    node = nodes.get(node_id)
+    wiring = node.wiring if node is not None else None
     gpus = [p.gpu for p in placed]
-    if topo is None or any(gpu is None for gpu in gpus) or not topo.gpu_links:
+    if wiring is None or any(gpu is None for gpu in gpus) or not wiring.topology.gpu_links:
         return None
+    topo = wiring.topology
     known = [gpu for gpu in gpus if gpu is not None]
-    domains = topology.nvlink_domains(topo)
+    domains = wiring.domains
     if any(set(known) <= domain for domain in domains):
         return None
     worst = _worst_link(topo, known)
@@ -207,7 +217,6 @@ def _nic_findings(
     judged: _Judged, boundary: str, side: Placement, nodes: Mapping[str, NodeRecord]
 ) -> list[cluster_pb2.TopologyFinding]:
     findings: list[cluster_pb2.TopologyFinding] = []
-    name = judged.label
     nic = side.nics[0]
     topo = node_topology(nodes.get(side.node_id))
     fastest = _fastest_nic(topo, nic.kind) if topo is not None else None
@@ -218,7 +227,7 @@ def _nic_findings(
                 FindingKind.PIPELINE_SLOW_NIC,
                 WARNING,
                 [side],
-                f"{name}: at {boundary}, rank {side.rank} (GPU {side.gpu}) is nearest {nic.device} at "
+                f"{judged.label}: at {boundary}, rank {side.rank} (GPU {side.gpu}) is nearest {nic.device} at "
                 f"{bandwidth(rate)}, while {side.node_id}'s fastest NIC, {fastest.device}, runs at "
                 f"{bandwidth(topology.nic_rate(fastest))}",
             )
@@ -229,7 +238,7 @@ def _nic_findings(
                 FindingKind.PIPELINE_NIC_ACROSS_SOCKETS,
                 INFO,
                 [side],
-                f"{name}: at {boundary}, rank {side.rank}'s GPU {side.gpu} on {side.node_id} reaches its "
+                f"{judged.label}: at {boundary}, rank {side.rank}'s GPU {side.gpu} on {side.node_id} reaches its "
                 f"nearest NIC, {nic.device}, only across CPU sockets (SYS)",
             )
         )

@@ -58,7 +58,9 @@ def _add_job(answer: cluster_pb2.ClusterTopology, job: JobRecord, state: Cluster
     answer.placements.extend(
         p.to_proto(job.job) for rank, p in sorted(placements.items()) if not node or p.node_id == node
     )
-    answer.findings.extend(f for f in job_findings(job, state.nodes) if not node or node in f.nodes)
+    answer.findings.extend(
+        f for f in job_findings(job, state.nodes, placements) if not node or node in f.nodes
+    )
 
 
 def _overlay_live_nics(nics: Iterable[node_pb2.TopologyNic], report: node_pb2.NodeReport) -> None:

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import pytest
 from training_builders import T0, rank_report
 
+from bench.synthetic import hgx_topology
 from clusterwatch.coordinator.causes import CauseName, straggler_cause
 from clusterwatch.coordinator.jobs import JobRecord, JobStore
 from clusterwatch.coordinator.state import NodeRecord
@@ -23,7 +25,6 @@ NVLINK, PIX, NODE, SYS = (
     node_pb2.LINK_TYPE_NODE,
     node_pb2.LINK_TYPE_SYS,
 )
-FAST_BPS, SLOW_BPS = 50e9, 25e9  # NDR 400 Gb/s, HDR 200 Gb/s
 
 
 def uuid(node: int, gpu: int) -> str:
@@ -31,33 +32,9 @@ def uuid(node: int, gpu: int) -> str:
     return f"GPU-{node * GPUS + gpu:04d}"
 
 
-def hgx(
-    node: int, *, slow_nic: str = "", nics_on_one_socket: bool = False, nvlink_halves: bool = False
-) -> node_pb2.NodeTopology:
-    """8 GPUs on NVSwitches (NV18), GPUs 2i and 2i+1 behind the PCIe switch of mlx5_i (PIX),
-    the other NICs NODE on the same socket and SYS across it. ``slow_nic`` runs at 200 Gb/s;
-    ``nics_on_one_socket``: only mlx5_0 and mlx5_1 (socket 0); ``nvlink_halves``: GPUs 0-3 and
-    4-7 are two NVLink domains, joined across the sockets."""
-    topo = node_pb2.NodeTopology(cpu_sockets=2)
-    for gpu in range(GPUS):
-        topo.gpus.add(index=gpu, uuid=uuid(node, gpu), numa_node=gpu // 4)
-        for peer in range(gpu + 1, GPUS):
-            if nvlink_halves and gpu // 4 != peer // 4:
-                topo.gpu_links.add(gpu=gpu, peer_gpu=peer, link=SYS)
-            else:
-                topo.gpu_links.add(gpu=gpu, peer_gpu=peer, link=NVLINK, nvlinks=18)
-    nics = range(2 if nics_on_one_socket else 4)
-    for i in nics:
-        rate = SLOW_BPS if f"mlx5_{i}" == slow_nic else FAST_BPS
-        topo.nics.add(
-            device=f"mlx5_{i}", kind="infiniband", numa_node=i // 2, interfaces=[f"ib{i}"],
-            rate_bytes_per_second=rate, state="ACTIVE",
-        )  # fmt: skip
-    for gpu in range(GPUS):
-        for i in nics:
-            link = PIX if gpu // 2 == i else NODE if gpu // 4 == i // 2 else SYS
-            topo.gpu_nics.add(gpu=gpu, nic=f"mlx5_{i}", link=link)
-    return topo
+def hgx(node: int, **options: Any) -> node_pb2.NodeTopology:
+    """bench/synthetic.py's HGX node (NV18; mlx5_i PIX to GPUs 2i, 2i+1) hosting ranks node*8..+7."""
+    return hgx_topology([uuid(node, gpu) for gpu in range(GPUS)], **options)
 
 
 def pcie(node: int) -> node_pb2.NodeTopology:
@@ -94,7 +71,10 @@ def build_job(
 
 
 def nodes_with(topologies: Mapping[int, node_pb2.NodeTopology]) -> dict[str, NodeRecord]:
-    return {f"node-{n}": NodeRecord(node_id=f"node-{n}", topology=t) for n, t in topologies.items()}
+    nodes = {f"node-{n}": NodeRecord(node_id=f"node-{n}") for n in topologies}
+    for n, topology in topologies.items():
+        nodes[f"node-{n}"].set_topology(topology, T0)
+    return nodes
 
 
 @pytest.mark.parametrize(
@@ -261,7 +241,7 @@ def test_without_a_topology_the_whole_node_network_speaks_for_the_rank() -> None
     job = build_job({0: range(8), 1: range(8, 16)}, [])
     nodes = troubled_nodes({"mlx5_1": 50.0})
     for record in nodes.values():
-        record.topology = None
+        record.wiring = None
 
     cause = straggler_cause(job, 0, nodes)
 
