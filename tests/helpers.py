@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -67,6 +68,13 @@ async def eventually(predicate: Callable[[], T | None], timeout_s: float, what: 
 
 def clusterwatch_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "clusterwatch", *args]
+
+
+def unused_port() -> int:
+    """A loopback port nothing listens on now (something binds it later)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def run_cli(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from helpers import (
     samples_named,
     scrape,
     start_node,
+    unused_port,
     wait_for,
 )
 from training_builders import T0, rank_report
@@ -186,12 +186,6 @@ def test_prolog_ranks_and_epilog_end_to_end(cluster: Cluster, tmp_path: Path) ->
     assert [s for s in scrape(coordinator.metrics_url) if s.labels.get("job") == JOB] == []
     with coordinator.client() as client:
         assert [i for i in client.incidents() if i.job == JOB] == []
-
-
-def unused_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_with_the_coordinator_down_the_scripts_exit_0_quickly(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import Cluster, Process, clusterwatch_cmd, scrape, wait_for
+from helpers import Cluster, Process, clusterwatch_cmd, scrape, unused_port, wait_for
 
 from clusterwatch import config, sd_notify
 from clusterwatch.cli.common import LOG_LEVEL_ENV
@@ -252,13 +252,6 @@ def notify_socket(tmp_path: Path) -> Iterator[tuple[str, NotifyRecorder]]:
     recorder = NotifyRecorder(path)
     yield path, recorder
     recorder.close()
-
-
-def unused_port() -> int:
-    """A loopback port nothing listens on now (the coordinator binds it later)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def without_systemd_environment() -> dict[str, str]:
