@@ -8,6 +8,11 @@ every number finite and >= 0, and collective histograms of the shape in
 clusterwatch/collective_stats.py. The hook and the agent share the host's
 clock, so a ``*_unix_seconds`` more than MAX_CLOCK_SKEW_S in the future is
 refused too (earlier ones are left alone: they only order a rank's own events).
+A heartbeat's process groups (clusterwatch/hook/process_groups.py) are named,
+each once, and have at least two members, given either as a progression
+(``stride`` > 0, no ``ranks``) or listed (``stride`` 0, ``ranks`` the
+``size`` members in increasing order); ``check_process_groups`` also holds
+the members below the rank's world size, for callers that have its identity.
 No hook message carries an enum.
 """
 
@@ -41,6 +46,9 @@ MAX_ENTRIES: dict[str, int] = {
     # Kinds of collective in one step (op x group x dtype x size bucket).
     f"{_V1}StepSummary.collectives": 1024,
     f"{_V1}Heartbeat.flight_recorder": 1024,
+    # Groups one rank belongs to, and the members of one listed (not evenly spaced) group.
+    f"{_V1}Heartbeat.process_groups": 1024,
+    f"{_V1}ProcessGroupMembership.ranks": 1024,
     f"{_V1}CollectiveSummary.duration_bucket_counts": DURATION_BUCKETS,
 }
 DEFAULT_MAX_ENTRIES = 1024
@@ -103,21 +111,90 @@ def _check_length(value: str, limit: int, field: str) -> None:
         )
 
 
+def check_process_groups(
+    heartbeat: training_pb2.Heartbeat, identity: training_pb2.RankIdentity, field: str = "heartbeat"
+) -> None:
+    """Refuse a process group with a member at or above the rank's world size.
+
+    The rest of each group's shape is checked by ``check_values``; this needs
+    the identity the heartbeat's stream announced (the hook holds its groups
+    back until the agent has been told its current identity).
+
+    Raises:
+        InvalidHookMessageError: naming ``field.process_groups[i]``.
+    """
+    world_size = identity.world_size
+    for index, group in enumerate(heartbeat.process_groups):
+        if group.stride:
+            last = group.first_rank + group.stride * (group.size - 1)
+        else:
+            last = max(group.ranks, default=group.first_rank)
+        if last >= world_size:
+            raise InvalidHookMessageError(
+                f"{field}.process_groups[{index}]",
+                f"member {last} of group {group.group_name!r} is not below world_size {world_size}",
+            )
+
+
+def _check_membership(group: training_pb2.ProcessGroupMembership, field: str) -> None:
+    """A group of at least two members, either a progression or a strictly increasing list."""
+    if not group.group_name:
+        raise InvalidHookMessageError(f"{field}.group_name", "must not be empty")
+    if group.size < 2:
+        raise InvalidHookMessageError(
+            f"{field}.size", f"must be at least 2 (groups of one are not sent), got {group.size}"
+        )
+    if group.stride:
+        if group.ranks:
+            raise InvalidHookMessageError(f"{field}.ranks", "must be empty when stride gives the members")
+        if group.first_rank + group.stride * (group.size - 1) > _MAX_RANK:
+            raise InvalidHookMessageError(
+                f"{field}.stride",
+                f"first_rank {group.first_rank} + stride {group.stride} x (size {group.size} - 1) "
+                "is past the largest rank",
+            )
+        return
+    if len(group.ranks) != group.size:
+        raise InvalidHookMessageError(
+            f"{field}.ranks",
+            f"must list size ({group.size}) members when stride is 0, got {len(group.ranks)}",
+        )
+    ranks = group.ranks
+    if any(ranks[i] >= ranks[i + 1] for i in range(len(ranks) - 1)):
+        raise InvalidHookMessageError(f"{field}.ranks", "must be strictly increasing")
+
+
+def _check_heartbeat(heartbeat: training_pb2.Heartbeat, field: str) -> None:
+    names = [group.group_name for group in heartbeat.process_groups]
+    if len(set(names)) != len(names):
+        duplicate = next(name for name in names if names.count(name) > 1)
+        raise InvalidHookMessageError(f"{field}.process_groups", f"group {duplicate!r} is listed twice")
+
+
+_MAX_RANK = (1 << 32) - 1
+# Checks of one message type's fields together, run after its own fields' checks.
+_RULES: dict[str, Callable[[Any, str], None]] = {
+    f"{_V1}ProcessGroupMembership": _check_membership,
+    f"{_V1}Heartbeat": _check_heartbeat,
+}
+
 # Every double in training.proto is a duration, a timestamp, a count or a
 # rate: none may be negative, NaN or infinite. Per message type, which fields
-# to check (and how) and which sub-messages to descend into, worked out once.
+# to check (and how), which sub-messages to descend into and which rule
+# checks the fields together, worked out once.
 _Plan = tuple[
     tuple[str, ...],
     tuple[tuple[str, int], ...],
     tuple[tuple[str, str, int], ...],
     tuple[tuple[str, bool], ...],
+    Callable[[Any, str], None] | None,
 ]
 _PLANS: dict[str, _Plan] = {}
 _FLOATING = (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT)
 
 
 def _plan(descriptor: Descriptor) -> _Plan:
-    """(numbers, (string, limit), (repeated, full name, limit), (child, repeated)) of one message type."""
+    """(numbers, (string, limit), (repeated, full name, limit), (child, repeated), rule) of one message type."""
     plan = _PLANS.get(descriptor.full_name)
     if plan is None:
         fields = descriptor.fields
@@ -137,7 +214,8 @@ def _plan(descriptor: Descriptor) -> _Plan:
             for f in fields
             if f.type == FieldDescriptor.TYPE_MESSAGE and _ours(f.message_type)
         )
-        plan = _PLANS[descriptor.full_name] = (numbers, strings, repeated, children)
+        rule = _RULES.get(descriptor.full_name)
+        plan = _PLANS[descriptor.full_name] = (numbers, strings, repeated, children, rule)
     return plan
 
 
@@ -165,7 +243,7 @@ def check_values(message: Message, field: str, now_unix_s: float | None = None) 
 
 
 def _check(message: Message, field: str, now_unix_s: float) -> None:
-    numbers, strings, repeated, children = _plan(message.DESCRIPTOR)  # type: ignore[arg-type]  # upb's Descriptor is the same API
+    numbers, strings, repeated, children, rule = _plan(message.DESCRIPTOR)  # type: ignore[arg-type]  # upb's Descriptor is the same API
     for name in numbers:
         value = getattr(message, name)
         if not 0.0 <= value < math.inf:  # False for NaN too
@@ -186,6 +264,8 @@ def _check(message: Message, field: str, now_unix_s: float) -> None:
                 f"{field}.{name}",
                 f"must have {DURATION_BUCKETS} entries (see clusterwatch/collective_stats.py), got {count}",
             )
+    if rule is not None:
+        rule(message, field)
     for name, is_repeated in children:
         if is_repeated:
             for index, child in enumerate(getattr(message, name)):

@@ -21,6 +21,7 @@ from clusterwatch.agent.hook_validation import (
     RankGoneError,
     check_batch,
     check_identity,
+    check_process_groups,
     check_values,
 )
 from clusterwatch.agent.proc_exit import ExitStatus, ExitWatcher
@@ -248,6 +249,7 @@ class RankRegistry:
     def heartbeat(self, instance_id: str, heartbeat: training_pb2.Heartbeat) -> None:
         entry = self._require(instance_id)
         check_values(heartbeat, "heartbeat")
+        check_process_groups(heartbeat, entry.identity)
         entry.heartbeat = heartbeat
 
     def checkpoint_result(self, instance_id: str, result: training_pb2.CheckpointResult) -> None:

@@ -37,6 +37,7 @@ from clusterwatch.hook import flight_recorder
 from clusterwatch.hook.checkpoint import CheckpointBook
 from clusterwatch.hook.health import HookHealth
 from clusterwatch.hook.identity import RankInfo, parent_argv, resolve_socket_path
+from clusterwatch.hook.process_groups import ProcessGroupReader
 from clusterwatch.hook.transport import AgentLink
 from clusterwatch.v1 import hook_pb2, training_pb2
 
@@ -141,6 +142,7 @@ class TrainingMonitor:
         self._deferred: dict[int, tuple[list[str], float]] = {}
         self._checkpoints = CheckpointBook()
         self._tracker: CollectiveTracker | None = None
+        self._process_groups = ProcessGroupReader()
         self._closed = False
         self.flight_recorder_enabled = False
         with self.health.guard("flight recorder"):
@@ -160,7 +162,7 @@ class TrainingMonitor:
             self.health,
             heartbeat_interval_s=heartbeat_interval_s,
             queue_size=queue_size,
-            before_flush=self._refresh_identity,
+            before_flush=self._identity_before_steps,
         )
         self._link.start()
         atexit.register(self.close)
@@ -323,7 +325,7 @@ class TrainingMonitor:
                 # The clock is read under the lock, after begin_step set the start: never negative.
                 beat.step_elapsed_seconds = time.monotonic() - self._step_started_s
             beat.steps_completed_total = self.steps_completed_total
-        self._refresh_identity()
+        identity_known = self._refresh_identity()
         if self._tracker is not None:
             with self.health.guard("collective timing"):
                 self._tracker.poll()
@@ -342,14 +344,28 @@ class TrainingMonitor:
         if self.flight_recorder_enabled:
             with self.health.guard("flight recorder"):
                 beat.flight_recorder.extend(flight_recorder.read_status())
+        if identity_known:
+            # The agent checks members against the world size it was told: while an
+            # identity update is queued behind this beat, the groups wait one beat.
+            beat.process_groups.extend(self._process_groups.read(self.health))
         beat.health.CopyFrom(self.health.to_proto())
         return beat
 
-    def _refresh_identity(self) -> None:
-        """Tell the agent once torch knows more (backend, rank, GPU) than at the hello."""
+    def _refresh_identity(self) -> bool:
+        """Tell the agent once torch knows more (backend, rank, GPU) than at the hello.
+
+        Returns:
+            True if the agent already knows the identity; False if it changed
+            (the update is queued) or could not be read.
+        """
         with self.health.guard("identity"):
-            if self.identity.refresh():
-                self._link.send(hook_pb2.HookMessage(identity=self.identity.to_proto()))
+            if not self.identity.refresh():
+                return True
+            self._link.send(hook_pb2.HookMessage(identity=self.identity.to_proto()))
+        return False
+
+    def _identity_before_steps(self) -> None:
+        self._refresh_identity()
 
     def _on_command(self, command: hook_pb2.HookCommand) -> None:
         kind = command.WhichOneof("kind")
