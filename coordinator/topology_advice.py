@@ -110,13 +110,22 @@ def job_placements(job: JobRecord, nodes: Mapping[str, NodeRecord]) -> dict[int,
 
 
 def job_groups(job: JobRecord) -> list[training_pb2.ProcessGroupMembership]:
-    """The job's process groups as its running ranks report them, by name (the lowest rank's copy)."""
+    """The job's process groups as its running ranks report them, by name (the lowest member's copy).
+
+    A group whose members do not include the reporting rank, or lie beyond the
+    world size, is left out: it cannot be that rank's group.
+    """
     groups: dict[str, training_pb2.ProcessGroupMembership] = {}
     for record in sorted(job.running_ranks(), key=lambda r: r.rank):
         if record.heartbeat is None:
             continue
         for group in record.heartbeat.process_groups:
-            groups.setdefault(group.group_name, group)
+            if group.group_name in groups:
+                continue
+            members = topology.members(group)
+            # Only a member's honest account counts (the agent checks the same against the world size).
+            if record.rank in members and max(members) < job.world_size:
+                groups[group.group_name] = group
     return [groups[name] for name in sorted(groups, key=_name_order)]
 
 
