@@ -1,4 +1,4 @@
-"""The agent process: collect on a fixed schedule, buffer, stream, serve /metrics."""
+"""The agent process: collect on a fixed schedule, discover the topology, buffer, stream, serve /metrics."""
 
 from __future__ import annotations
 
@@ -15,16 +15,24 @@ from types import ModuleType
 from clusterwatch import __version__, sd_notify
 from clusterwatch.agent.collectors.base import Collector, CollectorRunner
 from clusterwatch.agent.commands import CommandHandler
+from clusterwatch.agent.gpu.backend import GpuBackend
 from clusterwatch.agent.hook_links import HookLinks
 from clusterwatch.agent.hook_server import HookServer
 from clusterwatch.agent.proc_exit import ProcessExitWatcher
 from clusterwatch.agent.ranks import RankRegistry, RankState
 from clusterwatch.agent.report_buffer import ReportBuffer
+from clusterwatch.agent.topology.watch import TopologyWatch
 from clusterwatch.agent.uplink import Uplink
 from clusterwatch.agent.workers import WorkerStopper
 from clusterwatch.config import AgentSettings
 from clusterwatch.http_server import MetricsHttpServer
-from clusterwatch.node_metrics import NODE_UP, register_node_families, write_node, write_node_info
+from clusterwatch.node_metrics import (
+    NODE_UP,
+    register_node_families,
+    write_node,
+    write_node_info,
+    write_topology,
+)
 from clusterwatch.promtext import Exposition, counter, escape, gauge, labels
 from clusterwatch.tls import TlsFiles
 from clusterwatch.v1 import agent_pb2, node_pb2
@@ -54,23 +62,37 @@ AGENT_EXIT_OVERRUNS = counter(
 )
 
 
+def open_gpu(settings: AgentSettings, nvml: ModuleType | None = None) -> GpuBackend | None:
+    """The GPU backend ``settings.gpu_backend`` names; None with the gpu collector off or no GPUs.
+
+    Raises:
+        GpuBackendError: ``gpu_backend = "nvml"`` and NVML does not initialise.
+    """
+    if "gpu" not in settings.collectors:
+        return None
+    from clusterwatch.agent.gpu.factory import open_gpu_backend
+
+    return open_gpu_backend(settings.gpu_backend, settings.sim_gpus, settings.resolved_node_id, nvml)
+
+
 def build_collectors(settings: AgentSettings, nvml: ModuleType | None = None) -> list[Collector]:
-    """The collectors named in ``settings.collectors``, in that order."""
+    """The collectors named in ``settings.collectors``, in that order (opens the GPU backend)."""
+    return collectors_for(settings, open_gpu(settings, nvml))
+
+
+def collectors_for(settings: AgentSettings, gpu_backend: GpuBackend | None) -> list[Collector]:
+    """The collectors named in ``settings.collectors``, the gpu one reading ``gpu_backend``."""
     collectors: list[Collector] = []
     for name in settings.collectors:
         if name == "gpu":
             from clusterwatch.agent.collectors.gpu import GpuCollector
-            from clusterwatch.agent.gpu.factory import open_gpu_backend
 
-            backend = open_gpu_backend(
-                settings.gpu_backend, settings.sim_gpus, settings.resolved_node_id, nvml
-            )
             pod_resources = None
             if settings.pod_resources_socket:
                 from clusterwatch.agent.pod_resources import PodResources
 
                 pod_resources = PodResources(Path(settings.pod_resources_socket))
-            collectors.append(GpuCollector(backend, pod_resources))
+            collectors.append(GpuCollector(gpu_backend, pod_resources))
         elif name == "host":
             from clusterwatch.agent.collectors.host import HostCollector
 
@@ -93,6 +115,16 @@ class Agent:
         settings: the agent's settings.
         collectors: what to run each interval (default: from settings).
         exit_watcher: how training process exits are noticed (default: netlink, else psutil).
+        tls: certificate, key and CA for the stream to the coordinator; None: plaintext.
+        nvml: the pynvml module the GPU backend uses (tests inject a fake); the
+            real one when None. Only with ``collectors`` None.
+        gpu_backend: with ``collectors`` given, the GPU backend topology
+            discovery asks for GPUs and their links (None: no GPUs). Without
+            ``collectors`` the backend is opened from ``settings`` and shared
+            by the gpu collector and discovery.
+
+    Raises:
+        GpuBackendError: ``gpu_backend = "nvml"`` in settings and NVML does not initialise.
     """
 
     def __init__(
@@ -102,13 +134,19 @@ class Agent:
         exit_watcher: ProcessExitWatcher | None = None,
         *,
         tls: TlsFiles | None = None,
+        nvml: ModuleType | None = None,
+        gpu_backend: GpuBackend | None = None,
     ) -> None:
         self.settings = settings
         self.node_id = settings.resolved_node_id
         self.hostname = socket.gethostname()
         self.instance_id = uuid.uuid4().hex
         self.buffer = ReportBuffer(max(1, math.ceil(settings.buffer_s / settings.interval_s)))
-        self._runner = CollectorRunner(build_collectors(settings) if collectors is None else collectors)
+        if collectors is None:
+            gpu_backend = open_gpu(settings, nvml)
+            collectors = collectors_for(settings, gpu_backend)
+        self._runner = CollectorRunner(collectors)
+        self.topology = TopologyWatch(gpu_backend, settings.sys_root, settings.topology_interval_s)
         self.exit_watcher = exit_watcher or ProcessExitWatcher()
         self.ranks = RankRegistry(settings.max_steps_per_report, self.exit_watcher)
         self.hook_links = HookLinks()
@@ -127,7 +165,7 @@ class Agent:
         )
         self.uplink = Uplink(
             settings.coordinator,
-            self._hello,
+            self.hello,
             self.buffer,
             self.commands,
             settings.reconnect_max_s,
@@ -148,7 +186,8 @@ class Agent:
     def metrics_port(self) -> int | None:
         return self._http.port if self._http else None
 
-    def _hello(self, last_acked_sequence: int) -> agent_pb2.Hello:
+    def hello(self, last_acked_sequence: int) -> agent_pb2.Hello:
+        """The Hello that opens each stream: who we are, and the topology as last discovered."""
         return agent_pb2.Hello(
             node_id=self.node_id,
             hostname=self.hostname,
@@ -157,6 +196,7 @@ class Agent:
             capabilities=CAPABILITIES + (HOOK_CAPABILITIES if self.hook_server else ()),
             interval_seconds=self.settings.interval_s,
             last_acked_sequence=last_acked_sequence,
+            topology=self.topology.current,
         )
 
     def _tell_systemd_connection(self, connected: bool) -> None:
@@ -173,8 +213,13 @@ class Agent:
         sd_notify.notify(*ready, sd_notify.status(f"reporting to {target}"))
 
     def _collect(self) -> node_pb2.NodeReport:
+        # Discovery first: the report collected right after a change carries it.
+        self.topology.refresh_if_due()
         report = node_pb2.NodeReport(interval_seconds=self.settings.interval_s)
         self._runner.run(report)
+        changed = self.topology.take_change()
+        if changed is not None:
+            report.topology.CopyFrom(changed)
         report.timestamp_unix_seconds = time.time()
         return report
 
@@ -245,6 +290,8 @@ class Agent:
             self.settings.coordinator,
             self.settings.interval_s,
         )
+        # Before the stream opens, so that the first Hello carries the topology.
+        await asyncio.to_thread(self.topology.refresh_if_due)
         sd_notify.notify(sd_notify.status(f"connecting to coordinator {self.settings.coordinator}"))
         # Pinged from this loop, so a wedged loop stops the pings and systemd restarts us.
         watchdog = sd_notify.start_watchdog()
@@ -281,6 +328,9 @@ class Agent:
         register_node_families(exp)
         if report is not None:
             write_node(exp, self.node_id, report)
+        topology = self.topology.current
+        if topology is not None:
+            write_topology(exp, self.node_id, topology)
         exp.add(AGENT_CONNECTED, node, int(self.uplink.connected))
         exp.add(AGENT_BUFFERED, node, len(self.buffer))
         exp.add(AGENT_CONNECTIONS, node, self.uplink.connections_total)

@@ -88,6 +88,11 @@ class AgentSettings(TransportSettings):
     )
     proc_root: Path = setting(Path("/proc"), "procfs root (a container may mount the host's elsewhere)")
     sys_root: Path = setting(Path("/sys"), "sysfs root")
+    topology_interval_s: float = setting(
+        60.0,
+        "seconds between topology re-discoveries (GPU links, NICs, NUMA; 0: only at start)",
+        minimum=0,
+    )
     buffer_s: float = setting(600.0, "seconds of reports kept for replay while disconnected", positive=True)
     reconnect_max_s: float = setting(
         4.0,

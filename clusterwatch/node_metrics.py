@@ -8,7 +8,9 @@ is assigned to a container also carries ``pod``, ``namespace`` and
 ``container`` (from the kubelet's pod-resources API), as dcgm-exporter's do;
 an unassigned GPU's series carry none of them, which PromQL reads the same as
 empty values. A field the agent left unset produces no sample: absent
-hardware support is absent data, not zero.
+hardware support is absent data, not zero. The node's topology (GPU links,
+nearest NICs) is written by :func:`write_topology` from the latest topology the
+agent sent, which only some reports carry.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from google.protobuf.message import Message
 
 from clusterwatch.gpu_reasons import CLOCK_EVENT_REASONS
 from clusterwatch.promtext import Exposition, Family, counter, escape, format_value, gauge
+from clusterwatch.topology import link_name, nearest_nics
 from clusterwatch.v1 import node_pb2
 
 NODE_INFO = gauge("clusterwatch_node_info", "Node identity and agent version; value 1.")
@@ -207,6 +210,18 @@ IB_HW_COUNTER = counter(
     "clusterwatch_infiniband_hw_counter_total", "Driver hw_counters (RoCE congestion and retransmission)."
 )
 
+# --- topology --------------------------------------------------------------
+GPU_LINK_INFO = gauge(
+    "clusterwatch_gpu_link_info",
+    'How two GPUs of the node are connected, as nvidia-smi topo -m writes it (link="NV18", "PIX", '
+    '"SYS"...); value 1, both directions of every pair.',
+)
+GPU_NIC_AFFINITY_INFO = gauge(
+    "clusterwatch_gpu_nic_affinity_info",
+    "The NICs nearest the GPU (RDMA first; NCCL's likely pick), their NUMA node (empty when unknown) "
+    "and the link to them; value 1.",
+)
+
 # --- agent self-monitoring -------------------------------------------------
 COLLECTOR_SUCCESS = gauge("clusterwatch_collector_success", "1 when the collector's last run succeeded.")
 COLLECTOR_DURATION = gauge("clusterwatch_collector_duration_seconds", "Duration of the collector's last run.")
@@ -226,6 +241,7 @@ NODE_FAMILIES: tuple[Family, ...] = (
     NODE_CPUS, *(f for f, _ in HOST_FIELDS),
     *(f for f, _ in NIC_FIELDS), NIC_UP, NIC_SPEED,
     *(f for f, _ in IB_FIELDS), IB_INFO, IB_UP, IB_HW_COUNTER,
+    GPU_LINK_INFO, GPU_NIC_AFFINITY_INFO,
     COLLECTOR_SUCCESS, COLLECTOR_DURATION, REPORTS_DROPPED, REPORT_TIMESTAMP,
 )  # fmt: skip
 
@@ -392,6 +408,30 @@ def _write_ib(exp: Exposition, node: str, ports: Sequence[node_pb2.IbPortSample]
         exp.add(IB_UP, lbl, 1 if port.state == "ACTIVE" else 0)
         for name, value in sorted(port.hw_counters.items()):
             exp.add(IB_HW_COUNTER, f'{lbl},counter="{escape(name)}"', value)
+
+
+def write_topology(exp: Exposition, node_id: str, topology: node_pb2.NodeTopology) -> None:
+    """Add the GPU link and GPU-NIC affinity samples of one node's topology to ``exp``.
+
+    Links that were not discovered produce no sample.
+    """
+    node = f'node="{escape(node_id)}"'
+    link_lines = exp.lines(GPU_LINK_INFO)
+    for pair in topology.gpu_links:
+        if pair.link == node_pb2.LINK_TYPE_UNSPECIFIED:
+            continue
+        name = escape(link_name(pair.link, pair.nvlinks))
+        for gpu, peer in ((pair.gpu, pair.peer_gpu), (pair.peer_gpu, pair.gpu)):
+            link_lines.append(f'{GPU_LINK_INFO.name}{{{node},gpu="{gpu}",peer_gpu="{peer}",link="{name}"}} 1')
+    affinity_lines = exp.lines(GPU_NIC_AFFINITY_INFO)
+    for topology_gpu in topology.gpus:
+        nics, nearest = nearest_nics(topology, topology_gpu.index)
+        for nic in nics:
+            numa_node = str(nic.numa_node) if nic.HasField("numa_node") else ""
+            affinity_lines.append(
+                f'{GPU_NIC_AFFINITY_INFO.name}{{{node},gpu="{topology_gpu.index}",device="{escape(nic.device)}",'
+                f'numa_node="{numa_node}",link="{escape(link_name(nearest))}"}} 1'
+            )
 
 
 def write_node_info(

@@ -662,3 +662,27 @@ def test_collector_fills_inventory_from_nvml(
     assert len(report.gpus) == 2
     collector.close()
     collector.close()
+
+
+# ----- topology ----------------------------------------------------------------
+
+
+def test_topology_reads_identity_links_and_keeps_its_failures_out_of_query_errors(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend]
+) -> None:
+    fake.set_common_ancestor(0, 1, pynvml.NVML_TOPOLOGY_MULTIPLE)
+    backend = open_backend()
+    topology = backend.topology()  # before any sample: identity is read here
+    assert [(g.index, g.uuid, g.name, g.pci_bus_id) for g in topology.gpus] == [
+        (0, "GPU-00000000-1111-2222-3333-444444444444", "NVIDIA H100 80GB HBM3", "0000:18:00.0"),
+        (1, "GPU-00000001-1111-2222-3333-444444444444", "NVIDIA H100 80GB HBM3", "0000:28:00.0"),
+    ]
+    assert [(link.gpu, link.peer_gpu, link.link, link.nvlinks) for link in topology.links] == [
+        (0, 1, node_pb2.LINK_TYPE_PXB, 0)
+    ]
+    assert topology.problems == []  # h100() fakes have no NVLink table: NotSupported is no problem
+    fake.common_ancestors.clear()  # unset pairs raise NotSupported
+    again = backend.topology()
+    assert [link.link for link in again.links] == [node_pb2.LINK_TYPE_UNSPECIFIED]
+    assert again.problems == ["nvml: NotSupported in nvmlDeviceGetTopologyCommonAncestor (GPUs 0, 1 call)"]
+    assert errors_of(backend) == {}  # topology's failures are its problems, not sampled-value errors

@@ -169,3 +169,19 @@ def test_collector_without_backend_reports_no_gpus() -> None:
 def test_negative_gpu_count_is_rejected() -> None:
     with pytest.raises(ValueError, match="gpu_count"):
         SimulatedBackend(-1)
+
+
+def test_topology_is_an_hgx_per_eight_gpus() -> None:
+    backend = SimulatedBackend(10, node_id="node-a")
+    topology = backend.topology()
+    samples = backend.sample()
+    assert [(g.index, g.uuid, g.name) for g in topology.gpus] == [(s.index, s.uuid, s.name) for s in samples]
+    assert topology.gpus[1].pci_bus_id == "0000:2a:00.0"  # sysfs spelling of the sample's 00000000:2A:00.0
+    assert samples[1].pci_bus_id == "00000000:2A:00.0"
+    assert topology.gpus[8].pci_bus_id == "0001:18:00.0"
+    links = {(link.gpu, link.peer_gpu): (link.link, link.nvlinks) for link in topology.links}
+    assert len(links) == 10 * 9 // 2
+    assert links[(0, 7)] == (node_pb2.LINK_TYPE_NVLINK, NVLINKS_PER_GPU) == (node_pb2.LINK_TYPE_NVLINK, 18)
+    assert links[(8, 9)] == (node_pb2.LINK_TYPE_NVLINK, 18)
+    assert links[(7, 8)] == (node_pb2.LINK_TYPE_SYS, 0)  # another board
+    assert topology.problems == []

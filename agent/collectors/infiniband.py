@@ -82,7 +82,7 @@ class InfinibandCollector:
         except FileNotFoundError:
             return  # no RDMA devices (or no driver): nothing to report
         for device in devices:
-            for port, port_dir in _list_ports(os.path.join(class_dir, device)):
+            for port, port_dir in list_ports(os.path.join(class_dir, device)):
                 try:
                     sample = _read_port(device, port, port_dir)
                 except Exception:  # one bad port must not hide the others
@@ -94,8 +94,11 @@ class InfinibandCollector:
         """Nothing to release; present for the Collector protocol."""
 
 
-def _list_ports(device_dir: str) -> list[tuple[int, str]]:
-    """(port number, port directory) for one device, sorted by port number."""
+def list_ports(device_dir: str) -> list[tuple[int, str]]:
+    """(port number, port directory) of one RDMA device, sorted by port number; empty if unreadable.
+
+    Also used by topology discovery (:mod:`clusterwatch.agent.topology.nics`).
+    """
     ports_dir = os.path.join(device_dir, "ports")
     try:
         names = os.listdir(ports_dir)
@@ -118,10 +121,10 @@ def _read_port(device: str, port: int, port_dir: str) -> node_pb2.IbPortSample:
             logger.debug("%s %s/%d out of range: %d", file_name, device, port, value)
             continue
         setattr(sample, field, value)
-    sample.state = _after_colon(read_attr(os.path.join(port_dir, "state")))
-    sample.physical_state = _after_colon(read_attr(os.path.join(port_dir, "phys_state")))
+    sample.state = after_colon(read_attr(os.path.join(port_dir, "state")))
+    sample.physical_state = after_colon(read_attr(os.path.join(port_dir, "phys_state")))
     sample.link_layer = read_attr(os.path.join(port_dir, "link_layer")) or ""
-    rate_bytes_per_second = _parse_rate(read_attr(os.path.join(port_dir, "rate")))
+    rate_bytes_per_second = parse_rate(read_attr(os.path.join(port_dir, "rate")))
     if rate_bytes_per_second is not None:
         sample.rate_bytes_per_second = rate_bytes_per_second
     _read_hw_counters(os.path.join(port_dir, "hw_counters"), sample)
@@ -141,14 +144,14 @@ def _read_hw_counters(hw_dir: str, sample: node_pb2.IbPortSample) -> None:
             sample.hw_counters[entry.name] = value
 
 
-def _after_colon(text: str | None) -> str:
+def after_colon(text: str | None) -> str:
     """``"4: ACTIVE"`` -> ``"ACTIVE"``; text without a colon is kept whole."""
     if text is None:
         return ""
     return text.partition(":")[2].strip() if ":" in text else text
 
 
-def _parse_rate(text: str | None) -> float | None:
+def parse_rate(text: str | None) -> float | None:
     """``"200 Gb/sec (4X HDR)"`` -> bytes per second (Gb/s x 1e9 / 8)."""
     if text is None:
         return None

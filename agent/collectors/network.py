@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from clusterwatch.agent.collectors.roots import psutil_procfs, read_attr
+from clusterwatch.agent.collectors.roots import parse_net_speed, psutil_procfs, read_attr
 from clusterwatch.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,6 @@ _OPERSTATE_UP: dict[str, bool] = {
 
 # Values drivers write to ``speed`` when they do not know it: SPEED_UNKNOWN
 # (-1) and, from older drivers, the same value through u16/u32 casts.
-_UNKNOWN_SPEEDS_MBIT_S = frozenset({-1, 0xFFFF, 0xFFFFFFFF})
 
 
 class NetworkCollector:
@@ -97,7 +96,7 @@ class NetworkCollector:
             up = _parse_operstate(read_attr(device_dir / "operstate"))
             if up is not None:
                 nic.up = up
-            speed_bytes_per_second = _parse_speed(read_attr(device_dir / "speed"))
+            speed_bytes_per_second = parse_net_speed(read_attr(device_dir / "speed"))
             if speed_bytes_per_second is not None:
                 nic.speed_bytes_per_second = speed_bytes_per_second
 
@@ -109,17 +108,3 @@ def _parse_operstate(text: str | None) -> bool | None:
     if text is None:
         return None
     return _OPERSTATE_UP.get(text.lower())
-
-
-def _parse_speed(text: str | None) -> float | None:
-    """``speed`` is in Mb/s (10^6 bits/s); returns bytes/s, or None when unknown."""
-    if text is None:
-        return None
-    try:
-        speed_mbit_s = int(text)
-    except ValueError:
-        logger.debug("unparseable NIC speed %r", text)
-        return None
-    if speed_mbit_s <= 0 or speed_mbit_s in _UNKNOWN_SPEEDS_MBIT_S:
-        return None
-    return speed_mbit_s * 1e6 / 8

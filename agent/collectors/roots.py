@@ -14,6 +14,10 @@ logger = logging.getLogger(__name__)
 
 _ATTR_READ_BYTES = 4096  # a sysfs attribute is at most one page
 
+# Values drivers write to a net device's ``speed`` when they do not know it:
+# SPEED_UNKNOWN (-1) and, from older drivers, the same value through u16/u32 casts.
+_UNKNOWN_SPEEDS_MBIT_S = frozenset({-1, 0xFFFF, 0xFFFFFFFF})
+
 
 def read_attr(path: str | os.PathLike[str]) -> str | None:
     """One sysfs attribute, stripped, with one open and one read; None if unreadable.
@@ -31,6 +35,24 @@ def read_attr(path: str | os.PathLike[str]) -> str | None:
     except (OSError, UnicodeDecodeError) as exc:
         logger.debug("cannot read %s: %r", path, exc)
         return None
+
+
+def parse_net_speed(text: str | None) -> float | None:
+    """A net device's ``speed`` attribute (Mb/s, 10^6 bits/s) in bytes/s; None when unknown.
+
+    Reading ``speed`` of a down or virtual interface fails (EINVAL) or gives
+    -1; both are "unknown", not zero.
+    """
+    if text is None:
+        return None
+    try:
+        speed_mbit_s = int(text)
+    except ValueError:
+        logger.debug("unparseable NIC speed %r", text)
+        return None
+    if speed_mbit_s <= 0 or speed_mbit_s in _UNKNOWN_SPEEDS_MBIT_S:
+        return None
+    return speed_mbit_s * 1e6 / 8
 
 
 @contextlib.contextmanager

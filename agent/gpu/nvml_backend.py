@@ -4,7 +4,8 @@ Every query goes through :class:`NvmlQueries`, so an unsupported or failing
 query leaves its field unset and is counted; ``sample()`` never raises for an
 NVML error. Field values (memory temperature, PCIe byte counters, NVLink
 counters) are read in one batched call per GPU (:mod:`nvml_fields`); XID errors
-come from an event thread (:mod:`nvml_xid`).
+come from an event thread (:mod:`nvml_xid`). How the GPUs are wired (NVLinks,
+PCIe paths) is read on request, once a minute or so (:mod:`nvml_topology`).
 
 PCIe rates are the change of the PCIe byte counters between two samples, so
 they cover the whole interval and cost nothing extra. Only on a GPU without
@@ -24,9 +25,12 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Final
 
+from clusterwatch.agent.gpu.backend import GpuTopology
 from clusterwatch.agent.gpu.nvml_fields import FieldReader, GpuFields
-from clusterwatch.agent.gpu.nvml_queries import SYSTEM_SCOPE, NvmlQueries
+from clusterwatch.agent.gpu.nvml_queries import SYSTEM_SCOPE, NvmlQueries, as_text
+from clusterwatch.agent.gpu.nvml_topology import NvmlGpu, read_gpu_topology
 from clusterwatch.agent.gpu.nvml_xid import XidWatcher
+from clusterwatch.agent.topology.pci import sysfs_bus_id
 from clusterwatch.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
@@ -64,13 +68,6 @@ class _Reading:
         if self.nvml_us:
             return (self.nvml_us - last.nvml_us) / _US_PER_S
         return self.clock_s - last.clock_s
-
-
-def _text(value: object) -> str:
-    """pynvml returns str or bytes depending on its version; we want str."""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return str(value)
 
 
 @dataclass
@@ -133,7 +130,7 @@ class NvmlBackend:
         gpu_count = int(self._nvml.nvmlDeviceGetCount())
         self._queries = NvmlQueries(self._nvml)
         self._fields = FieldReader(self._nvml, self._queries)
-        self._driver_version = _text(self._queries.call(SYSTEM_SCOPE, "nvmlSystemGetDriverVersion") or "")
+        self._driver_version = as_text(self._queries.call(SYSTEM_SCOPE, "nvmlSystemGetDriverVersion") or "")
         self._gpus: list[_Gpu] = []
         for index in range(gpu_count):
             handle = self._queries.call(index, "nvmlDeviceGetHandleByIndex", index)
@@ -173,6 +170,23 @@ class NvmlBackend:
             return []
         return [self._sample_gpu(gpu) for gpu in self._gpus]
 
+    def topology(self) -> GpuTopology:
+        """Reads the GPUs' identities and how every pair is linked (see :mod:`nvml_topology`).
+
+        Returns:
+            Empty after :meth:`close`.
+        """
+        if self._closed:
+            return GpuTopology()
+        gpus = []
+        for gpu in self._gpus:
+            self._read_identity(gpu)
+            identity = node_pb2.TopologyGpu(
+                index=gpu.index, uuid=gpu.uuid, name=gpu.name, pci_bus_id=sysfs_bus_id(gpu.pci_bus_id)
+            )
+            gpus.append(NvmlGpu(identity, gpu.handle))
+        return read_gpu_topology(self._nvml, gpus)
+
     def close(self) -> None:
         """Stops the XID thread, frees the event set and shuts NVML down. Safe to call twice."""
         if self._closed:
@@ -205,17 +219,20 @@ class NvmlBackend:
         return self._queries.call(gpu.index, function, gpu.handle, *args, variant=variant)
 
     def _fill_identity(self, gpu: _Gpu, sample: node_pb2.GpuSample) -> None:
-        # Identity does not change while the driver is loaded: read until it works once.
-        if not gpu.uuid:
-            gpu.uuid = _text(self._call(gpu, "nvmlDeviceGetUUID") or "")
-        if not gpu.name:
-            gpu.name = _text(self._call(gpu, "nvmlDeviceGetName") or "")
-        if not gpu.pci_bus_id:
-            pci = self._call(gpu, "nvmlDeviceGetPciInfo")
-            gpu.pci_bus_id = _text(pci.busId) if pci is not None else ""
+        self._read_identity(gpu)
         sample.uuid = gpu.uuid
         sample.name = gpu.name
         sample.pci_bus_id = gpu.pci_bus_id
+
+    def _read_identity(self, gpu: _Gpu) -> None:
+        # Identity does not change while the driver is loaded: read until it works once.
+        if not gpu.uuid:
+            gpu.uuid = as_text(self._call(gpu, "nvmlDeviceGetUUID") or "")
+        if not gpu.name:
+            gpu.name = as_text(self._call(gpu, "nvmlDeviceGetName") or "")
+        if not gpu.pci_bus_id:
+            pci = self._call(gpu, "nvmlDeviceGetPciInfo")
+            gpu.pci_bus_id = as_text(pci.busId) if pci is not None else ""
 
     def _fill_load(self, gpu: _Gpu, sample: node_pb2.GpuSample) -> None:
         nvml = self._nvml

@@ -47,6 +47,25 @@ def error_name(exc: BaseException) -> str:
     return name
 
 
+def nvml_errors(nvml: Any) -> tuple[type[BaseException], ...]:
+    """The exception classes an NVML call raises for a failed query (to catch, count, go on).
+
+    ``NVMLError`` and, where pynvml has it, ``NVMLLibraryMismatchError``.
+    """
+    caught: list[type[BaseException]] = [nvml.NVMLError]
+    mismatch = getattr(nvml, "NVMLLibraryMismatchError", None)
+    if isinstance(mismatch, type) and issubclass(mismatch, Exception):
+        caught.append(mismatch)
+    return tuple(caught)
+
+
+def as_text(value: object) -> str:
+    """pynvml returns str or bytes depending on its version; we want str."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
 class NvmlQueries:
     """Calls pynvml functions, counting failures instead of raising them.
 
@@ -58,11 +77,7 @@ class NvmlQueries:
 
     def __init__(self, nvml: Any) -> None:
         self._nvml = nvml
-        caught: list[type[BaseException]] = [nvml.NVMLError]
-        mismatch = getattr(nvml, "NVMLLibraryMismatchError", None)
-        if isinstance(mismatch, type) and issubclass(mismatch, Exception):
-            caught.append(mismatch)
-        self.caught: tuple[type[BaseException], ...] = tuple(caught)
+        self.caught = nvml_errors(nvml)
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, str], int] = {}
         self._switched_off: set[tuple[Hashable, str, Hashable]] = set()

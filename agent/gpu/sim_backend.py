@@ -9,12 +9,16 @@ the previous sample). Deterministic for a given seed and sequence of clock
 readings.
 
 The inventory says ``simulated=True`` so that nobody mistakes these values for
-hardware readings. No processes and no XIDs are simulated: made-up PIDs would
+hardware readings. The topology is an HGX's: every pair of GPUs joined
+through NVSwitches by 18 NVLinks (NV18). Its PCI bus ids look real but name
+no device of the host, so topology discovery does not look them up in sysfs:
+simulated GPUs have no NUMA node, local CPUs or NIC links. No processes and no XIDs are simulated: made-up PIDs would
 point at real, unrelated processes on the host.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
@@ -24,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+from clusterwatch.agent.gpu.backend import GpuTopology
+from clusterwatch.agent.topology.pci import sysfs_bus_id
 from clusterwatch.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
@@ -120,6 +126,25 @@ class SimulatedBackend:
     def close(self) -> None:
         """Nothing to release."""
 
+    def topology(self) -> GpuTopology:
+        """Every pair of GPUs NVLinked through NVSwitches, 18 links each (NV18), as on an HGX H100.
+
+        More than eight simulated GPUs make several such boards, joined
+        across the CPU sockets (SYS).
+        """
+        return GpuTopology(
+            gpus=[
+                node_pb2.TopologyGpu(
+                    index=gpu.index, uuid=gpu.uuid, name=GPU_NAME, pci_bus_id=sysfs_bus_id(gpu.pci_bus_id)
+                )
+                for gpu in self._gpus
+            ],
+            links=[
+                _sim_link(first.index, second.index)
+                for first, second in itertools.combinations(self._gpus, 2)
+            ],
+        )
+
     def sample(self) -> list[node_pb2.GpuSample]:
         """Advances the simulation to the clock's time and returns one sample per GPU."""
         now_s = self._clock()
@@ -170,6 +195,15 @@ class SimulatedBackend:
             link.transmit_bytes_total = transmit_bytes + link.link * 1_000_003
             link.receive_bytes_total = receive_bytes + link.link * 999_983
         return sample
+
+
+def _sim_link(gpu: int, peer_gpu: int) -> node_pb2.GpuLink:
+    """NV18 within one board of eight (one PCI domain of simulated bus ids), SYS between boards."""
+    if gpu // len(_PCI_BUSES) == peer_gpu // len(_PCI_BUSES):
+        return node_pb2.GpuLink(
+            gpu=gpu, peer_gpu=peer_gpu, link=node_pb2.LINK_TYPE_NVLINK, nvlinks=NVLINKS_PER_GPU
+        )
+    return node_pb2.GpuLink(gpu=gpu, peer_gpu=peer_gpu, link=node_pb2.LINK_TYPE_SYS)
 
 
 def _template(gpu: _SimGpu) -> bytes:

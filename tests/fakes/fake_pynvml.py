@@ -17,6 +17,16 @@ Test controls (names that do not start with ``nvml``):
 * ``pcie_throughput_window_s``: how long ``nvmlDeviceGetPcieThroughput`` blocks
   (the real one samples for 20 ms); 0 by default so tests stay fast.
 * ``calls``: how often each function was called.
+* ``set_common_ancestor(a, b, level)``: what ``nvmlDeviceGetTopologyCommonAncestor``
+  says for two GPUs (an ``NVML_TOPOLOGY_*`` level); pairs not set raise
+  NotSupported, as on a driver that cannot tell.
+
+NVLinks: ``FakeDevice.nvlink_table`` lists a GPU's links in order, each a
+:class:`FakeNvLink` (enabled or not, remote bus id, remote device type); None,
+the default, is a GPU without NVLink (``nvmlDeviceGetNvLinkState`` raises
+NotSupported). A link number past the table raises InvalidArgument, as NVML
+does past a GPU's last link. :func:`switch_links` and :func:`links_to_gpu`
+build tables.
 
 PCIe byte counters: every ``nvmlDeviceGetFieldValues`` call on a device moves
 that device's clock on by ``FakeDevice.field_tick_us`` and its PCIe counters by
@@ -51,6 +61,28 @@ def _reexported_names() -> list[str]:
         for name, value in vars(pynvml).items()
         if name.startswith(prefixes) and (isinstance(value, type) or not callable(value))
     ]
+
+
+@dataclass(frozen=True)
+class FakeNvLink:
+    """One NVLink of a fake GPU: where it leads and whether it is up."""
+
+    remote_bus_id: str  # NVML spelling, "00000000:07:00.0"
+    remote_type: int = pynvml.NVML_NVLINK_DEVICE_TYPE_GPU
+    enabled: bool = True
+
+
+def switch_links(count: int, switch_bus_ids: Sequence[str] = ("00000000:E0:00.0",)) -> list[FakeNvLink]:
+    """``count`` links to NVSwitches, spread over the switches round-robin."""
+    return [
+        FakeNvLink(switch_bus_ids[link % len(switch_bus_ids)], pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH)
+        for link in range(count)
+    ]
+
+
+def links_to_gpu(count: int, peer_bus_id: str) -> list[FakeNvLink]:
+    """``count`` links straight to the GPU at ``peer_bus_id`` (an NVLink bridge)."""
+    return [FakeNvLink(peer_bus_id) for _ in range(count)]
 
 
 @dataclass
@@ -93,6 +125,8 @@ class FakeDevice:
     fields: dict[tuple[int, int], tuple[int, float | int]] = field(default_factory=dict)
     # (fieldId, scopeId) -> nvmlReturn code to report instead of a value.
     field_errors: dict[tuple[int, int], int] = field(default_factory=dict)
+    # The GPU's NVLinks in link order; None: no NVLink at all (NotSupported).
+    nvlink_table: list[FakeNvLink] | None = None
 
     def set_field(
         self,
@@ -155,6 +189,7 @@ class FakeNvml(types.ModuleType):
         self.init_count = 0
         self.event_sets_freed = 0
         self.registered: set[int] = set()
+        self.common_ancestors: dict[frozenset[int], int] = {}
         self._failures: list[_Failure] = []
         self._events: collections.deque[Any] = collections.deque()
         self._cond = threading.Condition()
@@ -198,6 +233,11 @@ class FakeNvml(types.ModuleType):
         with self._cond:
             self._events.append(data)
             self._cond.notify_all()
+
+    def set_common_ancestor(self, first: int, second: int, level: int) -> None:
+        """Makes ``nvmlDeviceGetTopologyCommonAncestor`` of two GPUs (either order) return ``level``."""
+        with self._cond:
+            self.common_ancestors[frozenset((first, second))] = level
 
     def pending_events(self) -> int:
         """How many queued events have not been returned yet."""
@@ -424,6 +464,40 @@ class FakeNvml(types.ModuleType):
         }
         counter = counters.get(key)
         return None if counter is None else (pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, counter)
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, device1: Any, device2: Any) -> int:
+        first = self._index(device1)
+        second = self._index(device2)
+        self._enter("nvmlDeviceGetTopologyCommonAncestor", first)
+        with self._cond:
+            level = self.common_ancestors.get(frozenset((first, second)))
+        if first == second:
+            return int(pynvml.NVML_TOPOLOGY_INTERNAL)
+        if level is None:
+            raise pynvml.NVMLError_NotSupported()
+        return level
+
+    def _nvlink(self, function: str, device: Any, link: int) -> FakeNvLink:
+        fake = self._device(function, device)
+        if fake.nvlink_table is None:
+            raise pynvml.NVMLError_NotSupported()
+        if not 0 <= link < len(fake.nvlink_table):
+            raise pynvml.NVMLError_InvalidArgument()
+        return fake.nvlink_table[link]
+
+    def nvmlDeviceGetNvLinkState(self, device: Any, link: int) -> int:
+        enabled = self._nvlink("nvmlDeviceGetNvLinkState", device, link).enabled
+        return int(pynvml.NVML_FEATURE_ENABLED if enabled else pynvml.NVML_FEATURE_DISABLED)
+
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: Any, link: int) -> int:
+        return self._nvlink("nvmlDeviceGetNvLinkRemoteDeviceType", handle, link).remote_type
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, device: Any, link: int) -> Any:
+        remote = self._nvlink("nvmlDeviceGetNvLinkRemotePciInfo", device, link)
+        info = pynvml.nvmlPciInfo_t()
+        info.busId = remote.remote_bus_id.encode()
+        info.busIdLegacy = remote.remote_bus_id.encode()[-12:]
+        return info
 
     def nvmlEventSetCreate(self) -> Any:
         self._enter("nvmlEventSetCreate")
