@@ -12,7 +12,13 @@ from clusterwatch.coordinator.job_views import TrainingView
 from clusterwatch.coordinator.recovery_metrics import RecoveryView, write_recovery
 from clusterwatch.coordinator.training_metrics import write_training
 from clusterwatch.coordinator.views import NodeView
-from clusterwatch.node_metrics import NODE_UP, register_node_families, write_node, write_node_info
+from clusterwatch.node_metrics import (
+    NODE_UP,
+    register_node_families,
+    write_node,
+    write_node_info,
+    write_topology,
+)
 from clusterwatch.promtext import Exposition, counter, escape, gauge
 from clusterwatch.v1 import cluster_pb2
 
@@ -88,6 +94,8 @@ def render(
     for v in views:
         if v.state == NodeState.NODE_STATE_UP and v.report is not None:
             write_node(exp, v.node_id, v.report)
+        if v.state == NodeState.NODE_STATE_UP and v.topology is not None:
+            write_topology(exp, v.node_id, v.topology)
     if training is not None:
         write_training(exp, training)
     if incidents is not None:

@@ -25,6 +25,7 @@ class NodeView:
     reports_missed_total: int
     report: node_pb2.NodeReport | None
     previous: node_pb2.NodeReport | None
+    topology: node_pb2.NodeTopology | None = None
 
 
 def node_views(state: ClusterState) -> list[NodeView]:
@@ -35,7 +36,7 @@ def node_views(state: ClusterState) -> list[NodeView]:
 def _view(r: NodeRecord) -> NodeView:
     return NodeView(
         r.node_id, r.hostname, r.agent_version, r.state, r.last_seen_unix_s, r.last_sequence,
-        r.reports_received_total, r.reports_missed_total, r.report, r.previous,
+        r.reports_received_total, r.reports_missed_total, r.report, r.previous, r.topology,
     )  # fmt: skip
 
 

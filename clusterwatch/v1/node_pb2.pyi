@@ -868,7 +868,7 @@ Global___TopologyNic: _TypeAlias = TopologyNic  # noqa: Y015
 
 @_typing.final
 class GpuNicLink(_message.Message):
-    """How a GPU reaches a NIC; every GPU x NIC pair appears once."""
+    """How a GPU reaches a NIC; every GPU x NIC pair whose link is known appears once."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
