@@ -228,11 +228,12 @@ def hgx_topology(
     )  # fmt: skip
     gpus = len(uuids)
     topo = node_pb2.NodeTopology(cpu_sockets=2)
-    topo.numa_nodes.add(id=0, cpus="0-55,112-167")
-    topo.numa_nodes.add(id=1, cpus="56-111,168-223")
+    socket_cpus = ("0-55,112-167", "56-111,168-223")
+    for numa_id, cpus in enumerate(socket_cpus):
+        topo.numa_nodes.add(id=numa_id, cpus=cpus)
     for gpu, uuid in enumerate(uuids):
         topo.gpus.add(index=gpu, uuid=uuid, name="NVIDIA H100 80GB HBM3", numa_node=gpu * 2 // gpus,
-                      pci_bus_id=f"0000:{0x18 + 0x10 * gpu:02x}:00.0")  # fmt: skip
+                      pci_bus_id=f"0000:{0x18 + 0x10 * gpu:02x}:00.0", local_cpus=socket_cpus[gpu * 2 // gpus])  # fmt: skip
         for peer in range(gpu + 1, gpus):
             if nvlink_halves and gpu * 2 // gpus != peer * 2 // gpus:
                 topo.gpu_links.add(gpu=gpu, peer_gpu=peer, link=sys_)
@@ -243,7 +244,7 @@ def hgx_topology(
         rate = SLOW_NIC_BYTES_PER_S if f"mlx5_{i}" == slow_nic else HGX_NIC_BYTES_PER_S
         topo.nics.add(
             device=f"mlx5_{i}", kind="infiniband", numa_node=i // 2, interfaces=[f"ib{i}"],
-            rate_bytes_per_second=rate, state="ACTIVE", pci_bus_id=f"0000:{0x19 + 0x20 * i:02x}:00.0",
+            rate_bytes_per_second=rate, state="ACTIVE", pci_bus_id=f"0000:{0x1a + 0x20 * i:02x}:00.0",
         )  # fmt: skip
     for gpu in range(gpus):
         for i in nics:

@@ -183,6 +183,20 @@ class ClusterClient:
             )
         return dict(response.values)
 
+    def topology(self, node: str = "", job: str = "") -> cluster_pb2.ClusterTopology:
+        """How the nodes are wired, where each rank runs on that wiring, and the findings about it.
+
+        Args:
+            node: only this node (its topology, the ranks on it); empty: every node.
+            job: only this job's placements and findings; empty: every job.
+
+        Raises:
+            grpc.RpcError: NOT_FOUND (unknown node), UNIMPLEMENTED (a coordinator
+                older than GetTopology).
+        """
+        request = cluster_pb2.GetTopologyRequest(node=node, job=job)
+        return self._stub.GetTopology(request, timeout=self.timeout_s, wait_for_ready=True)
+
     def close(self) -> None:
         self._channel.close()
 

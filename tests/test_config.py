@@ -172,9 +172,17 @@ def test_cli_bad_launcher_exits_2(tmp_path: Path, flags: list[str], key: str) ->
     assert not list(tmp_path.iterdir())  # refused before opening the state
 
 
-@pytest.mark.parametrize(
-    "command", ["agent", "coordinator", "status", "incidents", "checkpoint", "restart", "demo", "simulate"]
-)
+def _commands() -> list[str]:
+    """Every subcommand the parser knows, so a new one cannot be left out."""
+    import argparse
+
+    from clusterwatch.cli import build_parser
+
+    (subparsers,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sorted(subparsers.choices)
+
+
+@pytest.mark.parametrize("command", _commands())
 def test_every_command_has_help(command: str) -> None:
     result = run_cli(command, "--help")
     assert result.returncode == 0

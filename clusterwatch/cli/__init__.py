@@ -19,6 +19,7 @@ from clusterwatch.cli import (
     simulate,
     status,
     top,
+    topology_cmd,
 )
 from clusterwatch.errors import ConfigError
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         status,
         top,
         incidents,
+        topology_cmd,
         checkpoint_cmd,
         restart_cmd,
         job_cmd,
