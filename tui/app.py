@@ -27,7 +27,7 @@ from clusterwatch.tui.feed import Delivery, SnapshotFeed
 from clusterwatch.tui.screens import HELP, ConfirmScreen, TextScreen
 from clusterwatch.tui.state import TopState
 from clusterwatch.tui.views import gpus, incidents, network, nodes, ranks, summary
-from clusterwatch.tui.views.details import node_detail, rank_detail
+from clusterwatch.tui.views.details import TopologyFetch, node_detail, rank_detail
 from clusterwatch.tui.views.rows import Cell, Tone
 from clusterwatch.tui.widgets.heatmap import GpuHeatmap
 from clusterwatch.tui.widgets.table import RowTable
@@ -266,7 +266,9 @@ class TopApp(App[None]):
         if event.table.id == "nodes":
             node = self.state.node(event.key)
             if node is not None:
-                self.push_screen(TextScreen(f"node {node.node_id}", node_detail(node)))
+                screen = TextScreen(f"node {node.node_id}", node_detail(node))
+                self.push_screen(screen)
+                self._fetch_topology(node.node_id, screen)
         elif event.table.id == "rank-table":
             job_name, rank = self.state.rank(event.key)
             if rank is not None:
@@ -299,6 +301,21 @@ class TopApp(App[None]):
             found = f"unavailable: {e.details() or e.code().name}"
         self._incident_actions[incident_id] = (version, found)
         self.call_from_thread(self._show_incident_detail)
+
+    @work(thread=True, exclusive=True, group="node-topology")
+    def _fetch_topology(self, node_id: str, screen: TextScreen) -> None:
+        """The node's topology and the ranks placed on it, into its open detail."""
+        try:
+            found: TopologyFetch = self.client.topology(node=node_id)
+        except grpc.RpcError as e:
+            found = f"{e.code().name}: {e.details()}" if e.details() else e.code().name
+        with contextlib.suppress(RuntimeError):  # the app is shutting down
+            self.call_from_thread(self._show_topology, node_id, screen, found)
+
+    def _show_topology(self, node_id: str, screen: TextScreen, topology: TopologyFetch) -> None:
+        node = self.state.node(node_id)
+        if node is not None and screen in self.screen_stack:  # still open
+            screen.show(node_detail(node, topology))
 
     def action_help(self) -> None:
         self.push_screen(TextScreen("clusterwatch top: keys", Text.from_markup(HELP)))

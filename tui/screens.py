@@ -78,10 +78,22 @@ class TextScreen(ModalScreen[None]):
         super().__init__()
         self.title_text = title
         self.body = body
+        self._text: Static | None = None
 
     def compose(self) -> ComposeResult:
         scroll = VerticalScroll()
         scroll.border_title = self.title_text
         scroll.border_subtitle = "Esc to close"
+        self._text = Static(self.body, id="text-body")
         with scroll:
-            yield Static(self.body)
+            yield self._text
+
+    def show(self, body: Text | str) -> None:
+        """Replace the text, for a detail whose parts arrive after it opened (a node's topology).
+
+        Before :meth:`compose` the new text is what it will show; after, its
+        widget is updated even while it is still being mounted.
+        """
+        self.body = body
+        if self._text is not None:
+            self._text.update(body)

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 from rich.text import Text
 
 from clusterwatch.gpu_reasons import active_reasons
 from clusterwatch.humanize import bandwidth, duration, percent, rank_state, size_bytes
+from clusterwatch.topology_render import NOT_REPORTED, node_lines
 from clusterwatch.v1 import cluster_pb2
 
+TopologyFetch: TypeAlias = cluster_pb2.ClusterTopology | str | None
+"""A node's topology as the detail has it: the coordinator's answer, why it is missing, or None while fetching."""
 
-def node_detail(node: cluster_pb2.NodeStatus) -> Text:
+
+def node_detail(node: cluster_pb2.NodeStatus, topology: TopologyFetch = None) -> Text:
+    """The node's report (host, GPUs, NICs, ports, failed collectors), then its topology section."""
     report = node.report
     text = Text()
     text.append(f"{node.node_id}", style="bold")
@@ -48,6 +55,27 @@ def node_detail(node: cluster_pb2.NodeStatus) -> Text:
     failed = [c for c in report.collectors if not c.success]
     for collector in failed:
         text.append(f"  collector {collector.name} failed: {collector.error}\n", style="red")
+    text.append("\n")
+    text.append_text(topology_section(node.node_id, topology))
+    return text
+
+
+def topology_section(node_id: str, topology: TopologyFetch) -> Text:
+    """``topology``, then the node's matrix, NICs and ranks as ``clusterwatch topology --node`` prints them."""
+    text = Text()
+    text.append("topology\n", style="bold")
+    if topology is None:
+        text.append("fetching…\n", style="dim")
+        return text
+    if isinstance(topology, str):
+        text.append(f"unavailable: {topology}\n", style="yellow")
+        return text
+    status = next((s for s in topology.nodes if s.node_id == node_id), None)
+    if status is None or not status.HasField("topology"):
+        text.append(f"{NOT_REPORTED}\n", style="dim")
+        return text
+    for line in node_lines(status, topology.placements, topology.findings):
+        text.append(f"{line}\n")
     return text
 
 
