@@ -242,11 +242,23 @@ class Cluster:
         env: dict[str, str] | None = None,
         max_restarts: int = 0,
         elastic: tuple[str, str] | None = None,
+        nodes: tuple[int, int, str] | None = None,
     ) -> Process:
         """A real torchrun job of ``nproc`` gloo workers, hooked to ``socket`` (in a session of
-        its own: see ``session_processes``): ``--standalone``, or with ``elastic=(rendezvous
-        endpoint, run id)`` one node of an elastic ``--nnodes 1:2`` job (see ``rendezvous_store``)."""
-        if elastic is None:
+        its own: see ``session_processes``): ``--standalone``; with ``elastic=(rendezvous
+        endpoint, run id)`` one node of an elastic ``--nnodes 1:2`` job (see ``rendezvous_store``);
+        with ``nodes=(nnodes, node rank, master HOST:PORT)`` one node of a fixed-size job (a
+        static rendezvous on that port)."""
+        if nodes is not None:
+            nnodes, node_rank, master = nodes
+            host, port = master.rsplit(":", 1)
+            launch = [
+                f"--nnodes={nnodes}",
+                f"--node-rank={node_rank}",
+                f"--master-addr={host}",
+                f"--master-port={port}",
+            ]
+        elif elastic is None:
             launch = ["--standalone"]
         else:
             endpoint, run_id = elastic
