@@ -1,7 +1,14 @@
-"""Topology: what GetTopology costs the coordinator for a large job, and what a topology weighs on the wire.
+"""Topology: what discovery costs an agent, what GetTopology costs the coordinator for a large
+job, and what a topology weighs on the wire.
 
 Usage:
     python -m bench.topology [--ranks 512 4096] [--repeat 5]
+
+Discovery (one JSON line first): ``discover_topology`` on this machine's /sys
+without GPUs, and on the HGX fixture tree (tests/fixtures/topology/hgx8: 8
+GPUs, 4 InfiniBand NICs, 2 sockets) with 8 simulated GPUs, whose NVLinks come
+from the simulator and whose NICs, sockets and NUMA nodes from the fixture's
+sysfs; milliseconds, median of --repeat.
 
 For each --ranks R: R / 8 HGX nodes (bench/synthetic.py hgx_topology: NV18,
 4 NICs at 400 Gb/s, one node in 16 with a 200 Gb/s NIC) in a ClusterState, and
@@ -19,6 +26,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 from bench.synthetic import GPUS_PER_NODE, hgx_topology, rank_reports
 from clusterwatch.coordinator.jobs import JobStore
@@ -103,11 +111,38 @@ def measure(ranks: int, repeat: int) -> dict[str, object]:
     }
 
 
+def measure_discovery(repeat: int) -> dict[str, object]:
+    from clusterwatch.agent.gpu.sim_backend import SimulatedBackend
+    from clusterwatch.agent.topology.discover import discover_topology
+
+    fixture = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "topology" / "hgx8" / "sys"
+    backend = SimulatedBackend(GPUS_PER_NODE)
+    result: dict[str, object] = {}
+    try:
+        for name, gpus, sys_root in (
+            ("this_machine", None, Path("/sys")),
+            ("hgx8_fixture_sim_gpus", backend, fixture),
+        ):
+            times_ms = []
+            for _ in range(repeat):
+                start = time.perf_counter()
+                found = discover_topology(gpus, sys_root)
+                times_ms.append((time.perf_counter() - start) * 1e3)
+            result[f"{name}_ms"] = round(statistics.median(times_ms), 2)
+            result[f"{name}_found"] = (
+                f"{len(found.gpus)} GPUs, {len(found.nics)} NICs, {found.cpu_sockets} sockets"
+            )
+    finally:
+        backend.close()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
+    print(json.dumps(measure_discovery(args.repeat)))
     for ranks in args.ranks:
         print(json.dumps(measure(ranks, args.repeat)))
 

@@ -247,3 +247,14 @@ def test_without_a_topology_the_whole_node_network_speaks_for_the_rank() -> None
 
     assert cause.name == CauseName.NETWORK
     assert "NIC nearest" not in cause.detail
+
+
+def test_the_benchmark_job_finds_what_its_layout_plants() -> None:
+    """bench/topology.py: one node in 16 has a slow NIC (GPUs 6-7 are nearest it, each a pipeline
+    boundary), one tensor-parallel group in 16 is shifted across two nodes."""
+    from bench.topology import measure
+
+    result = measure(512, 1)
+
+    assert result["placements"] == 512
+    assert result["findings"] == {"pipeline_slow_nic": 4 * 2, "tensor_parallel_spans_nodes": 3}
