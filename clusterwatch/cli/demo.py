@@ -188,6 +188,7 @@ def _print_banner(
         f"  metrics:     {metrics_url}",
         f"  try:         clusterwatch status --insecure --coordinator {address}",
         f"               clusterwatch incidents --all --insecure --coordinator {address}",
+        f"               clusterwatch topology --insecure --coordinator {address}",
     ]
     if not args.train:
         lines.append(
