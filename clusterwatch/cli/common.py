@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 
 from clusterwatch import config
 from clusterwatch.client import ClusterClient
@@ -86,6 +88,17 @@ def with_client(args: argparse.Namespace, use: Callable[[ClusterClient], T]) -> 
     except grpc.RpcError as exc:
         print(f"clusterwatch: {settings.coordinator}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return None
+
+
+def api_json(message: Message) -> dict[str, Any]:
+    """An API message as ``--json`` prints it: proto field names, zeros and empty lists printed
+    (GPU 0 is a GPU), unset optional fields left out, 64-bit integers as numbers."""
+    return MessageToDict(
+        message,
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,
+        unquote_int64_if_possible=True,
+    )
 
 
 def setup_logging(level: str) -> None:

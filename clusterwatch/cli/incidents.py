@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from clusterwatch.cli.common import add_settings_flags, settings_from_args
+from clusterwatch.cli.common import add_settings_flags, api_json, settings_from_args
 from clusterwatch.client import ClusterClient
 from clusterwatch.config import ClientSettings
 from clusterwatch.v1 import cluster_pb2
@@ -76,9 +76,7 @@ def run(args: argparse.Namespace) -> int:
 def incident_json(
     incident: cluster_pb2.Incident, actions: Sequence[cluster_pb2.ActionRecord] = ()
 ) -> dict[str, Any]:
-    document = MessageToDict(
-        incident, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
+    document = api_json(incident)
     document["state"] = state_name(incident.state)
     document["actions"] = [MessageToDict(a, preserving_proto_field_name=True) for a in actions]
     return document

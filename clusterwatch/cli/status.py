@@ -9,9 +9,8 @@ import time
 from typing import Any
 
 import grpc
-from google.protobuf.json_format import MessageToDict
 
-from clusterwatch.cli.common import add_settings_flags, settings_from_args
+from clusterwatch.cli.common import add_settings_flags, api_json, settings_from_args
 from clusterwatch.client import ClusterClient
 from clusterwatch.config import ClientSettings
 from clusterwatch.humanize import ago, all_reduce_bus_bandwidth, bandwidth, duration, rank_state, size_bytes
@@ -141,18 +140,9 @@ def format_jobs(jobs: list[cluster_pb2.JobStatus]) -> str:
 def job_json(job: cluster_pb2.JobStatus) -> dict[str, Any]:
     """The --json shape of a job: the API's JobStatus with proto field names, and each
     rank's number also at the top of its entry (``rank``), for jq and scripts."""
-    document = _to_dict(job)
-    document["ranks"] = [{"rank": rank.identity.rank, **_to_dict(rank)} for rank in job.ranks]
+    document = api_json(job)
+    document["ranks"] = [{"rank": rank.identity.rank, **api_json(rank)} for rank in job.ranks]
     return document
-
-
-def _to_dict(message: cluster_pb2.JobStatus | cluster_pb2.RankStatus) -> dict[str, Any]:
-    return MessageToDict(
-        message,
-        preserving_proto_field_name=True,
-        always_print_fields_with_no_presence=True,
-        unquote_int64_if_possible=True,
-    )
 
 
 def run(args: argparse.Namespace) -> int:

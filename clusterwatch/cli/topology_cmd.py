@@ -7,11 +7,7 @@ import json
 import sys
 from typing import Any
 
-import grpc
-from google.protobuf.json_format import MessageToDict
-
-from clusterwatch.cli.common import add_settings_flags, settings_from_args
-from clusterwatch.client import ClusterClient
+from clusterwatch.cli.common import add_settings_flags, api_json, settings_from_args, with_client
 from clusterwatch.config import ClientSettings
 from clusterwatch.topology_render import cluster_lines, for_job, node_lines
 from clusterwatch.v1 import cluster_pb2
@@ -37,26 +33,24 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args, ClientSettings)
-    try:
-        with ClusterClient.from_settings(settings) as client:
-            reply = client.topology(node=args.node, job=args.job)
-    except grpc.RpcError as exc:  # NOT_FOUND names the unknown node or job
-        print(f"clusterwatch: {settings.coordinator}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    # NOT_FOUND (an unknown node or job) is one line naming it.
+    reply = with_client(args, lambda client: client.topology(node=args.node, job=args.job))
+    if reply is None:
         return 1
+    coordinator = settings_from_args(args, ClientSettings).coordinator
     if args.node and not any(status.node_id == args.node for status in reply.nodes):
-        print(f"clusterwatch: {settings.coordinator}: no node {args.node!r}", file=sys.stderr)
+        print(f"clusterwatch: {coordinator}: no node {args.node!r}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(as_json(reply), indent=2))
         return 0
-    print("\n".join(render(reply, args.node, args.job, settings.coordinator)))
+    print("\n".join(render(reply, args.node, args.job, coordinator)))
     return 0
 
 
 def as_json(reply: cluster_pb2.ClusterTopology) -> dict[str, Any]:
-    """The API's ClusterTopology with proto field names; zeros printed (GPU 0 is a GPU), unset optionals left out."""
-    return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    """The API's ClusterTopology as ``--json`` prints it (common.api_json)."""
+    return api_json(reply)
 
 
 def render(reply: cluster_pb2.ClusterTopology, node: str, job: str, coordinator: str) -> list[str]:
