@@ -1,13 +1,18 @@
-"""Fixtures shared by the tests: a Cluster of real processes, torn down after each test."""
+"""Fixtures shared by the tests: a Cluster of real processes, torn down after each test, and
+the session's one ``clusterwatch demo`` run (tests/demo_run.py)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from helpers import ADMIN_TOKEN_FILE, Cluster
+
+if TYPE_CHECKING:
+    from demo_run import DemoRun
 
 # Every process the tests start talks plaintext on loopback, as a user would
 # say with --insecure; the TLS tests turn it off (tests/test_security.py).
@@ -26,6 +31,17 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]
     report = getattr(request.node, "rep_call", None)
     if report is not None and report.failed:
         print(c.logs())
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoRun]:
+    """The demo, started by the first test that asks (it pays for none of the waiting: each test
+    waits for what it needs), stopped at the end of the session if it is still running."""
+    from demo_run import DemoRun  # loaded only by sessions that run the demo
+
+    run = DemoRun(tmp_path_factory.mktemp("demo"))
+    yield run
+    run.close()
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -1,43 +1,42 @@
 """The Grafana dashboards: importable as files, and every panel's query answered by a real Prometheus.
 
-The live test runs ``clusterwatch demo`` (an elastic torchrun job with a straggler and a
-hang, both recovered) and adds one node over the real agent protocol with what the demo
-machine lacks (InfiniBand ports, one down; an XID; ECC errors; a rank that was killed).
-A real Prometheus scrapes the demo's coordinator; every variable, panel query and
-annotation of every dashboard is then run through Prometheus' HTTP API, the way Grafana
-would with "All" selected, and must parse and return data.
+The live test looks at the session's ``clusterwatch demo`` run (tests/demo_run.py: an elastic
+torchrun job with a straggler and a hang, both recovered), to which one node was added over
+the real agent protocol with what the demo machine lacks (InfiniBand ports, one down; an XID;
+ECC errors; a rank that was killed). A real Prometheus scraped the demo's coordinator from its
+start; once it holds enough samples of every metric the dashboards use, every variable, panel
+query and annotation of every dashboard is run through Prometheus' HTTP API at that moment,
+the way Grafana would with "All" selected, and must parse and return data.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import clusterwatch_cmd
-from prometheus_server import SCRAPE_INTERVAL_S, PrometheusServer, start_prometheus
-from training_builders import EXITED, AgentStream, rank_report, step
+from demo_run import FABRIC_JOB, FABRIC_NODE, DemoRun
+from prometheus_server import SCRAPE_INTERVAL_S, PrometheusServer, require
 
 from bench.dashboards import expand
-from clusterwatch.v1 import node_pb2, training_pb2
 
+# The session's demo run (tests/demo_run.py) is started by whichever of this module and
+# tests/test_demo.py asks first; the samples this test waits for are there within a minute.
 pytestmark = pytest.mark.timeout(300)
 
 DASHBOARDS = sorted((Path(__file__).parent.parent / "dashboards").glob("*.json"))
 METRIC = re.compile(r"\bclusterwatch_[a-z0-9_]+")
 # Grafana's interval variables, as it would expand them for a short range at a 1 s scrape interval.
 RATE_INTERVAL_S = 4 * SCRAPE_INTERVAL_S
-FABRIC_NODE = "fabric-node"
 MIN_SAMPLES = 6
 # Values some variables must offer; none may offer Prometheus' own scrape job name (honor_labels).
-EXPECTED_VALUES = {"job": {"demo-train", "fabric-job"}, "node": {"demo-node-1", FABRIC_NODE}}
+EXPECTED_VALUES = {"job": {"demo-train", FABRIC_JOB}, "node": {"demo-node-1", FABRIC_NODE}}
 SCRAPE_JOBS = {"clusterwatch-coordinator"}
 
 
@@ -100,119 +99,81 @@ def test_the_committed_dashboards_are_what_the_generator_writes() -> None:
     assert len(DASHBOARDS) == 5
 
 
-def fabric_hardware(xids: int) -> node_pb2.NodeReport:
-    """What the demo's machine lacks: InfiniBand ports (one down), an XID, ECC errors."""
-    report = node_pb2.NodeReport()
-    report.gpus.add(
-        index=0, uuid="GPU-fabric-0", name="NVIDIA H100 80GB HBM3", utilization_ratio=0.9,
-        memory_used_bytes=60 << 30, memory_total_bytes=80 << 30, temperature_celsius=71.0, power_watts=500.0,
-        power_limit_watts=700.0, sm_clock_hertz=1.98e9, sm_clock_max_hertz=1.98e9,
-        ecc_corrected_errors_total=3, ecc_uncorrected_errors_total=0,
-    )  # fmt: skip
-    report.gpus[0].xid_errors.add(xid=79, count=xids)
-    for port, up in ((0, True), (1, False)):
-        report.ib_ports.add(
-            device=f"mlx5_{port}", port=1, receive_bytes_total=10**12, transmit_bytes_total=10**12,
-            transmit_wait_total=10**6, symbol_errors_total=0, link_downed_total=0 if up else 1,
-            receive_errors_total=0, state="ACTIVE" if up else "DOWN",
-            physical_state="LinkUp" if up else "Disabled", rate_bytes_per_second=50e9, link_layer="InfiniBand",
-        )  # fmt: skip
-    return report
-
-
-async def feed_fabric_node(address: str, stop: asyncio.Event) -> None:
-    """One node over the real agent protocol; its job's rank 1 is killed by SIGKILL."""
-    killed = training_pb2.RankExit(
-        timestamp_unix_seconds=time.time(), signal=9, description="killed by signal 9"
-    )
-    async with AgentStream(address, FABRIC_NODE) as node:
-        beats = 0
-        while not stop.is_set():
-            beats += 1
-            ranks = [rank_report(0, job="fabric-job", steps=[step(beats)])]
-            if beats > 3:  # a clean start, then the failure
-                ranks.append(rank_report(1, job="fabric-job", state=EXITED, exit=killed))
-            await node.report(*ranks, hardware=fabric_hardware(xids=0 if beats < 3 else 1))
-            try:
-                await asyncio.wait_for(stop.wait(), 0.5)
-            except TimeoutError:
-                continue
-
-
-def label_values(prometheus: PrometheusServer, definition: str, variables: list[str]) -> set[str]:
+def label_values(
+    prometheus: PrometheusServer, definition: str, variables: list[str], window: tuple[float, float]
+) -> set[str]:
     match = re.fullmatch(r"label_values\((.+), *([a-z_]+)\)", definition)
     assert match, f"not a label_values() variable: {definition}"
     selector, label = expand(match[1], variables, 60, RATE_INTERVAL_S), match[2]
-    return {s[label] for s in prometheus.series(selector) if label in s}
+    start_s, end_s = window
+    found = prometheus.api(
+        "series", **{"match[]": selector, "start": f"{start_s:.0f}", "end": f"{end_s:.0f}"}
+    )
+    return {s[label] for s in found if label in s}
 
 
-def test_every_panel_of_every_dashboard_returns_data_from_a_real_prometheus(tmp_path: Path) -> None:
-    prometheus = start_prometheus(tmp_path / "prometheus")
-    log = tmp_path / "demo.log"
-    with log.open("wb") as out:
-        demo = subprocess.Popen(
-            clusterwatch_cmd("demo", "--grpc-port", "0", "--metrics-port", "0", "--steps", "300"),
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
-        asyncio.run(_scrape_the_demo_and_check(prometheus, demo, log))
-    finally:
-        if demo.poll() is None:
-            demo.terminate()
-            try:
-                demo.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                demo.kill()
-        prometheus.close()
+def samples_of(
+    prometheus: PrometheusServer, metrics: list[str], window: tuple[float, float]
+) -> dict[str, list[float]]:
+    """For each metric, the sample times of its series with the most samples in ``window``."""
+    start_s, end_s = window
+    selector = '{__name__=~"%s"}[%ds]' % ("|".join(metrics), int(end_s - start_s) + 1)  # noqa: UP031 - braces in PromQL
+    found: dict[str, list[float]] = {}
+    for series in prometheus.query(selector, end_s):
+        name = series["metric"]["__name__"]
+        times = [float(t) for t, _ in series["values"]]
+        if len(times) > len(found.get(name, [])):
+            found[name] = times
+    return found
 
 
-async def _scrape_the_demo_and_check(
-    prometheus: PrometheusServer, demo: subprocess.Popen[bytes], log: Path
-) -> None:
-    def banner(key: str) -> str | None:
-        line = next((ln for ln in log.read_text().splitlines() if key in ln), None)
-        return line.split(key, 1)[1].strip() if line else None
-
-    address_and_url = await poll(
-        lambda: (a, u) if (a := banner("status --insecure --coordinator")) and (u := banner("metrics:")) else None,
-        90, "the demo's coordinator address and metrics URL", demo=demo, log=log,
-    )  # fmt: skip
-    address, metrics_url = address_and_url
-    prometheus.scrape(metrics_url)
-    started_s = time.time()
+def test_every_panel_of_every_dashboard_returns_data_from_a_real_prometheus(demo_run: DemoRun) -> None:
+    require("prometheus")
+    prometheus = demo_run.prometheus
+    assert prometheus is not None, f"Prometheus did not start: {demo_run.prometheus_error}"
+    demo_run.endpoints()
+    scraped_since_s = wait_for_demo(
+        lambda: demo_run.scraped_since_s, 30, "Prometheus to scrape the demo", demo_run
+    )
     dashboards = {p.stem: load(p) for p in DASHBOARDS}
     metrics = sorted({m for d in dashboards.values() for e in expressions(d) for m in METRIC.findall(e)})
-    stop = asyncio.Event()
-    fabric = asyncio.create_task(feed_fabric_node(address, stop))
-    try:
-        # Recovery series appear once the demo's straggler is recovered (~35 s in); rate() over
-        # RATE_INTERVAL_S needs a few samples of each.
-        def short() -> list[str]:
-            counts = prometheus.samples_per_metric(metrics)
-            return [f"{m} ({counts.get(m, 0)})" for m in metrics if counts.get(m, 0) < MIN_SAMPLES]
 
-        await poll(
-            lambda: not short(), 200, f"Prometheus to hold {MIN_SAMPLES} samples of every metric the dashboards use",
-            demo=demo, log=log, detail=lambda: f"short of samples: {short()}",
-        )  # fmt: skip
-        failures = check_every_query(prometheus, dashboards, started_s)
-    finally:
-        stop.set()
-        await fabric
-    assert not failures, "\n".join(failures) + f"\n--- demo log ---\n{tail(log)}"
+    # Recovery series appear once the demo's straggler is recovered (~35 s in); rate() over
+    # RATE_INTERVAL_S needs a few samples of each. The moment Prometheus first held MIN_SAMPLES
+    # of every metric is when the dashboards are queried (the demo may have ended since).
+    def short() -> list[str]:
+        samples = samples_of(prometheus, metrics, (scraped_since_s, time.time()))
+        return [f"{m} ({len(samples.get(m, []))})" for m in metrics if len(samples.get(m, [])) < MIN_SAMPLES]
+
+    def ready_at() -> float | None:
+        samples = samples_of(prometheus, metrics, (scraped_since_s, time.time()))
+        if any(len(samples.get(m, [])) < MIN_SAMPLES for m in metrics):
+            return None
+        return max(samples[m][MIN_SAMPLES - 1] for m in metrics)
+
+    at_s = wait_for_demo(
+        ready_at, 200, f"Prometheus to hold {MIN_SAMPLES} samples of every metric the dashboards use", demo_run,
+        detail=lambda: f"short of samples: {short()}",
+    )  # fmt: skip
+    failures = check_every_query(prometheus, dashboards, (scraped_since_s, at_s))
+    fabric = f"the fabric node's stream failed: {demo_run.fabric_error!r}\n" if demo_run.fabric_error else ""
+    assert not failures, "\n".join(failures) + f"\n{fabric}--- demo log ---\n{demo_run.tail()}"
 
 
 def check_every_query(
-    prometheus: PrometheusServer, dashboards: dict[str, dict[str, Any]], start_s: float
+    prometheus: PrometheusServer, dashboards: dict[str, dict[str, Any]], window: tuple[float, float]
 ) -> list[str]:
-    now = time.time()
-    range_s = max(60, int(now - start_s) + 1)
+    """Every query as Grafana runs it for a range from ``window``'s start to its end (a moment in the past)."""
+    start_s, at_s = window
+    range_s = max(60, int(at_s - start_s) + 1)
     failures: list[str] = []
 
     def run(where: str, expr: str, instant: bool) -> None:
         try:
             result = (
-                prometheus.query(expr, now) if instant else prometheus.query_range(expr, now - range_s, now)
+                prometheus.query(expr, at_s)
+                if instant
+                else prometheus.query_range(expr, at_s - range_s, at_s)
             )
         except AssertionError as exc:
             failures.append(f"{where}: {expr}: {exc}")
@@ -223,7 +184,7 @@ def check_every_query(
     for name, dashboard in dashboards.items():
         variables = [v["name"] for v in dashboard["templating"]["list"]]
         for variable in query_variables(dashboard):
-            values = label_values(prometheus, variable["definition"], variables)
+            values = label_values(prometheus, variable["definition"], variables, (at_s - range_s, at_s))
             expected = EXPECTED_VALUES.get(variable["name"], set())
             if not values or not expected <= values or values & SCRAPE_JOBS:
                 failures.append(
@@ -246,26 +207,21 @@ def check_every_query(
     return failures
 
 
-def tail(log: Path) -> str:
-    return log.read_text()[-4000:]
-
-
-async def poll(
-    predicate: Any,
-    timeout_s: float,
-    what: str,
-    *,
-    demo: subprocess.Popen[bytes],
-    log: Path,
-    detail: Any = None,
+def wait_for_demo(
+    predicate: Callable[[], Any], timeout_s: float, what: str, demo_run: DemoRun, detail: Any = None
 ) -> Any:
-    """Like helpers.wait_for, on the event loop (the fabric node keeps reporting), failing early if the demo died."""
+    """Like helpers.wait_for, failing as soon as the demo has ended without it (nothing more will come)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
+        ended = demo_run.ended()  # before the predicate: what it saw then is all there will be
         value = predicate()
         if value:
             return value
-        if demo.poll() is not None:
-            raise AssertionError(f"the demo exited ({demo.returncode}) before {what}:\n{tail(log)}")
-        await asyncio.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; {detail() if detail else ''}\n{tail(log)}")
+        if ended:
+            why = f"the demo ended ({demo_run.process.returncode}) before {what}"
+            raise AssertionError(f"{why}; {detail() if detail else ''}\n{demo_run.tail()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"timed out waiting for {what}; {detail() if detail else ''}\n{demo_run.tail()}"
+            )
+        time.sleep(0.5)

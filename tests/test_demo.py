@@ -3,62 +3,40 @@
 from __future__ import annotations
 
 import json
-import subprocess
-from pathlib import Path
+import os
 
-import psutil
 import pytest
-from helpers import clusterwatch_cmd, run_cli, wait_for
+from demo_run import DemoRun, demo_processes
+from helpers import run_cli, wait_for
 
 from clusterwatch.cli.demo_faults import Fault, parse_fault
-from clusterwatch.cli.demo_training import CHECKPOINT_EVERY, DIR_ENV
+from clusterwatch.cli.demo_training import CHECKPOINT_EVERY
 from clusterwatch.errors import ConfigError
 
+# The session's demo run (tests/demo_run.py) is started by whichever of this module and
+# tests/test_dashboards.py asks first; waiting for its end takes a minute at most.
 pytestmark = pytest.mark.timeout(300)
 
 
-def demo_processes() -> list[psutil.Process]:
-    """Processes a demo started (they carry its work directory in their environment)."""
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if DIR_ENV in process.environ():
-                found.append(process)
-        except psutil.Error:
-            continue
-    return found
-
-
 @pytest.mark.slow
-def test_the_demo_detects_and_recovers_from_a_straggler_and_a_hang(tmp_path: Path) -> None:
-    log, summary_path = tmp_path / "demo.log", tmp_path / "summary.json"
-    with log.open("wb") as out:
-        demo = subprocess.Popen(
-            clusterwatch_cmd("demo", "--grpc-port", "0", "--metrics-port", "0", "--summary-json", str(summary_path)),
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+def test_the_demo_detects_and_recovers_from_a_straggler_and_a_hang(demo_run: DemoRun) -> None:
     try:
-        line = wait_for(
-            lambda: next((ln for ln in log.read_text().splitlines() if "clusterwatch status --insecure --coordinator" in ln), None),
-            60, "the demo to say where its coordinator is",
-        )  # fmt: skip
-        address = line.split("--coordinator", 1)[1].strip()
+        demo_run.endpoints(60)
         status = wait_for(
-            lambda: (s if "demo-node-1" in (s := run_cli("status", "--insecure", "--coordinator", address)).stdout else None),
-            60, "both demo nodes in clusterwatch status",
-        )  # fmt: skip
-        assert demo.wait(timeout=240) == 0, log.read_text()
+            lambda: demo_run.status, 60, "both demo nodes in clusterwatch status, taken while it ran"
+        )
+        assert demo_run.process.wait(timeout=240) == 0, demo_run.log.read_text()
     finally:
-        if demo.poll() is None:
-            demo.kill()
+        if demo_run.process.poll() is None:
+            demo_run.process.kill()
     assert status.returncode == 0
     assert "demo-node-0" in status.stdout
     assert "(sim)" in status.stdout
-    output = log.read_text()
+    output = demo_run.log.read_text()
     for expected in ("detected  straggler: rank 1 on demo-node-0", "exclude node and restart: checkpoint complete",
                      "detected  hang", "resumed   every rank past step", "finished  all 150 steps"):  # fmt: skip
         assert expected in output, output
-    summary = json.loads(summary_path.read_text())
+    summary = json.loads(demo_run.summary_path.read_text())
     assert summary["final_world_size"] == 2, output  # demo-node-0 was left out
     straggler, hang = summary["faults"]
     assert (straggler["cause"], straggler["action"]) == ("compute", "exclude node and restart"), output
@@ -68,16 +46,20 @@ def test_the_demo_detects_and_recovers_from_a_straggler_and_a_hang(tmp_path: Pat
         assert 0 <= fault["steps_lost"] <= CHECKPOINT_EVERY, output
     assert 0 < summary["effective_training_time_ratio"] < 1, output
     assert summary["coordinated_checkpoint_delay_steps"] >= 0, output
-    assert wait_for(lambda: demo_processes() == [], 30, "nothing left of the demo")
+    assert wait_for(lambda: demo_processes(demo_run.tmpdir) == [], 30, "nothing left of the demo")
 
 
-def test_without_training_the_demo_runs_the_services_until_its_duration() -> None:
+def test_without_training_the_demo_runs_the_services_until_its_duration(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    tmpdir = tmp_path_factory.mktemp("idle")  # short: the agents' sockets go in a directory under it
     result = run_cli(
-        "demo", "--grpc-port", "0", "--metrics-port", "0", "--duration", "2", "--no-train", timeout_s=60
-    )
+        "demo", "--grpc-port", "0", "--metrics-port", "0", "--duration", "2", "--no-train", timeout_s=60,
+        env={**os.environ, "TMPDIR": str(tmpdir)},
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "stopped" in result.stdout
-    assert demo_processes() == []
+    assert demo_processes(tmpdir) == []
 
 
 def test_a_fault_is_tied_to_the_slot_of_the_rank_it_names() -> None:
