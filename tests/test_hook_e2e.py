@@ -172,29 +172,6 @@ def test_without_an_agent_the_job_completes_with_one_warning_per_rank(
     assert "Traceback" not in job.log()
 
 
-def test_hooks_reconnect_after_the_agent_restarts(cluster: Cluster, tmp_path: Path) -> None:
-    coordinator, socket = start_node(cluster)
-    until = tmp_path / "stop"
-    out = tmp_path / "out"
-    job = cluster.torchrun(
-        TRAIN, "--out-dir", str(out), "--job", "restart", "--until-file", str(until), nproc=2, socket=socket
-    )
-    wait_for(lambda: len(ranks_of(coordinator, "restart")) == 2, 120, "both ranks")
-    agent = cluster.processes[1]
-    agent.kill()
-    cluster.agent(coordinator, "node-a")  # same socket path
-    before = {r: s.last_step.step for r, s in ranks_of(coordinator, "restart").items()}
-
-    def progressed() -> bool:
-        ranks = ranks_of(coordinator, "restart")
-        return len(ranks) == 2 and all(ranks[r].last_step.step > before[r] + 3 for r in ranks)
-
-    wait_for(progressed, 90, "steps from both ranks through the new agent")
-    until.touch()
-    assert job.wait(120) == 0, job.log()
-    assert [r["hook_errors_total"] for r in rank_results(out, 2)] == [0, 0]
-
-
 def test_a_failure_inside_the_hook_is_counted_and_training_goes_on(cluster: Cluster, tmp_path: Path) -> None:
     coordinator, socket = start_node(cluster)
     out = tmp_path / "out"

@@ -7,6 +7,7 @@ Lost reports are counted on both ends: the coordinator's gaps in each node's seq
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -99,6 +100,9 @@ def test_agent_sigkill_and_restart_keeps_the_ranks_once_and_loses_no_report(
     assert job.wait(120) == 0, job.log()
     assert session_processes(job.pid) == []
     assert not any(psutil.pid_exists(pid) for pid in pids.values())
+    # Losing the agent and finding the new one is no error in the hooks.
+    results = [json.loads((tmp_path / "out" / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["hook_errors_total"] for r in results] == [0, 0]
 
 
 @pytest.fixture
