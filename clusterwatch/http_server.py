@@ -11,6 +11,7 @@ import gzip
 import logging
 import threading
 from collections.abc import Callable
+from concurrent import futures
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -65,6 +66,10 @@ def _make_handler(render: Callable[[], bytes], healthy: Callable[[], bool]) -> t
         def _metrics(self) -> None:
             try:
                 body = render()
+            except futures.CancelledError:  # the process is stopping: its loop cancelled the copy
+                logger.debug("/metrics asked for while stopping")
+                self._send(HTTPStatus.SERVICE_UNAVAILABLE, b"stopping\n")
+                return
             except Exception:
                 logger.exception("rendering /metrics failed")
                 self._send(HTTPStatus.INTERNAL_SERVER_ERROR, b"rendering metrics failed; see the log\n")
