@@ -150,5 +150,20 @@ DASHBOARD = Dashboard(
                 ),
             ),
         ),
+        Row(
+            "Topology",
+            (
+                Panel(
+                    "GPU interconnect",
+                    "GPU pairs per node by how they are joined, as `nvidia-smi topo -m` names it: NV# "
+                    "(NVLink), PIX/PXB (PCIe switches), PHB/NODE (host bridges), SYS (across sockets). "
+                    "`clusterwatch topology --node N` draws the matrix, the NICs and where each rank runs.",
+                    (Query(f"count by (node, link) (clusterwatch_gpu_link_info{{{NODES}}}) / 2"),),
+                    "none",
+                    kind="table",
+                    width=24,
+                ),
+            ),
+        ),
     ),
 )
