@@ -218,7 +218,16 @@ def test_gpu_series_on_the_coordinator_carry_pod_labels(
         return samples if samples_named(samples, "clusterwatch_gpu_utilization_ratio", **labels) else None
 
     samples = wait_for(lambda: labelled(coordinator.metrics_url), 30, "pod labels on the coordinator")
-    per_gpu = [s for s in samples if s.name.startswith("clusterwatch_gpu_") and "gpu" in s.labels]
+    # The wiring (GPU links, nearest NICs) is the node's, whoever uses the GPU: those series
+    # carry no pod labels, so they do not change when pods come and go.
+    wiring = {"clusterwatch_gpu_link_info", "clusterwatch_gpu_nic_affinity_info"}
+    assert samples_named(samples, "clusterwatch_gpu_link_info", node=node, gpu="0")
+    assert all(not {"pod", "namespace", "container"} & s.labels.keys() for s in samples if s.name in wiring)
+    per_gpu = [
+        s
+        for s in samples
+        if s.name.startswith("clusterwatch_gpu_") and "gpu" in s.labels and s.name not in wiring
+    ]
     for sample in per_gpu:
         if sample.labels["gpu"] == "0":
             assert {k: sample.labels.get(k) for k in labels} == labels, sample
