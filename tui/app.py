@@ -20,6 +20,7 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
+from textual.css.query import NoMatches
 from textual.widgets import ContentSwitcher, Footer, Input, Static
 
 from clusterwatch.client import ClusterClient
@@ -161,7 +162,8 @@ class TopApp(App[None]):
     # -- updates --------------------------------------------------------------
 
     def _deliver_from_thread(self, delivery: Delivery) -> None:
-        with contextlib.suppress(RuntimeError):  # the app is shutting down
+        # RuntimeError: the app is shutting down; NoMatches: its widgets are already unmounted.
+        with contextlib.suppress(RuntimeError, NoMatches):
             self.call_from_thread(self.apply, delivery)
 
     def apply(self, delivery: Delivery) -> None:
