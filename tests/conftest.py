@@ -44,6 +44,14 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoRun]:
     run.close()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _demo_early(request: pytest.FixtureRequest) -> None:
+    """Start the demo with the session's first test when a selected test will look at it: it
+    trains in the background for a minute while other tests run, instead of being waited for."""
+    if any("demo_run" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        request.getfixturevalue("demo_run")
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     report = yield
