@@ -178,7 +178,9 @@ async def test_complete_checkpoints_are_pushed_persisted_and_survive_a_restart(c
         await node_b.report(rank_report(1, world_size=2, steps=[step(1)]))
         await node_a.report(rank_report(0, world_size=2, checkpoint_results=[checkpoint_ok(40, 0)]))
         await poll_until(lambda: ok_results(coordinator, "train") == 1, 20, "rank 0's result to be applied")
-        # Half the ranks saved: not complete (only the empty state sent when the stream opened).
+        # Half the ranks saved: not complete (only the empty state sent when the stream opened,
+        # which this test's reader may not have read yet on a loaded machine).
+        await node_a.wait_for(lambda m: m.HasField("checkpoints"), 20, "the state on open")
         assert [list(m.checkpoints.jobs) for m in node_a.of_kind("checkpoints")] == [[]]
         await node_b.report(rank_report(1, world_size=2, checkpoint_results=[checkpoint_ok(40, 1, 2.0)]))
         # Every agent hears of it, including one that hosts no rank of the job.
