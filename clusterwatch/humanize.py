@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from clusterwatch.v1 import cluster_pb2, training_pb2
 
 RankState = training_pb2.RankState
@@ -74,3 +76,20 @@ def rank_state(rank: cluster_pb2.RankStatus) -> str:
             return f"in {c.op} #{c.sequence} {duration(c.elapsed_seconds)}"
         return "running"
     return "unknown"
+
+
+def node_state(state: cluster_pb2.NodeState.ValueType) -> str:
+    """``up``, ``unreachable``, ``left``, ``unknown``: a node state as the CLI and metrics write it."""
+    return cluster_pb2.NodeState.Name(state).removeprefix("NODE_STATE_").lower()
+
+
+def columns(rows: Sequence[Sequence[object]], indent: str = "", gap: str = "  ") -> list[str]:
+    """Rows as text columns padded to their widest cell, trailing spaces removed."""
+    if not rows:
+        return []
+    cells = [[str(cell) for cell in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells if i < len(row)) for i in range(max(map(len, cells)))]
+    return [
+        indent + gap.join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip()
+        for row in cells
+    ]

@@ -8,9 +8,9 @@ per GPU and per NIC, ``X`` on the diagonal, the link names of
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-from clusterwatch.humanize import bandwidth
+from clusterwatch.humanize import bandwidth, columns, node_state
 from clusterwatch.topology import (
     LEGEND,
     RDMA_KINDS,
@@ -34,22 +34,6 @@ TIMES = "\N{MULTIPLICATION SIGN}"
 ARROW = "→"
 NOT_REPORTED = "topology not reported (an older agent, or discovery is off)"
 _EXTRA_LEGEND = ((UNKNOWN_LINK, "not discovered"), (NOT_DISCOVERED, "not discovered (NIC to NIC)"))
-
-
-def state_name(state: cluster_pb2.NodeState.ValueType) -> str:
-    """``up``, ``unreachable``... as ``clusterwatch status`` writes node states."""
-    return NodeState.Name(state).removeprefix("NODE_STATE_").lower()
-
-
-def align(rows: Sequence[Sequence[str]], indent: str = "", gap: str = "  ") -> list[str]:
-    """Columns padded to their widest cell, trailing spaces removed."""
-    if not rows:
-        return []
-    widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(max(map(len, rows)))]
-    return [
-        indent + gap.join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip()
-        for row in rows
-    ]
 
 
 # -- one node -----------------------------------------------------------------
@@ -105,7 +89,7 @@ def matrix_lines(topology: node_pb2.NodeTopology) -> list[str]:
         ])  # fmt: skip
     if gpus:
         header += ["CPU Affinity", "NUMA Affinity"]
-    return align([header, *rows], gap="  ")
+    return columns([header, *rows], gap="  ")
 
 
 def nic_legend_lines(topology: node_pb2.NodeTopology) -> list[str]:
@@ -123,7 +107,7 @@ def nic_legend_lines(topology: node_pb2.NodeTopology) -> list[str]:
         ]
         for nic in topology.nics
     ]
-    return align(rows, indent="  ")
+    return columns(rows, indent="  ")
 
 
 def _rate(nic: node_pb2.TopologyNic) -> str:
@@ -155,7 +139,7 @@ def nearest_nic_lines(topology: node_pb2.NodeTopology) -> list[str]:
             else "no NIC link discovered"
         )
         rows.append([f"GPU{gpu.index}", ARROW, target])
-    return align(rows, indent="  ")
+    return columns(rows, indent="  ")
 
 
 def placement_lines(placements: Iterable[cluster_pb2.RankPlacement]) -> list[str]:
@@ -165,21 +149,21 @@ def placement_lines(placements: Iterable[cluster_pb2.RankPlacement]) -> list[str
         gpu = f"GPU{p.gpu}" if p.HasField("gpu") else "no GPU"
         nics = f"{', '.join(p.nearest_nics)} ({link_name(p.nic_link)})" if p.nearest_nics else "NIC unknown"
         rows.append([f"{p.job}/{p.rank}", ARROW, gpu, ARROW, nics])
-    return align(rows, indent="  ")
+    return columns(rows, indent="  ")
 
 
 def numa_lines(topology: node_pb2.NodeTopology) -> list[str]:
     """Sockets and NUMA nodes, with their CPUs."""
     sockets = topology.cpu_sockets
     lines = [f"CPU sockets: {sockets if sockets else '?'}, NUMA nodes: {len(topology.numa_nodes) or '?'}"]
-    lines += align([[f"NUMA {n.id}:", f"CPUs {n.cpus or '?'}"] for n in topology.numa_nodes], indent="  ")
+    lines += columns([[f"NUMA {n.id}:", f"CPUs {n.cpus or '?'}"] for n in topology.numa_nodes], indent="  ")
     return lines
 
 
 def finding_lines(findings: Iterable[cluster_pb2.TopologyFinding]) -> list[str]:
     """``warning  train  <message>``, a line each; ``no findings`` when none."""
     rows = [[f.severity or "info", f.job or "-", f.message or f.kind] for f in findings]
-    return align(rows, indent="  ") if rows else ["  no findings"]
+    return columns(rows, indent="  ") if rows else ["  no findings"]
 
 
 def node_lines(
@@ -197,7 +181,7 @@ def node_lines(
     """
     on_node = [p for p in placements if p.node_id == status.node_id]
     about_node = [f for f in findings if status.node_id in f.nodes or not f.nodes]
-    header = f"{status.node_id}  {state_name(status.state)}"
+    header = f"{status.node_id}  {node_state(status.state)}"
     if not status.HasField("topology"):
         return [header, NOT_REPORTED, *_ranks_section(on_node)]
     topology = status.topology
@@ -302,12 +286,12 @@ def summary_rows(
             f"{job}:{format_ranks(r)}" for job, r in sorted(ranks.get(status.node_id, {}).items())
         )
         if not status.HasField("topology"):
-            rows.append([status.node_id, state_name(status.state), "?", "-", "-", "-", placed or "-"])
+            rows.append([status.node_id, node_state(status.state), "?", "-", "-", "-", placed or "-"])
             continue
         t = status.topology
         sockets = f"{t.cpu_sockets or '?'}/{len(t.numa_nodes) or '?'}"
         rows.append([
-            status.node_id, state_name(status.state), str(len(t.gpus)) if t.gpus else "no GPUs",
+            status.node_id, node_state(status.state), str(len(t.gpus)) if t.gpus else "no GPUs",
             nvlink_summary(t), nic_summary(t), sockets, placed or "-",
         ])  # fmt: skip
     return rows
@@ -315,7 +299,7 @@ def summary_rows(
 
 def cluster_lines(cluster: cluster_pb2.ClusterTopology) -> list[str]:
     """Everything ``clusterwatch topology`` prints without ``--node``: the summary, then the findings."""
-    lines = align(summary_rows(cluster.nodes, cluster.placements)) if cluster.nodes else ["no nodes"]
+    lines = columns(summary_rows(cluster.nodes, cluster.placements)) if cluster.nodes else ["no nodes"]
     notes = []
     missing = sorted(s.node_id for s in cluster.nodes if not s.HasField("topology"))
     if missing:

@@ -12,6 +12,7 @@ from clusterwatch.coordinator.job_views import TrainingView
 from clusterwatch.coordinator.recovery_metrics import RecoveryView, write_recovery
 from clusterwatch.coordinator.training_metrics import write_training
 from clusterwatch.coordinator.views import NodeView
+from clusterwatch.humanize import node_state
 from clusterwatch.node_metrics import (
     NODE_UP,
     register_node_families,
@@ -76,8 +77,7 @@ def render(
     states = Counter(v.state for v in views)
     for state in (NodeState.NODE_STATE_UP, NodeState.NODE_STATE_UNREACHABLE, NodeState.NODE_STATE_LEFT,
                   NodeState.NODE_STATE_UNKNOWN):  # fmt: skip
-        name = NodeState.Name(state).removeprefix("NODE_STATE_").lower()
-        exp.add(NODES, f'state="{name}"', states.get(state, 0))
+        exp.add(NODES, f'state="{node_state(state)}"', states.get(state, 0))
     for v in views:
         node = f'node="{escape(v.node_id)}"'
         backend = v.report.gpu_inventory.backend if v.report else ""

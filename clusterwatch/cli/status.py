@@ -13,7 +13,16 @@ import grpc
 from clusterwatch.cli.common import add_settings_flags, api_json, settings_from_args
 from clusterwatch.client import ClusterClient
 from clusterwatch.config import ClientSettings
-from clusterwatch.humanize import ago, all_reduce_bus_bandwidth, bandwidth, duration, rank_state, size_bytes
+from clusterwatch.humanize import (
+    ago,
+    all_reduce_bus_bandwidth,
+    bandwidth,
+    columns,
+    duration,
+    node_state,
+    rank_state,
+    size_bytes,
+)
 from clusterwatch.v1 import cluster_pb2
 
 NodeState = cluster_pb2.NodeState
@@ -41,7 +50,7 @@ def node_summary(node: cluster_pb2.NodeStatus) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "node_id": node.node_id,
         "hostname": node.hostname,
-        "state": NodeState.Name(node.state).removeprefix("NODE_STATE_").lower(),
+        "state": node_state(node.state),
         "gpus": len(gpus),
         "gpu_simulated": node.report.gpu_inventory.simulated,
         "gpu_utilization_mean_ratio": sum(utils) / len(utils) if utils else None,
@@ -84,14 +93,7 @@ def format_table(rows: list[dict[str, Any]], now: float) -> str:
             size_bytes(r["infiniband_transmit_bytes_per_second"], "/s"),
             ago(r["last_seen_unix_seconds"], now),
         ))  # fmt: skip
-    return _align(lines)
-
-
-def _align(lines: list[tuple[Any, ...]]) -> str:
-    widths = [max(len(str(row[i])) for row in lines) for i in range(len(lines[0]))]
-    return "\n".join(
-        "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in lines
-    )
+    return "\n".join(columns(lines))
 
 
 def format_jobs(jobs: list[cluster_pb2.JobStatus]) -> str:
@@ -131,9 +133,8 @@ def format_jobs(jobs: list[cluster_pb2.JobStatus]) -> str:
                 bandwidth(all_reduce_bus_bandwidth(rank)),
                 rank_state(rank),
             ))  # fmt: skip
-        blocks.append(
-            f"JOB {job.job}  world size {job.world_size}  {rate}  {checkpoint}{labels}\n{_align(lines)}"
-        )
+        table = "\n".join(columns(lines))
+        blocks.append(f"JOB {job.job}  world size {job.world_size}  {rate}  {checkpoint}{labels}\n{table}")
     return "\n\n".join(blocks)
 
 
