@@ -95,21 +95,23 @@ class Uplink:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Keep a stream open until ``stop`` is set; then close it cleanly."""
-        failing = False
+        # The status of the failure last logged: an outage is logged once, and again when its
+        # reason changes (unreachable, then refused: PERMISSION_DENIED says what to fix).
+        failing: grpc.StatusCode | None = None
         while not stop.is_set():
             try:
                 await self._session(stop)
                 if not stop.is_set():
                     logger.warning("coordinator %s closed the stream; reconnecting", self.target)
             except grpc.aio.AioRpcError as exc:
-                if not failing:
+                if exc.code() != failing:
                     logger.warning(
                         "cannot reach coordinator %s: %s %s; retrying with backoff up to %g s",
                         self.target, exc.code().name, exc.details(), self._backoff.cap_s,
                     )  # fmt: skip
-                failing = True
+                failing = exc.code()
             else:
-                failing = False
+                failing = None
             if self.connected and not stop.is_set():
                 self._lost_at_s = time.monotonic()
                 if self._on_connection is not None:
