@@ -162,7 +162,7 @@ class TrainingMonitor:
             self.health,
             heartbeat_interval_s=heartbeat_interval_s,
             queue_size=queue_size,
-            before_flush=self._identity_before_steps,
+            before_flush=self._refresh_identity,
         )
         self._link.start()
         atexit.register(self.close)
@@ -363,9 +363,6 @@ class TrainingMonitor:
                 return True
             self._link.send(hook_pb2.HookMessage(identity=self.identity.to_proto()))
         return False
-
-    def _identity_before_steps(self) -> None:
-        self._refresh_identity()
 
     def _on_command(self, command: hook_pb2.HookCommand) -> None:
         kind = command.WhichOneof("kind")

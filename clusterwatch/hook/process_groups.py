@@ -151,11 +151,3 @@ def _build(
         logger.info("clusterwatch: %d process groups, reporting the first %d", len(groups), MAX_ENTRIES)
         del groups[MAX_ENTRIES:]
     return groups
-
-
-_DEFAULT = ProcessGroupReader()
-
-
-def read_process_groups(health: HookHealth | None = None) -> list[training_pb2.ProcessGroupMembership]:
-    """This process's groups of more than one member, sorted by name; see ``ProcessGroupReader.read``."""
-    return _DEFAULT.read(health)

@@ -79,7 +79,7 @@ class AgentLink:
         on_command: Callable[[hook_pb2.HookCommand], None],
         health: HookHealth,
         *,
-        before_flush: Callable[[], None] = lambda: None,
+        before_flush: Callable[[], object] = lambda: None,
         heartbeat_interval_s: float = 1.0,
         queue_size: int = 1024,
         reconnect_max_s: float = 5.0,
