@@ -328,9 +328,9 @@ class Agent:
         register_node_families(exp)
         if report is not None:
             write_node(exp, self.node_id, report)
-        topology = self.topology.current
-        if topology is not None:
-            write_topology(exp, self.node_id, topology)
+        wiring = self.topology.wiring
+        if wiring is not None:
+            write_topology(exp, self.node_id, wiring)
         exp.add(AGENT_CONNECTED, node, int(self.uplink.connected))
         exp.add(AGENT_BUFFERED, node, len(self.buffer))
         exp.add(AGENT_CONNECTIONS, node, self.uplink.connections_total)

@@ -21,7 +21,7 @@ from google.protobuf.message import Message
 
 from clusterwatch.gpu_reasons import CLOCK_EVENT_REASONS
 from clusterwatch.promtext import Exposition, Family, counter, escape, format_value, gauge
-from clusterwatch.topology import link_name, nearest_nics
+from clusterwatch.topology import Wiring, link_name
 from clusterwatch.v1 import node_pb2
 
 NODE_INFO = gauge("clusterwatch_node_info", "Node identity and agent version; value 1.")
@@ -410,11 +410,13 @@ def _write_ib(exp: Exposition, node: str, ports: Sequence[node_pb2.IbPortSample]
             exp.add(IB_HW_COUNTER, f'{lbl},counter="{escape(name)}"', value)
 
 
-def write_topology(exp: Exposition, node_id: str, topology: node_pb2.NodeTopology) -> None:
+def write_topology(exp: Exposition, node_id: str, wiring: Wiring) -> None:
     """Add the GPU link and GPU-NIC affinity samples of one node's topology to ``exp``.
 
-    Links that were not discovered produce no sample.
+    Links that were not discovered produce no sample. The nearest NICs come
+    from ``wiring``, worked out once per topology, not on every scrape.
     """
+    topology = wiring.topology
     node = f'node="{escape(node_id)}"'
     link_lines = exp.lines(GPU_LINK_INFO)
     for pair in topology.gpu_links:
@@ -424,12 +426,11 @@ def write_topology(exp: Exposition, node_id: str, topology: node_pb2.NodeTopolog
         for gpu, peer in ((pair.gpu, pair.peer_gpu), (pair.peer_gpu, pair.gpu)):
             link_lines.append(f'{GPU_LINK_INFO.name}{{{node},gpu="{gpu}",peer_gpu="{peer}",link="{name}"}} 1')
     affinity_lines = exp.lines(GPU_NIC_AFFINITY_INFO)
-    for topology_gpu in topology.gpus:
-        nics, nearest = nearest_nics(topology, topology_gpu.index)
+    for gpu, (nics, nearest) in wiring.nearest.items():
         for nic in nics:
             numa_node = str(nic.numa_node) if nic.HasField("numa_node") else ""
             affinity_lines.append(
-                f'{GPU_NIC_AFFINITY_INFO.name}{{{node},gpu="{topology_gpu.index}",device="{escape(nic.device)}",'
+                f'{GPU_NIC_AFFINITY_INFO.name}{{{node},gpu="{gpu}",device="{escape(nic.device)}",'
                 f'numa_node="{numa_node}",link="{escape(link_name(nearest))}"}} 1'
             )
 

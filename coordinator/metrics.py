@@ -94,8 +94,8 @@ def render(
     for v in views:
         if v.state == NodeState.NODE_STATE_UP and v.report is not None:
             write_node(exp, v.node_id, v.report)
-        if v.state == NodeState.NODE_STATE_UP and v.topology is not None:
-            write_topology(exp, v.node_id, v.topology)
+        if v.state == NodeState.NODE_STATE_UP and v.wiring is not None:
+            write_topology(exp, v.node_id, v.wiring)
     if training is not None:
         write_training(exp, training)
     if incidents is not None:

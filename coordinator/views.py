@@ -10,6 +10,7 @@ import dataclasses
 
 from clusterwatch.coordinator.rates import infiniband_rates, network_rates
 from clusterwatch.coordinator.state import ClusterState, NodeRecord
+from clusterwatch.topology import Wiring
 from clusterwatch.v1 import cluster_pb2, node_pb2
 
 
@@ -25,7 +26,7 @@ class NodeView:
     reports_missed_total: int
     report: node_pb2.NodeReport | None
     previous: node_pb2.NodeReport | None
-    topology: node_pb2.NodeTopology | None = None
+    wiring: Wiring | None = None
 
 
 def node_views(state: ClusterState) -> list[NodeView]:
@@ -36,7 +37,7 @@ def node_views(state: ClusterState) -> list[NodeView]:
 def _view(r: NodeRecord) -> NodeView:
     return NodeView(
         r.node_id, r.hostname, r.agent_version, r.state, r.last_seen_unix_s, r.last_sequence,
-        r.reports_received_total, r.reports_missed_total, r.report, r.previous, r.topology,
+        r.reports_received_total, r.reports_missed_total, r.report, r.previous, r.wiring,
     )  # fmt: skip
 
 

@@ -36,7 +36,7 @@ from clusterwatch.config import AgentSettings, load
 from clusterwatch.errors import ConfigError
 from clusterwatch.node_metrics import write_topology
 from clusterwatch.promtext import Exposition
-from clusterwatch.topology import gpu_link, link_name, nearest_nics
+from clusterwatch.topology import Wiring, gpu_link, link_name, nearest_nics
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, node_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -599,7 +599,7 @@ def test_topology_metrics_of_a_node_without_numa_nodes_or_nvlink() -> None:
     topology = discover("pcie4", sys_root, nvml)
     topology.gpu_links.add(gpu=8, peer_gpu=9)  # unknown: no sample
     exp = Exposition()
-    write_topology(exp, "p-1", topology)
+    write_topology(exp, "p-1", Wiring.of(topology))
     samples = parse(exp.render())
     links = {(lbl["gpu"], lbl["peer_gpu"]): lbl["link"] for lbl, _ in samples["clusterwatch_gpu_link_info"]}
     assert links == {

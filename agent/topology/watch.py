@@ -20,6 +20,7 @@ from pathlib import Path
 
 from clusterwatch.agent.gpu.backend import GpuBackend
 from clusterwatch.agent.topology.discover import discover_topology
+from clusterwatch.topology import Wiring
 from clusterwatch.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,8 @@ class TopologyWatch:
         self._discover = discover
         self._due_s: float | None = None  # None: never discovered
         self._unreported = False
-        self.current: node_pb2.NodeTopology | None = None
+        # The latest topology with what /metrics reads of it; replaced whole, never changed.
+        self.wiring: Wiring | None = None
         self.discoveries_total = 0
         self.last_duration_s = 0.0
 
@@ -78,7 +80,7 @@ class TopologyWatch:
         if topology == self.current:
             return
         first = self.current is None
-        self.current = topology
+        self.wiring = Wiring.of(topology)
         self._unreported = True
         logger.info(
             "topology %s: %d GPUs, %d NICs, %d NUMA nodes, %d sockets%s",
@@ -89,6 +91,12 @@ class TopologyWatch:
             topology.cpu_sockets,
             "; problems: " + "; ".join(topology.problems) if topology.problems else "",
         )
+
+    @property
+    def current(self) -> node_pb2.NodeTopology | None:
+        """The topology as last discovered; None before the first discovery."""
+        wiring = self.wiring
+        return wiring.topology if wiring is not None else None
 
     def take_change(self) -> node_pb2.NodeTopology | None:
         """The topology if it changed since the last call (so once per change), else None."""
