@@ -1,9 +1,12 @@
 """A throwaway CA and node certificates, so mutual TLS can be tried without a site PKI.
 
 ``create_ca`` writes ``ca.crt`` and ``ca.key``; ``issue`` writes ``NAME.crt``
-and ``NAME.key`` signed by them. A node's certificate names it in the subject
-CN and a DNS subject alternative name, which is what the coordinator compares
-with the node id an agent reports (clusterwatch.tls.peer_names). The
+and ``NAME.key`` signed by them. Who a certificate's holder is comes from one
+URI SAN, ``clusterwatch://ROLE/NAME`` (node, user or coordinator; see
+clusterwatch/peer_identity.py): the coordinator accepts an agent stream only
+from ``clusterwatch://node/ID`` for node ID, and the API only from users and
+coordinators. The subject CN and a DNS SAN carry the name too, for TLS server
+use and for people reading the certificate; they name no one. The
 coordinator's certificate also needs the host names and IP addresses agents
 dial, since gRPC checks the server's SANs against the target; ``extra_sans``
 adds them.
@@ -35,6 +38,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from clusterwatch.errors import ConfigError
+from clusterwatch.peer_identity import Role, role_uri
 
 CA_DAYS = 3650
 LEAF_DAYS = 397  # the longest a public CA may issue for; short enough to notice rotation
@@ -119,13 +123,14 @@ def check_name(name: str) -> None:
         raise BadNameError("name", f"{name!r} is taken by the CA's own files ({CA_STEM}.crt, {CA_STEM}.key)")
 
 
-def subject_alt_names(name: str, extra_sans: Sequence[str]) -> list[x509.GeneralName]:
-    """DNS:name, then each extra: an IP address as an IPAddress SAN, anything else as a DNS SAN.
+def subject_alt_names(name: str, role: Role, extra_sans: Sequence[str]) -> list[x509.GeneralName]:
+    """The role URI (clusterwatch://ROLE/NAME, who the holder is), DNS:name, then each extra:
+    an IP address as an IPAddress SAN, anything else as a DNS SAN.
 
     Raises:
         BadNameError: an extra is neither an IP address nor a host name.
     """
-    names: list[x509.GeneralName] = [x509.DNSName(name)]
+    names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(role_uri(role, name)), x509.DNSName(name)]
     for extra in extra_sans:
         general = _general_name(extra)
         if general not in names:
@@ -168,6 +173,7 @@ def make_leaf(
     ca: KeyPair,
     name: str,
     *,
+    role: Role,
     extra_sans: Sequence[str] = (),
     days: int = LEAF_DAYS,
     now: datetime | None = None,
@@ -181,7 +187,7 @@ def make_leaf(
         BadNameError: ``name`` or an extra SAN is unusable.
     """
     check_name(name)
-    sans = subject_alt_names(name, extra_sans)
+    sans = subject_alt_names(name, role, extra_sans)
     not_before, not_after = _validity(days, now)
     not_after = min(not_after, ca.cert.not_valid_after_utc)
     key = ec.generate_private_key(ec.SECP256R1())
@@ -234,6 +240,7 @@ def issue(
     directory: Path,
     name: str,
     *,
+    role: Role,
     extra_sans: Sequence[str] = (),
     days: int = LEAF_DAYS,
     force: bool = False,
@@ -248,10 +255,10 @@ def issue(
         CertsError: ``days`` is out of range, or the directory is not writable.
     """
     check_name(name)
-    subject_alt_names(name, extra_sans)  # refuse a bad SAN before touching any file
+    subject_alt_names(name, role, extra_sans)  # refuse a bad SAN before touching any file
     cert_path, key_path = leaf_paths(directory, name)
     _refuse_existing((cert_path, key_path), force)
-    leaf = make_leaf(load_ca(directory), name, extra_sans=extra_sans, days=days, now=now)
+    leaf = make_leaf(load_ca(directory), name, role=role, extra_sans=extra_sans, days=days, now=now)
     _write_pair(leaf, cert_path, key_path)
     sans = leaf.cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     return WrittenFiles(cert_path, key_path, leaf.cert.not_valid_after_utc, tuple(map(_describe, sans)))
@@ -297,6 +304,8 @@ def _general_name(extra: str) -> x509.GeneralName:
 
 
 def _describe(name: x509.GeneralName) -> str:
+    if isinstance(name, x509.UniformResourceIdentifier):
+        return f"URI:{name.value}"
     kind = "IP" if isinstance(name, x509.IPAddress) else "DNS"
     return f"{kind}:{name.value}"
 

@@ -6,9 +6,8 @@ checks that they belong together; servers then require a client certificate
 from the same CA, and clients check the server's. Without them the process
 refuses to start unless ``insecure`` is set, and then it warns.
 
-A peer's identity is the set of names in its verified certificate (the
-subject's common name and its DNS subject alternative names), which gRPC puts
-in the call's auth context.
+Who a peer is (its role and name) is read from its certificate by
+clusterwatch/peer_identity.py, never from the names TLS itself checks.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 
@@ -24,8 +22,6 @@ from clusterwatch.config import TransportSettings
 from clusterwatch.errors import ConfigError
 
 logger = logging.getLogger(__name__)
-
-_NAME_PROPERTIES = ("x509_common_name", "x509_subject_alternative_name")
 
 
 @dataclass(frozen=True)
@@ -87,18 +83,6 @@ def warn_if_plaintext(tls: TlsFiles | None, what: str) -> None:
             "use tls_cert, tls_key and tls_ca outside a trusted network",
             what,
         )
-
-
-def peer_names(context: Any) -> frozenset[str]:
-    """The names in the peer's verified certificate (empty without TLS).
-
-    Args:
-        context: a grpc.aio.ServicerContext (or the sync one).
-    """
-    auth = context.auth_context()
-    return frozenset(
-        value.decode(errors="replace") for prop in _NAME_PROPERTIES for value in auth.get(prop, ())
-    )
 
 
 def _read_pem(key: str, path: Path) -> bytes:

@@ -1,16 +1,25 @@
 """Who may do what on the coordinator's gRPC API.
 
-Reading (snapshots, events, incidents, actions) is open to every client the
-transport lets in: with mutual TLS, any holder of a certificate from the
-cluster's CA; without it, anyone who reaches the port. Acting (checkpoint,
-restart, incident and settings changes, job begin/end) needs an admin
-credential: a bearer token from ``admin_token_file``, compared in constant
-time, or a client certificate whose name is in ``admin_names``. Every
-permitted action is attributed to a principal (``token:NAME`` or
-``cert:NAME``) that the records keep.
+With mutual TLS, every peer is one role and one name, read from its verified
+certificate's ``clusterwatch://ROLE/NAME`` URI SAN and nothing else
+(clusterwatch/peer_identity.py):
 
-An agent's stream is bound to its certificate: with TLS on, the node id in
-its hello must be one of the certificate's names.
+- an agent stream (AgentService) is accepted only from a node certificate,
+  and only for the node id the certificate names: a person's certificate
+  cannot report a node, fake ranks on it, and steer the recovery policy;
+- the ClusterService API is open to user and coordinator certificates, and to
+  any certificate whose call carries a valid admin token (the SLURM Prolog
+  calls with the node's certificate and a token); a node certificate alone
+  cannot read it;
+- acting (checkpoint, restart, incident and settings changes, job begin/end)
+  needs an admin credential: a bearer token from ``admin_token_file``,
+  compared in constant time, or a user certificate whose name is in
+  ``admin_names``.
+
+Without TLS (``insecure``) there are no identities: anyone who reaches the
+port may read and report, and only tokens make an admin. Every permitted
+action is attributed to a principal (``token:NAME`` or ``cert:NAME``) that the
+records keep.
 """
 
 from __future__ import annotations
@@ -22,34 +31,61 @@ from pathlib import Path
 from typing import Any
 
 from clusterwatch.errors import ConfigError, PermissionDeniedError, UnauthenticatedError
-from clusterwatch.tls import peer_names
+from clusterwatch.peer_identity import PeerIdentity, PeerVerifier, Role
 
 logger = logging.getLogger(__name__)
 
 BEARER = "bearer "
 AUTHORIZATION = "authorization"
 DEFAULT_PRINCIPAL = "admin"
+AGENT_SERVICE = "/clusterwatch.v1.AgentService/"
+CLUSTER_SERVICE = "/clusterwatch.v1.ClusterService/"
+# Roles that may call ClusterService without a token.
+READER_ROLES = frozenset({Role.USER, Role.COORDINATOR})
 
 
 class AccessPolicy:
-    """Admin credentials and the checks made with them.
+    """Admin credentials, peer identities, and the checks made with them.
 
     Args:
         tokens: admin token -> the name it is recorded under.
-        admin_names: client certificate names with admin rights.
-        verify_nodes: whether node ids must match the peer certificate (TLS on).
+        admin_names: user certificate names with admin rights.
+        verifier: checks peer certificates and names their holders (TLS on); None: plaintext.
     """
 
     def __init__(
-        self, tokens: Mapping[str, str], admin_names: Iterable[str], *, verify_nodes: bool = False
+        self, tokens: Mapping[str, str], admin_names: Iterable[str], verifier: PeerVerifier | None = None
     ) -> None:
         self._tokens = [(token.encode(), name) for token, name in tokens.items()]
         self._admin_names = frozenset(admin_names)
-        self.verify_nodes = verify_nodes
+        self._verifier = verifier
 
     @property
     def has_admins(self) -> bool:
         return bool(self._tokens or self._admin_names)
+
+    def gate(self, method: str, context: Any) -> None:
+        """Refuse a call whose peer's role may not use ``method``'s service (run before every RPC).
+
+        Raises:
+            PermissionDeniedError: naming the peer and what its role allows.
+            UnauthenticatedError: a bearer token was sent and is not a valid one.
+        """
+        if self._verifier is None:
+            return
+        if method.startswith(AGENT_SERVICE):
+            peer = self._peer(context)
+            if peer.role != Role.NODE:
+                raise PermissionDeniedError(
+                    f"{peer} may not open an agent stream: only node certificates (clusterwatch://node/ID) report"
+                )
+        elif method.startswith(CLUSTER_SERVICE):
+            peer = self._peer(context)
+            if peer.role not in READER_ROLES and self._presented_admin(context, method) is None:
+                raise PermissionDeniedError(
+                    f"{peer} may not use the cluster API: it is for user and coordinator certificates, "
+                    "or calls with an admin token"
+                )
 
     def require_admin(self, context: Any, action: str) -> str:
         """The principal allowed to do ``action``.
@@ -58,35 +94,53 @@ class AccessPolicy:
             UnauthenticatedError: a bearer token was sent and is not a valid one.
             PermissionDeniedError: no admin credential came with the call.
         """
-        token = _bearer_token(context)
-        if token is not None:
-            name = self._token_name(token)
-            if name is None:
-                raise UnauthenticatedError(f"{action}: the bearer token is not a valid admin token")
-            return f"token:{name}"
-        certified = sorted(peer_names(context) & self._admin_names)
-        if certified:
-            return f"cert:{certified[0]}"
+        principal = self._presented_admin(context, action)
+        if principal is not None:
+            return principal
+        if self._verifier is not None:
+            peer = self._peer(context)
+            if peer.role == Role.USER and peer.name in self._admin_names:
+                return f"cert:{peer.name}"
         raise PermissionDeniedError(
             f"{action} needs an admin credential ('authorization: Bearer TOKEN' from the coordinator's "
-            "admin_token_file, or a client certificate named in admin_names); the API is read-only "
+            "admin_token_file, or a user certificate named in admin_names); the API is read-only "
             "without one"
         )
 
     def check_node(self, context: Any, node_id: str) -> None:
-        """With TLS on, refuse a node id that is not one of the peer certificate's names.
+        """With TLS on, refuse a node id other than the one the peer's node certificate names.
 
         Raises:
-            PermissionDeniedError: naming the node id and the certificate's names.
+            PermissionDeniedError: naming the node id and the certificate's holder.
         """
-        if not self.verify_nodes:
+        if self._verifier is None:
             return
-        names = peer_names(context)
-        if node_id not in names:
+        peer = self._peer(context)
+        if peer.role != Role.NODE or peer.name != node_id:
             raise PermissionDeniedError(
-                f"hello.node_id {node_id!r} does not match the agent's certificate "
-                f"(names: {', '.join(sorted(names)) or 'none'})"
+                f"hello.node_id {node_id!r} does not match the agent's certificate ({peer})"
             )
+
+    def _peer(self, context: Any) -> PeerIdentity:
+        assert self._verifier is not None  # noqa: S101 - callers check
+        peer = self._verifier.identify(context)
+        if peer is None:  # a TLS server always has a client certificate; be sure anyway
+            raise PermissionDeniedError("the call came without a client certificate")
+        return peer
+
+    def _presented_admin(self, context: Any, action: str) -> str | None:
+        """``token:NAME`` for a valid admin token on the call, None when none was sent.
+
+        Raises:
+            UnauthenticatedError: a token was sent and is not a valid one.
+        """
+        token = _bearer_token(context)
+        if token is None:
+            return None
+        name = self._token_name(token)
+        if name is None:
+            raise UnauthenticatedError(f"{action}: the bearer token is not a valid admin token")
+        return f"token:{name}"
 
     def _token_name(self, presented: bytes) -> str | None:
         """Compare against every token, without stopping early, so timing tells nothing."""

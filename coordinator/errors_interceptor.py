@@ -1,4 +1,8 @@
-"""Maps clusterwatch exceptions to gRPC status codes, for every RPC, in one place."""
+"""Maps clusterwatch exceptions to gRPC status codes, for every RPC, in one place.
+
+It also runs the access gate (coordinator/access.py) before every RPC, inside
+the same mapping, so a refused peer gets PERMISSION_DENIED with the reason.
+"""
 
 from __future__ import annotations
 
@@ -47,8 +51,19 @@ def status_for(exc: ClusterwatchError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+# Runs before every RPC with the method's full name and the call's context; raises to refuse it.
+Gate = Callable[[str, Any], None]
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Turns a ClusterwatchError raised by a servicer into the matching status."""
+    """Turns a ClusterwatchError raised by a servicer (or by ``gate``) into the matching status.
+
+    Args:
+        gate: called before each RPC's handler; what it raises refuses the call.
+    """
+
+    def __init__(self, gate: Gate | None = None) -> None:
+        self._gate = gate
 
     async def intercept_service(
         self,
@@ -65,12 +80,12 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-
                 decode = handler.request_deserializer
                 if kind.startswith("stream_"):  # the servicer's reads decode: make a failure ours
                     return factory(  # type: ignore[no-any-return]
-                        _wrap(behavior, method),
+                        _wrap(behavior, method, self._gate),
                         request_deserializer=_decoding(decode),
                         response_serializer=handler.response_serializer,
                     )
                 return factory(  # type: ignore[no-any-return]  # decoded in _wrap, where it can fail
-                    _wrap(behavior, method, decode),
+                    _wrap(behavior, method, self._gate, decode),
                     request_deserializer=None,
                     response_serializer=handler.response_serializer,
                 )
@@ -106,9 +121,13 @@ def _decoding(decode: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] |
 
 
 def _wrap(
-    behavior: Callable[..., Any], method: str, decode: Callable[[bytes], Any] | None = None
+    behavior: Callable[..., Any],
+    method: str,
+    gate: Gate | None,
+    decode: Callable[[bytes], Any] | None = None,
 ) -> Callable[..., Any]:
-    """``behavior`` with ClusterwatchError mapped to a status; with ``decode``, the request arrives as bytes."""
+    """``behavior`` after ``gate``, with ClusterwatchError mapped to a status; with ``decode``, the
+    request arrives as bytes."""
     checked = _decoding(decode)
     if inspect.isasyncgenfunction(behavior):
 
@@ -116,6 +135,8 @@ def _wrap(
             request: Any, context: grpc.aio.ServicerContext[Any, Any]
         ) -> AsyncIterator[Any]:
             try:
+                if gate is not None:
+                    gate(method, context)
                 if checked is not None:
                     request = checked(request)
                 async for item in behavior(request, context):
@@ -127,6 +148,8 @@ def _wrap(
 
     async def wrapper(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
+            if gate is not None:
+                gate(method, context)
             if checked is not None:
                 request = checked(request)
             return await behavior(request, context)

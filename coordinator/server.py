@@ -41,6 +41,7 @@ from clusterwatch.coordinator.recovery_metrics import RecoveryView, recovery_vie
 from clusterwatch.coordinator.views import NodeView, node_views
 from clusterwatch.grpc_options import SERVER_OPTIONS
 from clusterwatch.http_server import MetricsHttpServer
+from clusterwatch.peer_identity import PeerVerifier
 from clusterwatch.tls import TlsFiles
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2, cluster_pb2_grpc
 
@@ -120,7 +121,9 @@ class CoordinatorServer:
         self.settings = settings
         self._tls = tls
         self.access = AccessPolicy(
-            read_tokens(settings.admin_token_file), settings.admin_names, verify_nodes=tls is not None
+            read_tokens(settings.admin_token_file),
+            settings.admin_names,
+            verifier=PeerVerifier(tls.ca) if tls is not None else None,
         )
         recovery = recovery or RecoverySettings()
         # Before anything is opened: it may raise. (self.core exists by the time a job's labels are asked for.)
@@ -190,7 +193,9 @@ class CoordinatorServer:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         # gRPC's aio objects bind to the running loop: create them here, not in __init__.
-        self._server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=SERVER_OPTIONS)
+        self._server = grpc.aio.server(
+            interceptors=[ErrorMappingInterceptor(gate=self.access.gate)], options=SERVER_OPTIONS
+        )
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(self.core, self.access), self._server)
         cluster_pb2_grpc.add_ClusterServiceServicer_to_server(

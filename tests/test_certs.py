@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from helpers import clusterwatch_cmd
 
 from clusterwatch import certs
+from clusterwatch.peer_identity import Role
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,7 +54,7 @@ def ca_dir(tmp_path: Path) -> Path:
 
 
 def test_issued_certificate_verifies_against_its_ca_as_client_and_server(ca_dir: Path) -> None:
-    written = certs.issue(ca_dir, "gpu01", extra_sans=["127.0.0.1"])
+    written = certs.issue(ca_dir, "gpu01", role=Role.NODE, extra_sans=["127.0.0.1"])
     ca, leaf = _cert(ca_dir / "ca.crt"), _cert(written.cert_path)
 
     leaf.verify_directly_issued_by(ca)
@@ -68,7 +69,7 @@ def test_issued_certificate_verifies_against_its_ca_as_client_and_server(ca_dir:
 def test_certificate_from_another_ca_does_not_verify(tmp_path: Path, ca_dir: Path) -> None:
     other = tmp_path / "other"
     certs.create_ca(other)
-    stranger = _cert(certs.issue(other, "gpu01").cert_path)
+    stranger = _cert(certs.issue(other, "gpu01", role=Role.NODE).cert_path)
     ca = _cert(ca_dir / "ca.crt")
 
     with pytest.raises(VerificationError):
@@ -77,7 +78,7 @@ def test_certificate_from_another_ca_does_not_verify(tmp_path: Path, ca_dir: Pat
 
 def test_leaf_carries_name_sans_and_usage(ca_dir: Path) -> None:
     extra = ["127.0.0.1", "coordinator.example", "::1", "coordinator"]  # the last repeats NAME
-    written = certs.issue(ca_dir, "coordinator", extra_sans=extra)
+    written = certs.issue(ca_dir, "coordinator", role=Role.COORDINATOR, extra_sans=extra)
     leaf = _cert(written.cert_path)
 
     assert leaf.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "coordinator"
@@ -87,7 +88,16 @@ def test_leaf_carries_name_sans_and_usage(ca_dir: Path) -> None:
         ipaddress.ip_address("127.0.0.1"),
         ipaddress.ip_address("::1"),
     ]
-    assert written.names == ("DNS:coordinator", "IP:127.0.0.1", "DNS:coordinator.example", "IP:::1")
+    assert sans.get_values_for_type(x509.UniformResourceIdentifier) == [
+        "clusterwatch://coordinator/coordinator"
+    ]
+    assert written.names == (
+        "URI:clusterwatch://coordinator/coordinator",
+        "DNS:coordinator",
+        "IP:127.0.0.1",
+        "DNS:coordinator.example",
+        "IP:::1",
+    )
     usage = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert list(usage) == [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
     key_usage = leaf.extensions.get_extension_for_class(x509.KeyUsage).value
@@ -110,19 +120,21 @@ def test_ca_may_sign_leaves_only(ca_dir: Path) -> None:
 
 def test_validity_follows_days_and_never_outlives_the_ca(tmp_path: Path) -> None:
     certs.create_ca(tmp_path, days=30, now=NOW)
-    short = _cert(certs.issue(tmp_path, "short", days=7, now=NOW).cert_path)
-    capped = _cert(certs.issue(tmp_path, "capped", now=NOW).cert_path)  # default 397 days > 30
+    short = _cert(certs.issue(tmp_path, "short", role=Role.NODE, days=7, now=NOW).cert_path)
+    capped = _cert(
+        certs.issue(tmp_path, "capped", role=Role.NODE, now=NOW).cert_path
+    )  # default 397 days > 30
 
     assert short.not_valid_before_utc < NOW
     assert short.not_valid_after_utc == NOW + timedelta(days=7)
     assert capped.not_valid_after_utc == NOW + timedelta(days=30)
     with pytest.raises(certs.CertsError, match="days"):
-        certs.issue(tmp_path, "never", days=0, now=NOW)
+        certs.issue(tmp_path, "never", role=Role.NODE, days=0, now=NOW)
 
 
 def test_name_too_long_for_a_common_name_lives_in_a_critical_san(ca_dir: Path) -> None:
     name = "n" * 100 + ".example"
-    leaf = _cert(certs.issue(ca_dir, name).cert_path)
+    leaf = _cert(certs.issue(ca_dir, name, role=Role.NODE).cert_path)
 
     assert not leaf.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     assert leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).critical
@@ -133,7 +145,7 @@ def test_keys_are_private_and_certificates_readable_whatever_the_umask(tmp_path:
     previous = os.umask(0o077)
     try:
         ca = certs.create_ca(tmp_path)
-        leaf = certs.issue(tmp_path, "gpu01")
+        leaf = certs.issue(tmp_path, "gpu01", role=Role.NODE)
     finally:
         os.umask(previous)
 
@@ -144,16 +156,16 @@ def test_keys_are_private_and_certificates_readable_whatever_the_umask(tmp_path:
 
 
 def test_refuses_to_overwrite_unless_forced(ca_dir: Path) -> None:
-    certs.issue(ca_dir, "gpu01")
+    certs.issue(ca_dir, "gpu01", role=Role.NODE)
     before = {p.name: p.read_bytes() for p in ca_dir.iterdir()}
 
     with pytest.raises(certs.FileExistsCertsError, match=r"ca\.crt: already exists"):
         certs.create_ca(ca_dir)
     with pytest.raises(certs.FileExistsCertsError, match=r"gpu01\.crt: already exists"):
-        certs.issue(ca_dir, "gpu01")
+        certs.issue(ca_dir, "gpu01", role=Role.NODE)
     assert {p.name: p.read_bytes() for p in ca_dir.iterdir()} == before
 
-    certs.issue(ca_dir, "gpu01", force=True)
+    certs.issue(ca_dir, "gpu01", role=Role.NODE, force=True)
     assert (ca_dir / "gpu01.key").read_bytes() != before["gpu01.key"]
     certs.create_ca(ca_dir, force=True)
     assert (ca_dir / "ca.key").read_bytes() != before["ca.key"]
@@ -163,7 +175,7 @@ def test_refuses_a_key_left_without_its_certificate(ca_dir: Path) -> None:
     (ca_dir / "gpu01.key").write_bytes(b"left over")
 
     with pytest.raises(certs.FileExistsCertsError, match=r"gpu01\.key"):
-        certs.issue(ca_dir, "gpu01")
+        certs.issue(ca_dir, "gpu01", role=Role.NODE)
     assert not (ca_dir / "gpu01.crt").exists()
 
 
@@ -175,20 +187,20 @@ def test_refuses_names_that_are_not_node_names(ca_dir: Path, name: str) -> None:
     before = sorted(p.name for p in ca_dir.iterdir())
 
     with pytest.raises(certs.BadNameError, match="name"):
-        certs.issue(ca_dir, name)
+        certs.issue(ca_dir, name, role=Role.NODE)
     assert sorted(p.name for p in ca_dir.iterdir()) == before
 
 
 @pytest.mark.parametrize("san", ["", "not a host", "a/b", "300.1.1.1/8"])
 def test_refuses_extra_sans_that_are_neither_ip_nor_host(ca_dir: Path, san: str) -> None:
     with pytest.raises(certs.BadNameError, match="neither an IP address nor a host name"):
-        certs.issue(ca_dir, "gpu01", extra_sans=[san])
+        certs.issue(ca_dir, "gpu01", role=Role.NODE, extra_sans=[san])
     assert not (ca_dir / "gpu01.key").exists()
 
 
 def test_issue_without_a_ca_says_to_run_init(tmp_path: Path) -> None:
     with pytest.raises(certs.MissingCaError, match="certs init"):
-        certs.issue(tmp_path / "empty", "gpu01")
+        certs.issue(tmp_path / "empty", "gpu01", role=Role.NODE)
     assert not (tmp_path / "empty").exists()
 
 
@@ -197,7 +209,7 @@ def test_issue_refuses_a_ca_key_that_is_not_the_certificates(tmp_path: Path, ca_
     (ca_dir / "ca.key").write_bytes((tmp_path / "other" / "ca.key").read_bytes())
 
     with pytest.raises(certs.MissingCaError, match="is not the key of"):
-        certs.issue(ca_dir, "gpu01")
+        certs.issue(ca_dir, "gpu01", role=Role.NODE)
 
 
 # --- the command line ----------------------------------------------------------------------------
@@ -215,7 +227,7 @@ def test_cli_init_then_issue_prints_files_flags_and_the_pki_reminder(tmp_path: P
     assert "clusterwatch-certs/ca.key" in init.stdout
     assert "site's own PKI" in init.stdout
 
-    issue = _cli(tmp_path, "issue", "gpu01", "--san", "10.0.0.7", "--days", "30")
+    issue = _cli(tmp_path, "issue", "gpu01", "--role", "node", "--san", "10.0.0.7", "--days", "30")
     assert issue.returncode == 0, issue.stderr
     assert (
         "--tls-cert clusterwatch-certs/gpu01.crt --tls-key clusterwatch-certs/gpu01.key "
@@ -224,14 +236,15 @@ def test_cli_init_then_issue_prints_files_flags_and_the_pki_reminder(tmp_path: P
     assert "site's own PKI" in issue.stdout
     leaf = _cert(tmp_path / "clusterwatch-certs" / "gpu01.crt")
     assert _sans(leaf).get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.0.0.7")]
+    assert _sans(leaf).get_values_for_type(x509.UniformResourceIdentifier) == ["clusterwatch://node/gpu01"]
     leaf.verify_directly_issued_by(_cert(tmp_path / "clusterwatch-certs" / "ca.crt"))
 
 
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (("issue", "gpu01", "--dir", "nowhere"), "certs init"),
-        (("issue", "bad/name"), "is not a node name"),
+        (("issue", "gpu01", "--role", "node", "--dir", "nowhere"), "certs init"),
+        (("issue", "bad/name", "--role", "node"), "is not a node name"),
         (("init",), "already exists"),
     ],
 )
@@ -271,7 +284,7 @@ def _pem(directory: Path, name: str) -> tuple[bytes, bytes]:
 
 @pytest.fixture
 def mtls_server(ca_dir: Path) -> Iterator[_Server]:
-    certs.issue(ca_dir, "coordinator", extra_sans=["127.0.0.1"])
+    certs.issue(ca_dir, "coordinator", role=Role.COORDINATOR, extra_sans=["127.0.0.1"])
     servicer = _RecordingHealth()
     server = grpc.server(ThreadPoolExecutor(max_workers=2))
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
@@ -300,7 +313,7 @@ def _check(port: int, ca_pem: bytes, client: tuple[bytes, bytes] | None) -> heal
 
 
 def test_mtls_accepts_a_client_of_the_same_ca_and_sees_its_name(ca_dir: Path, mtls_server: _Server) -> None:
-    certs.issue(ca_dir, "gpu01")
+    certs.issue(ca_dir, "gpu01", role=Role.NODE)
 
     response = _check(mtls_server.port, (ca_dir / "ca.crt").read_bytes(), _pem(ca_dir, "gpu01"))
     assert response.status == health_pb2.HealthCheckResponse.SERVING
@@ -313,7 +326,7 @@ def test_mtls_refuses_a_client_without_a_certificate_of_the_ca(
 ) -> None:
     other = tmp_path / "other"
     certs.create_ca(other)
-    certs.issue(other, "gpu01")
+    certs.issue(other, "gpu01", role=Role.NODE)
     pair = _pem(other, "gpu01") if client == "other CA" else None
 
     with pytest.raises(grpc.RpcError) as failure:

@@ -7,16 +7,23 @@ connect with good, foreign and borrowed certificates.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from helpers import Cluster, Coordinator, Process, clusterwatch_cmd, run_cli, wait_for
 
 from clusterwatch import certs
 from clusterwatch.client import ClusterClient
-from clusterwatch.v1 import cluster_pb2
+from clusterwatch.peer_identity import Role
+from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,11 +39,13 @@ class Pki:
         self.dir = root / "pki"
         self.foreign = root / "foreign"
         certs.create_ca(self.dir)
-        certs.issue(self.dir, "coordinator", extra_sans=["127.0.0.1"])
-        for name in (*NODES, "alice", "bob"):
-            certs.issue(self.dir, name)
+        certs.issue(self.dir, "coordinator", role=Role.COORDINATOR, extra_sans=["127.0.0.1"])
+        for name in NODES:
+            certs.issue(self.dir, name, role=Role.NODE)
+        for name in ("alice", "bob"):
+            certs.issue(self.dir, name, role=Role.USER)
         certs.create_ca(self.foreign)
-        certs.issue(self.foreign, "node-a")
+        certs.issue(self.foreign, "node-a", role=Role.NODE)
 
     def flags(self, name: str, *, ca_dir: Path | None = None) -> list[str]:
         directory = ca_dir or self.dir
@@ -205,3 +214,141 @@ def test_insecure_warns_and_half_a_tls_setup_is_refused(cluster: Cluster, tmp_pa
     )
     assert process.start().wait(30) == 2
     assert "agent.tls_ca" in process.log() or "agent.tls_cert" in process.log()
+
+
+# ---------------------------------------------------------------- who a certificate is
+
+
+def hand_made(
+    pki: Pki,
+    name: str,
+    sans: list[x509.GeneralName],
+    *,
+    issuer: certs.KeyPair | None = None,
+    ca: bool = False,
+) -> certs.KeyPair:
+    """A certificate as an attacker with a CA-signed request (or an intermediate) would shape it."""
+    signer = issuer or certs.load_ca(pki.dir)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.now(UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(signer.cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(hours=1))
+        .not_valid_after(now + timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(signer.cert.public_key()),  # type: ignore[arg-type]
+            critical=False,
+        )
+    )
+    if not ca:
+        builder = builder.add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH]),
+            critical=False,
+        ).add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    else:
+        usage = dict.fromkeys(
+            ("digital_signature", "content_commitment", "key_encipherment", "data_encipherment",
+             "key_agreement", "encipher_only", "decipher_only"), False,
+        )  # fmt: skip
+        builder = builder.add_extension(
+            x509.KeyUsage(key_cert_sign=True, crl_sign=True, **usage), critical=True
+        )
+    return certs.KeyPair(cert=builder.sign(signer.key, hashes.SHA256()), key=key)
+
+
+def credentials_of(pki: Pki, *chain: certs.KeyPair) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        root_certificates=(pki.dir / "ca.crt").read_bytes(),
+        private_key=chain[0].key_pem(),
+        certificate_chain=b"".join(pair.cert_pem() for pair in chain),
+    )
+
+
+def hello_status(
+    coordinator: Coordinator, credentials: grpc.ChannelCredentials, node_id: str
+) -> grpc.StatusCode:
+    """Say hello as ``node_id``, then end the stream: OK when the coordinator took the stream."""
+    hello = agent_pb2.Hello(node_id=node_id, hostname=node_id, instance_id="i", interval_seconds=1.0)
+    with grpc.secure_channel(coordinator.address, credentials) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        return status_of(lambda: list(stub.Connect(iter([agent_pb2.AgentMessage(hello=hello)]), timeout=10)))
+
+
+def api_status(
+    coordinator: Coordinator, credentials: grpc.ChannelCredentials, token: str = ""
+) -> dict[str, grpc.StatusCode]:
+    """What reading (a snapshot) and acting (settings) answer for these credentials."""
+    with ClusterClient(coordinator.address, timeout_s=10, credentials=credentials, token=token) as c:
+        return {
+            "read": snapshot_status(c),
+            "act": status_of(lambda: c.detection_settings({"hang_floor_s": "9"})),
+        }
+
+
+def test_identity_comes_from_the_role_uri_only(pki: Pki, secured: Coordinator) -> None:
+    """CN, e-mail, foreign URI, DNS and IP SANs name no one; a clusterwatch://ROLE/NAME URI does."""
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    # Carol's CN, with "alice" (an admin) or "node-a" in the fields an attacker can get a CA to sign.
+    email = hand_made(pki, "carol", [x509.RFC822Name("alice"), x509.RFC822Name("node-a")])
+    uri = hand_made(
+        pki, "carol", [x509.UniformResourceIdentifier("alice"), x509.UniformResourceIdentifier("node-a")]
+    )
+    ip = hand_made(pki, "carol", [x509.IPAddress(ipaddress.ip_address("10.1.2.3")), x509.DNSName("node-a")])
+    for pair in (email, uri, ip):
+        assert api_status(secured, credentials_of(pki, pair)) == {"read": denied, "act": denied}
+        for node in ("alice", "node-a", "10.1.2.3", "carol"):
+            assert hello_status(secured, credentials_of(pki, pair), node) == denied
+    # A user certificate with an admin's name in another field is that user, not the admin.
+    carol = hand_made(
+        pki, "alice", [x509.UniformResourceIdentifier("clusterwatch://user/carol"), x509.RFC822Name("alice")]
+    )
+    assert api_status(secured, credentials_of(pki, carol)) == {"read": grpc.StatusCode.OK, "act": denied}
+    # Two roles in one certificate: nobody.
+    both = hand_made(
+        pki,
+        "x",
+        [
+            x509.UniformResourceIdentifier(u)
+            for u in ("clusterwatch://user/alice", "clusterwatch://node/node-a")
+        ],
+    )
+    assert api_status(secured, credentials_of(pki, both))["read"] == denied
+    assert hello_status(secured, credentials_of(pki, both), "node-a") == denied
+    # The coordinator's own certificate (DNS coordinator, IP 127.0.0.1) is no node.
+    for node in ("127.0.0.1", "coordinator"):
+        assert hello_status(secured, pki.channel_credentials("coordinator"), node) == denied
+    # The control: a node certificate says hello as its own node and is taken.
+    assert hello_status(secured, pki.channel_credentials("node-a"), "node-a") == grpc.StatusCode.OK
+    assert hello_status(secured, pki.channel_credentials("node-a"), "node-b") == denied
+
+
+def test_only_node_certificates_report_and_nodes_do_not_read_the_api(pki: Pki, secured: Coordinator) -> None:
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    # A person's certificate cannot register a node (and so cannot fake ranks or XIDs on one).
+    for user in ("bob", "alice"):
+        assert hello_status(secured, pki.channel_credentials(user), user) == denied
+    assert api_status(secured, pki.channel_credentials("node-a")) == {"read": denied, "act": denied}
+    # With an admin token (the SLURM Prolog's case) a node certificate may act.
+    allowed = api_status(secured, pki.channel_credentials("node-a"), token=ADMIN_TOKEN)
+    assert allowed["act"] == grpc.StatusCode.OK
+    assert api_status(secured, pki.channel_credentials("bob"))["read"] == grpc.StatusCode.OK
+
+
+def test_a_ca_is_not_trusted_further_than_its_path_length(pki: Pki, secured: Coordinator) -> None:
+    """The trial CA has pathlen:0: an intermediate it signed must not extend its trust."""
+    intermediate = hand_made(pki, "rogue intermediate", [], ca=True)
+    mallory = hand_made(
+        pki, "mallory", [x509.UniformResourceIdentifier("clusterwatch://user/alice")], issuer=intermediate
+    )
+    refused = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAVAILABLE}  # ours, or the handshake's
+    assert set(api_status(secured, credentials_of(pki, mallory, intermediate)).values()) <= refused
+    as_node = hand_made(
+        pki, "m", [x509.UniformResourceIdentifier("clusterwatch://node/node-b")], issuer=intermediate
+    )
+    assert hello_status(secured, credentials_of(pki, as_node, intermediate), "node-b") in refused

@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 
 from clusterwatch import certs
+from clusterwatch.peer_identity import Role
 
 DEFAULT_DIR = Path("clusterwatch-certs")
 PKI_REMINDER = (
@@ -22,10 +23,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser = subparsers.add_parser(
         "certs",
         help="make a trial CA (init) and certificates signed by it (issue) for mutual TLS",
-        description="init: a self-signed CA in DIR (ca.crt, ca.key). issue NAME: a certificate for NAME "
-        "(CN and DNS SAN, as the coordinator compares with the node id) signed by that CA, for agents, the "
-        "coordinator (add --san for each host name or IP agents dial) and admin clients (a name in "
-        "admin_names). For trying clusterwatch out: in production, use your site's own PKI.",
+        description="init: a self-signed CA in DIR (ca.crt, ca.key). issue NAME --role ROLE: a certificate "
+        "for NAME signed by that CA, whose URI SAN clusterwatch://ROLE/NAME says who holds it: agents "
+        "(--role node, NAME is the node id), people and tools (--role user; admins are named in "
+        "admin_names) and the coordinator (--role coordinator, with --san for each host name or IP agents "
+        "dial). For trying clusterwatch out: in production, use your site's own PKI.",
     )
     actions = parser.add_subparsers(title="actions", metavar="ACTION", required=True)
     _add_init(actions)
@@ -59,8 +61,14 @@ def _add_issue(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         description="Make a certificate for NAME (a node id, the coordinator's name, or an admin name), "
         "usable as both TLS server and client, signed by the CA `certs init` made in DIR.",
     )
+    parser.add_argument("name", metavar="NAME", help="the node id, user (admin) name or coordinator name")
     parser.add_argument(
-        "name", metavar="NAME", help="the node id, coordinator or admin name (CN and DNS SAN)"
+        "--role",
+        required=True,
+        choices=[role.value for role in Role],
+        help="what the holder is, written as the URI SAN clusterwatch://ROLE/NAME: node (an agent; may "
+        "report as node NAME only), user (a person or tool; reads the API, acts when NAME is in "
+        "admin_names) or coordinator (serves the API)",
     )
     _add_dir(parser)
     parser.add_argument(
@@ -94,13 +102,17 @@ def run_init(args: argparse.Namespace) -> int:
     written = certs.create_ca(args.dir, days=args.days, force=args.force)
     print(f"wrote {written.cert_path} (CA certificate, valid until {_date(written)})")
     print(f"wrote {written.key_path} (CA private key, mode 0600: keep it off the nodes)")
-    print(f"next: clusterwatch certs issue NAME --dir {shlex.quote(str(args.dir))}")
+    print(
+        f"next: clusterwatch certs issue NAME --role node|user|coordinator --dir {shlex.quote(str(args.dir))}"
+    )
     print(PKI_REMINDER)
     return 0
 
 
 def run_issue(args: argparse.Namespace) -> int:
-    written = certs.issue(args.dir, args.name, extra_sans=args.san, days=args.days, force=args.force)
+    written = certs.issue(
+        args.dir, args.name, role=Role(args.role), extra_sans=args.san, days=args.days, force=args.force
+    )
     ca_cert, _ = certs.ca_paths(args.dir)
     print(f"wrote {written.cert_path} ({', '.join(written.names)}; valid until {_date(written)})")
     print(f"wrote {written.key_path} (private key, mode 0600)")
