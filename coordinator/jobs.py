@@ -15,6 +15,18 @@ torchrun restarts the worker group, the new instance replaces the old one:
     same restart_count, incoming exited                ignored (stale_instance)
     same restart_count, both alive                     replaces it only if the current
                                                        one was silent for instance_takeover_s
+    would replace it (above), but from another node     refused (rank_conflict)
+    while the current one runs and was heard within
+    instance_takeover_s
+
+A rank is believed from the node that hosts its process: a node's agent
+verifies its ranks' pids with the kernel, but a node cannot prove anything
+about another node's ranks. So another node's claim on a rank that still
+runs and reports elsewhere is refused, and the job is *contested* while such
+claims keep coming (``JobRecord.contested``): recovery does not act on it,
+only alerts, since it cannot tell which claim is true. In an honest restart
+that moves a rank, the old node reports its process's exit within a report
+interval and the new claim, sent again with the next report, is taken then.
 
 A rank the job no longer has (a restart shrank the world) only comes back
 with the job's newest restart count, or once every rank of that generation
@@ -63,6 +75,9 @@ from clusterwatch.v1 import training_pb2
 RankState = training_pb2.RankState
 RUNNING = RankState.RANK_STATE_RUNNING
 EXITED = RankState.RANK_STATE_EXITED
+
+# A job stays contested this long after the last refused claim on one of its ranks.
+CONFLICT_HOLD_S = 30.0
 
 # Op label for collectives beyond a job's max_ops_per_job distinct ops, so a
 # misbehaving hook cannot blow up /metrics cardinality.
@@ -159,6 +174,24 @@ class RankRecord:
 
 
 @dataclasses.dataclass(slots=True)
+class RankConflict:
+    """Another node's claim on a rank whose current instance still runs and reports."""
+
+    rank: int
+    holder_node: str
+    holder_pid: int
+    claimant_node: str
+    claimant_pid: int
+    last_seen_unix_s: float
+
+    def describe(self) -> str:
+        return (
+            f"rank {self.rank} runs on {self.holder_node} (pid {self.holder_pid}) and is also claimed "
+            f"by {self.claimant_node} (pid {self.claimant_pid})"
+        )
+
+
+@dataclasses.dataclass(slots=True)
 class JobRecord:
     """One training job.
 
@@ -186,6 +219,13 @@ class JobRecord:
     registered_labels: dict[str, str] = dataclasses.field(default_factory=dict)
     registered_nodes: tuple[str, ...] = ()
     reported_labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    contested: dict[int, RankConflict] = dataclasses.field(default_factory=dict)
+
+    def conflicts(self, now_unix_s: float) -> list[RankConflict]:
+        """The claims on its ranks refused within CONFLICT_HOLD_S (see the module docstring), by rank."""
+        return [
+            c for _, c in sorted(self.contested.items()) if now_unix_s - c.last_seen_unix_s < CONFLICT_HOLD_S
+        ]
 
     @property
     def labels(self) -> dict[str, str]:
@@ -290,7 +330,7 @@ class JobStore:
         for report in reports:
             try:
                 parsed = parse_rank_report(report, self.recent_steps)
-                record, job = self._record_for(node_id, report, now_mono)
+                record, job = self._record_for(node_id, report, now_mono, now_unix)
             except RankReportError as exc:
                 if exc.reason != RejectReason.JOB_ENDED:  # an ended job's teardown is no bad data
                     key = (node_id, exc.reason.value)
@@ -384,7 +424,7 @@ class JobStore:
         return dropped
 
     def _record_for(
-        self, node_id: str, report: training_pb2.RankReport, now_mono: float
+        self, node_id: str, report: training_pb2.RankReport, now_mono: float, now_unix: float
     ) -> tuple[RankRecord, JobRecord]:
         """The record this report updates, creating or replacing it for a new instance.
 
@@ -418,6 +458,16 @@ class JobStore:
                 f"job {identity.job!r} rank {identity.rank}: instance {identity.instance_id} "
                 f"(restart {identity.restart_count}) is older than the rank's or the job's current one",
             )
+        if current is not None and self._held_elsewhere(current, node_id, now_mono):
+            job.contested[identity.rank] = RankConflict(
+                identity.rank, current.node_id, current.identity.pid, node_id, identity.pid, now_unix
+            )
+            raise RankReportError(
+                RejectReason.RANK_CONFLICT,
+                f"job {identity.job!r} rank {identity.rank}: claimed by node {node_id!r} (pid {identity.pid}) "
+                f"while it runs on {current.node_id!r} (pid {current.identity.pid}), heard "
+                f"{now_mono - current.last_report_mono_s:.1f} s ago; no action on the job while both claim it",
+            )
         job.restart_count = identity.restart_count
         job.min_nodes, job.max_nodes = identity.min_nodes, identity.max_nodes
         if identity.world_size != job.world_size:
@@ -425,6 +475,7 @@ class JobStore:
             job.world_size = identity.world_size
             job.ranks = {rank: r for rank, r in job.ranks.items() if rank < job.world_size}
         job.reported_labels = dict(identity.labels)
+        job.contested.pop(identity.rank, None)  # the rank has one holder again
         record = job.ranks[identity.rank] = RankRecord(
             _copy_identity(identity), node_id, StepRing(self.recent_steps)
         )
@@ -447,6 +498,14 @@ class JobStore:
                 f"instance {identity.instance_id} is its teardown",
             )
         del self.ended[identity.job]  # a new process under its name: the job runs again
+
+    def _held_elsewhere(self, current: RankRecord, node_id: str, now_mono: float) -> bool:
+        """Whether another node's live, recently heard instance holds the rank."""
+        return (
+            current.node_id != node_id
+            and current.state != EXITED
+            and now_mono - current.last_report_mono_s < self.instance_takeover_s
+        )
 
     def _supersedes(self, report: training_pb2.RankReport, current: RankRecord, now_mono: float) -> bool:
         """Whether a new instance replaces the rank's current one (the table in the module docstring)."""

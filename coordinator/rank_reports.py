@@ -60,6 +60,9 @@ class RejectReason(enum.StrEnum):
     # A valid report of a job that was ended on purpose (EndJob), from one of
     # its processes: its teardown, not news.
     JOB_ENDED = "job_ended"
+    # A new instance of a rank from another node while the rank's current
+    # instance still runs and reports: two nodes claim one rank.
+    RANK_CONFLICT = "rank_conflict"
 
 
 class RankReportError(InvalidReportError):

@@ -50,7 +50,7 @@ from clusterwatch.config import RecoverySettings
 from clusterwatch.coordinator.background import BackgroundTasks, every
 from clusterwatch.coordinator.event_log import EventLog
 from clusterwatch.coordinator.incidents import Incident, IncidentState, Kind
-from clusterwatch.coordinator.jobs import RUNNING, JobRecord
+from clusterwatch.coordinator.jobs import RUNNING, JobRecord, RankConflict
 from clusterwatch.coordinator.launchers import Launcher
 from clusterwatch.coordinator.policy import (
     ALERT,
@@ -314,6 +314,13 @@ class Recovery:
             return SKIPPED, decision.skipped
         if decision.action == ALERT:
             return DONE, "alerted (the incident is the alert)"
+        # Only the policy's decisions: an operator who restarts a contested job has looked.
+        if decision.incident_id and (conflicts := self._conflicts(decision.job)):
+            return (
+                SKIPPED,
+                f"alerted instead: two nodes claim ranks of job {decision.job}, so what they report of it cannot "
+                f"be trusted: {'; '.join(c.describe() for c in conflicts)}",
+            )
         # Only the policy's exclusions (they have an incident): an operator may know of a replacement node.
         if (
             decision.incident_id
@@ -327,6 +334,10 @@ class Recovery:
         if self.settings.dry_run:
             return DONE, f"dry run: would {decision.action.replace('_', ' ')} job {decision.job}"
         return None
+
+    def _conflicts(self, job_name: str) -> list[RankConflict]:
+        job = self._jobs().get(job_name)
+        return job.conflicts(self._wall()) if job is not None else []
 
     def _exclusion_blocker(self, decision: Decision) -> str:
         job = self._jobs().get(decision.job)

@@ -11,7 +11,7 @@ from training_builders import DISCONNECTED, EXITED, RUNNING, T0, collective, ran
 from clusterwatch.collective_stats import bus_factor, duration_bucket_index
 from clusterwatch.coordinator.core import Coordinator
 from clusterwatch.coordinator.event_log import EventLog
-from clusterwatch.coordinator.jobs import OTHER_OP, JobStore
+from clusterwatch.coordinator.jobs import CONFLICT_HOLD_S, OTHER_OP, JobStore
 from clusterwatch.coordinator.rank_reports import RankReportError, RejectReason, parse_rank_report
 from clusterwatch.coordinator.step_ring import StepColumns, StepRing, StepSample
 from clusterwatch.v1 import agent_pb2, node_pb2, training_pb2
@@ -170,9 +170,10 @@ def test_a_bad_rank_report_is_rejected_alone(mutate: object, reason: RejectReaso
 def test_newer_instances_replace_older_ones() -> None:
     store = JobStore(instance_takeover_s=10.0)
     store.ingest("a", [rank_report(0, steps=[step(5)], instance_id="old")], now_mono=1.0, now_unix=T0)
-    # torchrun restarted the group: higher restart_count wins, on any node, and starts afresh.
+    # torchrun restarted the group: higher restart_count wins and starts afresh, on the same node at
+    # once, on another node once the old instance is no longer heard (see the conflict test below).
     new = rank_report(0, instance_id="new", restart_count=1, steps=[step(1)])
-    store.ingest("b", [new], now_mono=2.0, now_unix=T0 + 1)
+    store.ingest("b", [new], now_mono=11.5, now_unix=T0 + 1)
     rank = store.jobs["train"].ranks[0]
     assert (rank.identity.instance_id, rank.node_id, [s.step for s in rank.steps.samples()]) == (
         "new",
@@ -181,21 +182,52 @@ def test_newer_instances_replace_older_ones() -> None:
     )
     # A late exit of the old instance is stale.
     late = rank_report(0, instance_id="old", state=EXITED, exit=training_pb2.RankExit(description="signal 9"))
-    outcome = store.ingest("a", [late], now_mono=3.0, now_unix=T0 + 2)
+    outcome = store.ingest("a", [late], now_mono=12.0, now_unix=T0 + 2)
     assert [r.reason for r in outcome.rejections] == [RejectReason.STALE_INSTANCE]
     assert store.jobs["train"].ranks[0].identity.instance_id == "new"
 
     # Same restart count: an exited instance gives way to a live one ...
     store.ingest(
-        "b", [rank_report(0, instance_id="new", restart_count=1, state=EXITED)], now_mono=4.0, now_unix=T0
+        "b", [rank_report(0, instance_id="new", restart_count=1, state=EXITED)], now_mono=13.0, now_unix=T0
     )
-    store.ingest("c", [rank_report(0, instance_id="relaunch", restart_count=1)], now_mono=5.0, now_unix=T0)
+    store.ingest("c", [rank_report(0, instance_id="relaunch", restart_count=1)], now_mono=14.0, now_unix=T0)
     assert store.jobs["train"].ranks[0].identity.instance_id == "relaunch"
     # ... and a second live one takes over only once the first went silent.
     rival = rank_report(0, instance_id="rival", restart_count=1)
-    assert store.ingest("d", [rival], now_mono=6.0, now_unix=T0).rejections
-    assert not store.ingest("d", [rival], now_mono=15.5, now_unix=T0).rejections
+    assert store.ingest("d", [rival], now_mono=15.0, now_unix=T0).rejections
+    assert not store.ingest("d", [rival], now_mono=24.5, now_unix=T0).rejections
     assert store.jobs["train"].ranks[0].node_id == "d"
+
+
+def test_another_node_cannot_take_a_rank_that_runs_and_reports_elsewhere() -> None:
+    """A rank is believed from the node hosting its process; a rival claim contests the job."""
+    store = JobStore(instance_takeover_s=10.0)
+    store.ingest("honest", [rank_report(r, steps=[step(5)]) for r in (0, 1)], now_mono=1.0, now_unix=T0)
+    # Another node claims rank 1 with a newer restart count (what a forged node would send).
+    forged = rank_report(1, instance_id="forged", restart_count=7)
+    outcome = store.ingest("rogue", [forged], now_mono=2.0, now_unix=T0 + 1)
+    assert [r.reason for r in outcome.rejections] == [RejectReason.RANK_CONFLICT]
+    assert (
+        "claimed by node 'rogue' (pid 1001) while it runs on 'honest' (pid 1001)"
+        in outcome.rejections[0].detail
+    )
+    job = store.jobs["train"]
+    assert (job.ranks[1].node_id, job.restart_count) == ("honest", 0)
+    (conflict,) = job.conflicts(T0 + 2)
+    assert conflict.describe() == "rank 1 runs on honest (pid 1001) and is also claimed by rogue (pid 1001)"
+    # While the honest rank keeps reporting, the claim keeps being refused and the job stays contested.
+    store.ingest("honest", [rank_report(1, steps=[step(6)])], now_mono=9.0, now_unix=T0 + 8)
+    assert store.ingest("rogue", [forged], now_mono=12.0, now_unix=T0 + 11).rejections
+    assert job.conflicts(T0 + 12)
+    assert not job.conflicts(T0 + 11 + CONFLICT_HOLD_S)
+    # An honest move: the old process exits, and the claim sent again is taken; the conflict is over.
+    store.ingest("honest", [rank_report(1, state=EXITED)], now_mono=13.0, now_unix=T0 + 12)
+    assert not store.ingest("rogue", [forged], now_mono=14.0, now_unix=T0 + 13).rejections
+    assert job.ranks[1].node_id == "rogue"
+    assert not job.conflicts(T0 + 14)
+    # Same node, newer instance: a restart in place, never a conflict.
+    assert not store.ingest("honest", [rank_report(0, instance_id="again", restart_count=8)], now_mono=15.0,
+                            now_unix=T0 + 14).rejections  # fmt: skip
 
 
 def test_a_new_world_size_drops_ranks_beyond_it() -> None:

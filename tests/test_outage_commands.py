@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 from test_workers import Processes, alive, identity, outcomes, processes, registry, stop_command
-from training_builders import poll_until
+from training_builders import poll_until, rank_report, step
 
 from clusterwatch.agent.commands import CommandHandler
 from clusterwatch.config import DetectionSettings, RecoverySettings
 from clusterwatch.coordinator.event_log import EventLog
 from clusterwatch.coordinator.incidents import Incident, IncidentState, Kind, Severity
+from clusterwatch.coordinator.jobs import JobStore
 from clusterwatch.coordinator.launchers import LaunchOutcome
 from clusterwatch.coordinator.recovery import Recovery
 from clusterwatch.coordinator.watchdog import Watchdog
@@ -168,4 +169,31 @@ async def test_a_restarted_coordinator_does_not_redo_or_redecide_what_the_previo
     # The restarts of the past hour still count against the budget and the cooldown.
     assert recovery.policy.restarts_in_last_hour("k", now) == 1
     assert recovery.policy.restarts_in_last_hour("j", now) == 1
+    log.close()
+
+
+async def test_recovery_alerts_instead_of_acting_on_a_job_two_nodes_claim(tmp_path: Path) -> None:
+    """A rank claimed by a second node while it runs on the first: what the job reports is not
+    trusted, so the policy's restart becomes an alert that names both claims."""
+    store = JobStore(instance_takeover_s=10.0)
+    now_mono, now = time.monotonic(), time.time()
+    store.ingest("honest", [rank_report(r, job="j", steps=[step(5)]) for r in (0, 1)], now_mono, now)
+    forged = rank_report(1, job="j", instance_id="forged", restart_count=3)
+    assert store.ingest("rogue", [forged], now_mono, now).rejections
+    log = EventLog(tmp_path)
+    log.save_incidents([hang("j", IncidentState.OPEN, now)])
+    watchdog = Watchdog(DetectionSettings(), log, unexpected_send, time.monotonic, time.time)
+    launcher = RecordingLauncher()
+    recovery = Recovery(
+        RecoverySettings(cooldown_s=0), watchdog=watchdog, event_log=log, jobs=lambda: store.jobs,
+        latest_checkpoint=lambda job: None, checkpoint_now=unexpected_checkpoint, launcher=launcher,
+        wall_clock=time.time,
+    )  # fmt: skip
+    recovery.round()
+    await poll_until(lambda: log.actions(job="j"), 10, "the hang to be decided")
+    ((action, outcome, detail),) = [(a.action, a.outcome, a.detail) for a in log.actions(job="j")]
+    assert (action, outcome) == ("restart", "skipped")
+    assert detail.startswith("alerted instead: two nodes claim ranks of job j")
+    assert "rank 1 runs on honest (pid 1001) and is also claimed by rogue (pid 1001)" in detail
+    assert launcher.restarts == []
     log.close()
