@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from clusterwatch.agent.diagnose import DiagnosisTarget, ProcessDiagnoser
+from clusterwatch.agent.process_instance import ProcessInstance
 from clusterwatch.agent.workers import WorkerStopper, effective_grace_s
 from clusterwatch.v1 import agent_pb2
 
@@ -40,6 +41,9 @@ class WorkerLookup(Protocol):
 
     def mark_stopping(self, pids: Iterable[int], why: str) -> None:
         """These processes are being stopped on purpose (their exits are no rank failures)."""
+
+    def instances(self, pids: Iterable[int]) -> dict[int, ProcessInstance]:
+        """The verified process behind each of ``pids`` that has one (pid reuse is checked against it)."""
 
 
 class CommandHandler:
@@ -245,7 +249,9 @@ class CommandHandler:
             f": {stop.reason}" if stop.reason else "",
         )  # fmt: skip
         lookup.mark_stopping(workers, stop.reason or "stop_workers command")
-        report = await self._stopper.stop(stop.job, workers, grace_s, stop_launcher=stop.stop_launcher)
+        report = await self._stopper.stop(
+            stop.job, workers, grace_s, stop_launcher=stop.stop_launcher, registered=lookup.instances(workers)
+        )
         message = report.summary()
         if stop.stop_launcher:
             self.cordoned_jobs.add(stop.job)

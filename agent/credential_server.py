@@ -8,11 +8,13 @@ socket file (SocketClaim: stale files, mode, group, removal).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from pathlib import Path
 
 from clusterwatch.agent.peer_credentials import NonceBook, read_peer_credentials
+from clusterwatch.agent.process_instance import read_instance
 from clusterwatch.hook_handshake import encode_nonce, encode_refusal
 
 logger = logging.getLogger(__name__)
@@ -30,11 +32,13 @@ class CredentialServer:
     Args:
         path: where to listen.
         book: issues the nonces the hook server redeems.
+        proc_root: where /proc is (the connecting process's start time is read there).
     """
 
-    def __init__(self, path: Path, book: NonceBook) -> None:
+    def __init__(self, path: Path, book: NonceBook, proc_root: Path = Path("/proc")) -> None:
         self.path = path
         self._book = book
+        self._proc_root = proc_root
         self._server: asyncio.Server | None = None
         self._warned_not_visible = False
         self.issued_total = 0
@@ -65,8 +69,15 @@ class CredentialServer:
                     logger.warning("hook handshake refused (uid %d): %s", credentials.uid, NOT_VISIBLE)
                     self._warned_not_visible = True
                 writer.write(encode_refusal(NOT_VISIBLE))
+            elif (instance := read_instance(credentials.pid, self._proc_root)) is None or (
+                instance.uid != credentials.uid
+            ):
+                # Gone already, or its pid taken by another user's process: no nonce for that pid.
+                self.refused_total += 1
+                writer.write(encode_refusal(f"pid {credentials.pid} is gone or now another user's process"))
             else:
-                writer.write(encode_nonce(self._book.issue(credentials)))
+                issued = dataclasses.replace(credentials, start_ticks=instance.start_ticks)
+                writer.write(encode_nonce(self._book.issue(issued)))
                 self.issued_total += 1
             await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
         except (OSError, TimeoutError) as exc:  # the hook went away first: its next try gets another

@@ -172,8 +172,9 @@ class HookServicer(hook_pb2_grpc.HookServiceServicer):
                 "hello", f"the first message on a hook stream must be a hello, got {kind}"
             )
         peer = VerifiedPeer(self._nonces.redeem(first.credential_nonce), self._proc_root)
+        peer.check_same_process()
         identity = peer.bind(first.hello, "hello")
-        stream = self._registry.hello(identity, uid=peer.uid)
+        stream = self._registry.hello(identity, uid=peer.uid, start_ticks=peer.start_ticks)
         link = self._links.open(identity)
         self._stats.streams = len(self._links)
         reader = asyncio.create_task(self._read(link, peer, context), name=f"hook-read-{identity.rank}")
@@ -284,7 +285,7 @@ class HookServer:
         self.nonces = nonces if nonces is not None else NonceBook()
         self._servicer = HookServicer(registry, links, self.stats, self.nonces, proc_root)
         self._claim = SocketClaim(socket_path, companions=(self.credential_path,), group=resolve_group(group))
-        self._credentials = CredentialServer(self.credential_path, self.nonces)
+        self._credentials = CredentialServer(self.credential_path, self.nonces, proc_root)
         self._server: grpc.aio.Server | None = None
 
     async def start(self) -> None:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from clusterwatch.agent.process_instance import ProcessInstance, still_running
 from clusterwatch.errors import ClusterwatchError
 from clusterwatch.v1 import training_pb2
 
@@ -50,11 +51,17 @@ class PeerMismatchError(ClusterwatchError):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PeerCredentials:
-    """The kernel's credentials of a Unix socket peer, in the agent's namespaces."""
+    """The kernel's credentials of a Unix socket peer, in the agent's namespaces.
+
+    Attributes:
+        start_ticks: when the process holding ``pid`` started (agent/process_instance.py),
+            read right after the credentials; None until then.
+    """
 
     pid: int
     uid: int
     gid: int
+    start_ticks: int | None = None
 
 
 def read_peer_credentials(sock: socket.socket) -> PeerCredentials:
@@ -153,6 +160,25 @@ class VerifiedPeer:
     @property
     def pid(self) -> int:
         return self.credentials.pid
+
+    @property
+    def start_ticks(self) -> int | None:
+        return self.credentials.start_ticks
+
+    def check_same_process(self) -> None:
+        """Refuse a hello from a pid that another process holds now (the nonce's exited, the pid reused).
+
+        Raises:
+            PeerMismatchError: naming the pid.
+        """
+        ticks = self.credentials.start_ticks
+        if ticks is None:
+            return
+        if not still_running(ProcessInstance(self.pid, ticks, self.uid), self._proc_root):
+            raise PeerMismatchError(
+                f"hello.credential_nonce: pid {self.pid} is no longer the process the nonce was issued to "
+                "(it exited, and its pid may belong to another process now)"
+            )
 
     @property
     def uid(self) -> int:

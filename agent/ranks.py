@@ -25,6 +25,7 @@ from clusterwatch.agent.hook_validation import (
     check_values,
 )
 from clusterwatch.agent.proc_exit import ExitStatus, ExitWatcher
+from clusterwatch.agent.process_instance import ProcessInstance
 from clusterwatch.collective_stats import CollectiveMerger
 from clusterwatch.v1 import training_pb2
 
@@ -72,6 +73,7 @@ class RankEntry:
         pending_exit: an exit seen while the stream was still open (see RankRegistry.report_into).
         retire_after_report: a newer hook in the same process replaced this one.
         uid: the user the process runs as, as the kernel reported it; None if not verified.
+        start_ticks: when the process started (agent/process_instance.py); None if not verified.
     """
 
     identity: training_pb2.RankIdentity
@@ -90,6 +92,7 @@ class RankEntry:
     pending_exit: ExitStatus | None = None
     retire_after_report: bool = False
     uid: int | None = None
+    start_ticks: int | None = None
 
     @property
     def instance_id(self) -> str:
@@ -172,6 +175,20 @@ class RankRegistry:
         )
         return {entry.pid: entry.identity.rank for entry in entries}
 
+    def instances(self, pids: Iterable[int]) -> dict[int, ProcessInstance]:
+        """The verified process (pid, start time, uid) behind each of ``pids`` that has one.
+
+        A stop checks each pid against it before signalling: the pid may belong to another
+        process by then.
+        """
+        wanted = set(pids)
+        return {
+            entry.pid: ProcessInstance(entry.pid, entry.start_ticks, entry.uid)
+            for entry in self._entries.values()
+            if entry.pid in wanted and entry.start_ticks is not None and entry.uid is not None
+            and entry.state is not RankState.EXITED
+        }  # fmt: skip
+
     def count_by_state(self) -> dict[RankState, int]:
         counts = dict.fromkeys(RankState, 0)
         for entry in self._entries.values():
@@ -180,12 +197,15 @@ class RankRegistry:
 
     # --- what hook streams call ---------------------------------------------
 
-    def hello(self, identity: training_pb2.RankIdentity, uid: int | None = None) -> int:
+    def hello(
+        self, identity: training_pb2.RankIdentity, uid: int | None = None, start_ticks: int | None = None
+    ) -> int:
         """Register a process, or re-attach a known one whose hook reconnected.
 
         Args:
             identity: from the hello, its pid verified by the caller.
             uid: the user the process runs as, as the kernel says; None if not verified.
+            start_ticks: when the process started, as the kernel says; None if not verified.
 
         Returns:
             The stream generation to pass to ``disconnect``.
@@ -202,7 +222,10 @@ class RankRegistry:
                     # A new hook in the same process (a second TrainingMonitor): the old one is done.
                     other.retire_after_report = True
             entry = self._entries[identity.instance_id] = RankEntry(
-                identity, collections.deque(maxlen=self.max_steps_per_report), uid=uid
+                identity,
+                collections.deque(maxlen=self.max_steps_per_report),
+                uid=uid,
+                start_ticks=start_ticks,
             )
             self._watcher.watch(identity.pid)
             logger.info(
@@ -215,9 +238,16 @@ class RankRegistry:
             description = entry.exit.description if entry.exit is not None else "exited"
             raise RankGoneError(f"instance {identity.instance_id} already ended: {description}")
         self._check_same_process(entry, identity, "hello")
+        if None not in (start_ticks, entry.start_ticks) and start_ticks != entry.start_ticks:
+            raise InvalidHookMessageError(
+                "hello.instance_id",
+                f"{identity.instance_id} belongs to another process (same pid, started earlier)",
+            )
         self._replace_identity(entry, identity)
         if uid is not None:
             entry.uid = uid
+        if start_ticks is not None:
+            entry.start_ticks = start_ticks
         entry.state = RankState.RUNNING
         entry.stream += 1
         return entry.stream

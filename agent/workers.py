@@ -36,9 +36,11 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from pathlib import Path
 
 import psutil
 
+from clusterwatch.agent.process_instance import ProcessInstance, still_running
 from clusterwatch.v1 import agent_pb2
 
 logger = logging.getLogger(__name__)
@@ -181,6 +183,7 @@ class WorkerStopper:
         poll_s: how often the processes not yet gone are looked at.
         gpu_pids: pids holding GPU memory, read after the stop; None: no GPUs here (no check).
         gpu_check_timeout_s: how long ``gpu_pids`` may take before the check is skipped.
+        proc_root: where /proc is (registered workers are checked against it).
     """
 
     def __init__(
@@ -189,6 +192,7 @@ class WorkerStopper:
         poll_s: float = DEFAULT_POLL_S,
         gpu_pids: GpuPidsProbe | None = None,
         gpu_check_timeout_s: float = DEFAULT_GPU_CHECK_TIMEOUT_S,
+        proc_root: Path = Path("/proc"),
     ) -> None:
         if kill_wait_s <= 0 or poll_s <= 0 or gpu_check_timeout_s <= 0:
             raise ValueError("kill_wait_s, poll_s and gpu_check_timeout_s must be positive")
@@ -196,6 +200,7 @@ class WorkerStopper:
         self.poll_s = poll_s
         self._gpu_pids = gpu_pids
         self.gpu_check_timeout_s = gpu_check_timeout_s
+        self._proc_root = proc_root
 
     async def stop(
         self,
@@ -203,6 +208,7 @@ class WorkerStopper:
         workers: Mapping[int, int],
         grace_s: float = DEFAULT_GRACE_S,
         stop_launcher: bool = False,
+        registered: Mapping[int, ProcessInstance] | None = None,
     ) -> StopReport:
         """Stop ``workers`` ({pid: rank}) with their trees and, with ``stop_launcher``, their launchers.
 
@@ -210,6 +216,8 @@ class WorkerStopper:
             job: for the report and the log.
             workers: the registered worker processes of ``job`` on this node.
             grace_s: from SIGTERM to SIGKILL; not finite or <= 0: DEFAULT_GRACE_S; capped at MAX_GRACE_S.
+            registered: the process each worker pid stood for when it registered; a pid now
+                held by another process (the worker exited, the pid was reused) is not signalled.
 
         Returns:
             One entry per process; never raises for a process that is gone or not ours to signal.
@@ -227,7 +235,12 @@ class WorkerStopper:
                 )
             else:
                 targets[pid] = rank
-        members, parents = await asyncio.to_thread(_worker_trees, targets, set(protected))
+        members, parents, replaced = await asyncio.to_thread(
+            _worker_trees, targets, set(protected), registered or {}, self._proc_root
+        )
+        for pid in replaced:
+            report.refused[pid] = "no longer the registered worker: the pid belongs to another process now"
+            logger.error("job %s: pid %d is no longer the worker that registered; not stopping it", job, pid)
         await self._stop_group(members, grace_s)
         if stop_launcher:
             launchers, report.launcher_note = _launchers(parents, protected)
@@ -332,16 +345,26 @@ def _protected_pids() -> dict[int, str]:
 
 
 def _worker_trees(
-    workers: Mapping[int, int], protected: set[int]
-) -> tuple[list[_Member], list[psutil.Process]]:
-    """The members of every worker's tree (workers first) and the workers' parents, read now."""
+    workers: Mapping[int, int],
+    protected: set[int],
+    registered: Mapping[int, ProcessInstance],
+    proc_root: Path,
+) -> tuple[list[_Member], list[psutil.Process], list[int]]:
+    """The members of every worker's tree (workers first), the workers' parents, and the worker
+    pids that another process holds now (left out), read now."""
     ranks: list[_Member] = []
     descendants: list[_Member] = []
     parents: list[psutil.Process] = []
+    replaced: list[int] = []
     seen: set[int] = set(workers)
     for pid, rank in workers.items():
         try:
             process = psutil.Process(pid)
+            # After psutil bound itself to the process holding the pid (its own reuse check
+            # guards every later signal): is that still the one that registered?
+            if pid in registered and not still_running(registered[pid], proc_root):
+                replaced.append(pid)
+                continue
             children = process.children(recursive=True)
             parent = process.parent()
         except psutil.Error:  # gone (or unreadable: then signals will tell)
@@ -354,7 +377,7 @@ def _worker_trees(
             if child.pid not in seen and child.pid not in protected:
                 seen.add(child.pid)
                 descendants.append(_Member(child.pid, NOT_A_RANK, child))
-    return ranks + descendants, parents
+    return ranks + descendants, parents, replaced
 
 
 def _launchers(

@@ -20,7 +20,8 @@ import stat
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,9 @@ from clusterwatch.agent.hook_links import HookLinks
 from clusterwatch.agent.hook_server import HookServer
 from clusterwatch.agent.peer_credentials import NonceBook
 from clusterwatch.agent.proc_exit import ProcessExitWatcher
+from clusterwatch.agent.process_instance import read_instance
 from clusterwatch.agent.ranks import RankEntry, RankRegistry
+from clusterwatch.agent.workers import WorkerStopper
 from clusterwatch.errors import ConfigError
 from clusterwatch.hook.health import HookHealth
 from clusterwatch.hook.transport import AgentLink, fetch_credential_nonce
@@ -305,6 +308,98 @@ async def test_a_hello_claiming_another_process_is_permission_denied(
     )
     assert len(node.registry) == 0
     assert node.server.stats.denied_total["permission_denied"] == 1
+
+
+# --- a pid is not a process: reuse ------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def holding_pid(pid: int) -> Iterator[subprocess.Popen[bytes]]:
+    """Another process under ``pid`` (whose own process is gone), as after the kernel wraps pids.
+
+    The next fork gets ns_last_pid + 1 (how CRIU restores pids); root only. It starts a clock
+    tick after the pid's previous holder at least, as any process does that reaches the pid by a
+    cycle through pid_max.
+    """
+    # The previous holder started before now: two ticks on, the newcomer starts in a later tick.
+    tick_s = 1 / os.sysconf("SC_CLK_TCK")
+    later_s = time.clock_gettime(time.CLOCK_BOOTTIME) + 2 * tick_s
+    while time.clock_gettime(time.CLOCK_BOOTTIME) < later_s:
+        time.sleep(tick_s / 2)
+    last_pid = Path("/proc/sys/kernel/ns_last_pid")
+    for _ in range(50):  # another process may fork in between
+        try:
+            last_pid.write_text(str(pid - 1))
+        except OSError:
+            pytest.skip("taking a given pid needs CAP_SYS_ADMIN (ns_last_pid)")
+        process = subprocess.Popen(["sleep", "120"])
+        if process.pid == pid:
+            break
+        process.kill()
+        process.wait()
+    else:
+        pytest.skip(f"pid {pid} could not be taken again")
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+
+
+def nonce_of_a_child_that_exits(node: Node) -> tuple[int, str]:
+    """(pid, nonce) of a child that fetched a nonce and exited (reaped)."""
+    script = "import sys; from clusterwatch.hook.transport import fetch_credential_nonce as f; print(f(sys.argv[1], 10))"
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, str(node.path)], stdout=subprocess.PIPE, text=True
+    )
+    out, _ = child.communicate(timeout=60)
+    assert child.returncode == 0
+    return child.pid, out.strip()
+
+
+async def test_a_nonce_is_bound_to_its_process_not_to_a_pid_another_process_takes(
+    node: Node, clients: Callable[[], Client]
+) -> None:
+    """A user's child gets a nonce and exits; another (root's) process takes its pid; the nonce is
+    redeemed for that pid: refused, or the agent would register, and a stop would signal, the newcomer."""
+    pid, nonce = await asyncio.to_thread(nonce_of_a_child_that_exits, node)
+    with holding_pid(pid) as newcomer:
+        client = clients()
+        await client.hello(identity(0, pid=pid), nonce=nonce)
+        error = await client.error()
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert error.details() == (
+            f"hello.credential_nonce: pid {pid} is no longer the process the nonce was issued to "
+            "(it exited, and its pid may belong to another process now)"
+        )
+        assert len(node.registry) == 0
+        assert newcomer.poll() is None
+
+
+async def test_a_stop_does_not_signal_a_pid_that_another_process_took(tmp_path: Path) -> None:
+    """The registered worker exited; before its exit was seen, another process took its pid."""
+    worker = subprocess.Popen(["sleep", "120"])  # noqa: ASYNC220 - returns at once
+    registered = read_instance(worker.pid)
+    assert registered is not None
+    worker.kill()
+    worker.wait()
+    with holding_pid(worker.pid) as newcomer:
+        report = await WorkerStopper().stop(
+            "j", {worker.pid: 0}, grace_s=1, registered={worker.pid: registered}
+        )
+        assert newcomer.poll() is None
+    assert report.refused == {
+        worker.pid: "no longer the registered worker: the pid belongs to another process now"
+    }
+    assert not report.ok
+    # The same check lets the registered process itself be stopped.
+    again = subprocess.Popen(["sleep", "120"])  # noqa: ASYNC220 - returns at once
+    instance = read_instance(again.pid)
+    assert instance is not None
+    report = await WorkerStopper().stop("j", {again.pid: 0}, grace_s=1, registered={again.pid: instance})
+    assert report.ok
+    assert [(p.pid, p.outcome) for p in report.processes] == [(again.pid, "sigterm")]
+    again.wait(10)  # reaped by the stopper already: the agent reaps its own children
 
 
 async def test_a_refused_hook_warns_once_and_keeps_retrying(

@@ -19,6 +19,7 @@ from test_workers import Processes, alive, identity, outcomes, processes, regist
 from training_builders import poll_until, rank_report, step
 
 from clusterwatch.agent.commands import CommandHandler
+from clusterwatch.agent.process_instance import ProcessInstance
 from clusterwatch.config import DetectionSettings, RecoverySettings
 from clusterwatch.coordinator.event_log import EventLog
 from clusterwatch.coordinator.incidents import Incident, IncidentState, Kind, Severity
@@ -67,6 +68,9 @@ async def test_a_repeat_waiting_on_a_run_that_fails_hears_why() -> None:
             raise OSError("cannot read /proc")
 
         def mark_stopping(self, pids: object, why: str) -> None:
+            raise AssertionError("not reached")
+
+        def instances(self, pids: object) -> dict[int, ProcessInstance]:
             raise AssertionError("not reached")
 
     handler = CommandHandler(worker_lookup=BrokenLookup())
