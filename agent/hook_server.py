@@ -35,6 +35,7 @@ from clusterwatch.agent.peer_credentials import (
     VerifiedPeer,
 )
 from clusterwatch.agent.ranks import RankRegistry
+from clusterwatch.agent.slurm_cgroup import slurm_job_of
 from clusterwatch.errors import ClusterwatchError
 from clusterwatch.grpc_options import SERVER_OPTIONS
 from clusterwatch.hook_handshake import credential_socket_path
@@ -174,7 +175,12 @@ class HookServicer(hook_pb2_grpc.HookServiceServicer):
         peer = VerifiedPeer(self._nonces.redeem(first.credential_nonce), self._proc_root)
         peer.check_same_process()
         identity = peer.bind(first.hello, "hello")
-        stream = self._registry.hello(identity, uid=peer.uid, start_ticks=peer.start_ticks)
+        stream = self._registry.hello(
+            identity,
+            uid=peer.uid,
+            start_ticks=peer.start_ticks,
+            slurm_job_id=slurm_job_of(peer.pid, self._proc_root),
+        )
         link = self._links.open(identity)
         self._stats.streams = len(self._links)
         reader = asyncio.create_task(self._read(link, peer, context), name=f"hook-read-{identity.rank}")

@@ -74,6 +74,7 @@ class RankEntry:
         retire_after_report: a newer hook in the same process replaced this one.
         uid: the user the process runs as, as the kernel reported it; None if not verified.
         start_ticks: when the process started (agent/process_instance.py); None if not verified.
+        slurm_job_id: the SLURM job whose cgroup holds the process (agent/slurm_cgroup.py); "" if none.
     """
 
     identity: training_pb2.RankIdentity
@@ -93,6 +94,7 @@ class RankEntry:
     retire_after_report: bool = False
     uid: int | None = None
     start_ticks: int | None = None
+    slurm_job_id: str = ""
 
     @property
     def instance_id(self) -> str:
@@ -198,7 +200,11 @@ class RankRegistry:
     # --- what hook streams call ---------------------------------------------
 
     def hello(
-        self, identity: training_pb2.RankIdentity, uid: int | None = None, start_ticks: int | None = None
+        self,
+        identity: training_pb2.RankIdentity,
+        uid: int | None = None,
+        start_ticks: int | None = None,
+        slurm_job_id: str = "",
     ) -> int:
         """Register a process, or re-attach a known one whose hook reconnected.
 
@@ -206,6 +212,7 @@ class RankRegistry:
             identity: from the hello, its pid verified by the caller.
             uid: the user the process runs as, as the kernel says; None if not verified.
             start_ticks: when the process started, as the kernel says; None if not verified.
+            slurm_job_id: the SLURM job whose cgroup holds the process; "" if none.
 
         Returns:
             The stream generation to pass to ``disconnect``.
@@ -226,6 +233,7 @@ class RankRegistry:
                 collections.deque(maxlen=self.max_steps_per_report),
                 uid=uid,
                 start_ticks=start_ticks,
+                slurm_job_id=slurm_job_id,
             )
             self._watcher.watch(identity.pid)
             logger.info(
@@ -318,6 +326,7 @@ class RankRegistry:
             report.state = entry.state.value
             if entry.uid is not None:
                 report.uid = entry.uid
+            report.slurm_job_id = entry.slurm_job_id
             if entry.heartbeat is not None:
                 report.heartbeat.CopyFrom(entry.heartbeat)
             if entry.steps:

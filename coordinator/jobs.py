@@ -135,6 +135,7 @@ class RankRecord:
         bus_bandwidth_bytes_per_s: per op, over the latest report that carried
             collectives (sum of bytes x bus factor / sum of durations).
         last_collectives: the collectives of that report, as the agent merged them.
+        slurm_job_id: the SLURM job whose cgroup holds the process, as its agent read it ("" if none).
     """
 
     identity: training_pb2.RankIdentity
@@ -152,6 +153,7 @@ class RankRecord:
     last_collectives: Sequence[training_pb2.CollectiveSummary] = ()
     steps_dropped_total: int = 0
     exit: training_pb2.RankExit | None = None
+    slurm_job_id: str = ""
 
     @property
     def rank(self) -> int:
@@ -220,6 +222,13 @@ class JobRecord:
     registered_nodes: tuple[str, ...] = ()
     reported_labels: dict[str, str] = dataclasses.field(default_factory=dict)
     contested: dict[int, RankConflict] = dataclasses.field(default_factory=dict)
+
+    def verified_slurm_job_ids(self) -> set[str]:
+        """The SLURM jobs that hold its ranks' processes, as their agents read it (not as the ranks say),
+        and the one its registration (an admin's BeginJob: the SLURM Prolog) names."""
+        ids = {r.slurm_job_id for r in self.ranks.values() if r.slurm_job_id}
+        registered = self.registered_labels.get("slurm_job_id", "")
+        return ids | {registered} if registered else ids
 
     def conflicts(self, now_unix_s: float) -> list[RankConflict]:
         """The claims on its ranks refused within CONFLICT_HOLD_S (see the module docstring), by rank."""
@@ -541,6 +550,7 @@ class JobStore:
         job.last_report_mono_s = record.last_report_mono_s = now_mono
         record.node_id = node_id
         record.state = report.state
+        record.slurm_job_id = report.slurm_job_id
         if report.HasField("heartbeat"):
             previous = record.heartbeat
             if previous is None or report.heartbeat.timestamp_unix_seconds > previous.timestamp_unix_seconds:

@@ -8,11 +8,16 @@ job must not use those nodes. Three adapters:
   (StopWorkersCommand) and torchrun restarts the worker group
   (``--max-restarts``). On an excluded node the agent stops torchrun too and
   cordons the node, so an elastic job re-forms without it.
-- ``SlurmLauncher``: ``scontrol requeue`` of the job's SLURM batch job (the
-  SLURM job id from ``recovery.slurm_job_ids``, else the one the job's ranks
-  reported, else the job's name when numeric). To exclude nodes: ``scontrol requeuehold``, ``scontrol update JobId=..
-  ExcNodeList=..`` while the job is held (slurmctld only changes
-  ExcNodeList on a pending job), then ``scontrol release``.
+- ``SlurmLauncher``: ``scontrol requeue`` of the job's SLURM batch job. The
+  SLURM job id comes from ``recovery.slurm_job_ids``, else from what can be
+  verified: the SLURM job whose cgroup holds the job's ranks (each node's agent
+  reads it, agent/slurm_cgroup.py) or the one an admin registered the job with
+  (BeginJob, the SLURM Prolog). Never from a label a rank gives itself or from
+  the job's name: those are the user's word, and a requeue of someone else's
+  job on it is an attack. To exclude nodes: ``scontrol requeuehold``,
+  ``scontrol update JobId=.. ExcNodeList=..`` while the job is held
+  (slurmctld only changes ExcNodeList on a pending job), then ``scontrol
+  release``.
 - ``KubernetesLauncher``: ``kubectl cordon`` of each excluded node, then
   ``kubectl delete pod`` of the job's pods; their controller (Job,
   PyTorchJob, JobSet) recreates them on schedulable nodes.
@@ -35,7 +40,6 @@ from typing import Protocol
 
 from clusterwatch.errors import ConfigError
 from clusterwatch.external_commands import CommandRun, run_command
-from clusterwatch.slurm_env import LABEL_SOURCES
 from clusterwatch.v1 import agent_pb2
 
 logger = logging.getLogger(__name__)
@@ -54,11 +58,8 @@ COMMAND_TIMEOUT_S = 30.0
 STOP_ANSWER_MARGIN_S = 10.0
 
 Status = agent_pb2.CommandResult.Status
-JobLabels = Callable[[str], Mapping[str, str]]
-"""The labels a job's ranks reported (JobRecord.labels); empty for an unknown job."""
-# The label with the SLURM job id of a job's ranks (clusterwatch/slurm_env.py).
-SLURM_JOB_ID_LABEL = "slurm_job_id"
-assert SLURM_JOB_ID_LABEL in LABEL_SOURCES  # noqa: S101 - one name on both sides
+VerifiedSlurmJobs = Callable[[str], Collection[str]]
+"""The SLURM job ids verified for a job (JobRecord.verified_slurm_job_ids); empty for an unknown job."""
 SendStop = Callable[[str, agent_pb2.StopWorkersCommand, float], Awaitable[agent_pb2.CommandResult]]
 """Send a StopWorkersCommand to one node's agent and wait (at most the given
 seconds) for its result; raises KeyError (not connected), TimeoutError or
@@ -283,12 +284,9 @@ class SlurmLauncher:
     and the job must be requeueable (``sbatch --requeue``, or JobRequeue=1).
 
     Args:
-        job_ids: clusterwatch job name -> SLURM job id; wins over what the ranks report.
-        job_labels: a job's labels; its ``slurm_job_id`` (the hook reads it
-            from ``SLURM_JOB_ID``) is used for a job not in ``job_ids``.
-        numeric_job_names: a job name not in ``job_ids`` and with no reported
-            id that is itself a SLURM job id is used as one (torchrun's
-            ``--rdzv-id`` is often ``$SLURM_JOB_ID``).
+        job_ids: clusterwatch job name -> SLURM job id; wins over what is verified.
+        verified_job_ids: the SLURM job ids verified for a job (see the module
+            docstring); used for a job not in ``job_ids`` when there is exactly one.
         scontrol: the scontrol executable, a path or a name on PATH.
         command_timeout_s: the longest one scontrol call may take.
 
@@ -303,8 +301,7 @@ class SlurmLauncher:
         self,
         *,
         job_ids: Mapping[str, str] | None = None,
-        job_labels: JobLabels | None = None,
-        numeric_job_names: bool = True,
+        verified_job_ids: VerifiedSlurmJobs | None = None,
         scontrol: str = "scontrol",
         command_timeout_s: float = COMMAND_TIMEOUT_S,
     ) -> None:
@@ -312,43 +309,37 @@ class SlurmLauncher:
         for job, slurm_id in self._job_ids.items():
             if not _SLURM_JOB_ID.fullmatch(slurm_id):
                 raise ConfigError(SLURM_JOB_IDS_KEY, f"job {job!r}: {slurm_id!r} is not a SLURM job id")
-        self._job_labels = job_labels
-        self._numeric_job_names = numeric_job_names
+        self._verified = verified_job_ids
         self._scontrol = scontrol
         self._timeout_s = command_timeout_s
 
     def slurm_job_id(self, job: str) -> str | None:
-        """The SLURM job id of a clusterwatch job, or None when there is none.
+        """The SLURM job id of a clusterwatch job, or None when there is none."""
+        return self._resolve(job)[0]
 
-        ``job_ids`` first (an operator's word), then the id the job's ranks
-        reported, then the job's name if numeric.
-        """
+    def _resolve(self, job: str) -> tuple[str | None, str]:
+        """(the SLURM job id, "") or (None, why there is none)."""
         if job in self._job_ids:
-            return self._job_ids[job]
-        if self._job_labels is not None:
-            reported = self._job_labels(job).get(SLURM_JOB_ID_LABEL, "")
-            if _SLURM_JOB_ID.fullmatch(reported):
-                return reported
-            if reported:
-                logger.warning(
-                    "job %s: reported slurm_job_id %r is not a SLURM job id; ignored", job, reported
-                )
-        if self._numeric_job_names and _SLURM_JOB_ID.fullmatch(job):
-            return job
-        return None
+            return self._job_ids[job], ""
+        verified = sorted(
+            i for i in (self._verified(job) if self._verified else ()) if _SLURM_JOB_ID.fullmatch(i)
+        )
+        if len(verified) == 1:
+            return verified[0], ""
+        if verified:
+            return None, f"job {job!r} runs in several SLURM jobs ({', '.join(verified)}): not one to requeue"
+        return None, (
+            f"job {job!r} has no SLURM job id: not in {SLURM_JOB_IDS_KEY}, and none verified (no rank's "
+            "process is in a SLURM job's cgroup, no SLURM Prolog registered it)"
+        )
 
     async def restart(
         self, job: str, nodes: Sequence[str], exclude_nodes: Sequence[str], reason: str
     ) -> LaunchOutcome:
         started = time.monotonic()
-        slurm_id = self.slurm_job_id(job)
+        slurm_id, why_not = self._resolve(job)
         if slurm_id is None:
-            return LaunchOutcome(
-                False,
-                f"job {job!r} has no SLURM job id: not in {SLURM_JOB_IDS_KEY}"
-                + (", none reported by its ranks" if self._job_labels is not None else "")
-                + (" and not numeric" if self._numeric_job_names else ""),
-            )
+            return LaunchOutcome(False, why_not)
         excluded = _unique(exclude_nodes)
         if bad := _bad_node_names(excluded):
             return LaunchOutcome(False, f"not a SLURM node name: {', '.join(map(repr, bad))}; nothing done")
@@ -543,8 +534,7 @@ def make_launcher(
     *,
     stop_grace_s: float = 10.0,
     slurm_job_ids: Mapping[str, str] | None = None,
-    job_labels: JobLabels | None = None,
-    slurm_numeric_job_names: bool = True,
+    verified_slurm_jobs: VerifiedSlurmJobs | None = None,
     scontrol: str = "scontrol",
     kubernetes_namespace: str = "",
     kubernetes_pod_selector: str = DEFAULT_POD_SELECTOR,
@@ -556,7 +546,7 @@ def make_launcher(
     Args:
         kind: "torchrun", "slurm" or "kubernetes".
         send_stop: how the torchrun adapter reaches an agent (see SendStop).
-        job_labels: how the SLURM adapter finds the SLURM job id a job's ranks reported.
+        verified_slurm_jobs: the SLURM job ids verified for a job, for the SLURM adapter.
 
     Raises:
         ConfigError: an unknown kind, or a bad option of the chosen one.
@@ -566,8 +556,7 @@ def make_launcher(
     if kind == "slurm":
         return SlurmLauncher(
             job_ids=slurm_job_ids,
-            job_labels=job_labels,
-            numeric_job_names=slurm_numeric_job_names,
+            verified_job_ids=verified_slurm_jobs,
             scontrol=scontrol,
             command_timeout_s=command_timeout_s,
         )

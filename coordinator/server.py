@@ -29,9 +29,9 @@ from clusterwatch.coordinator.event_log import EventLog, StateHealth
 from clusterwatch.coordinator.incident_metrics import IncidentView, incident_view
 from clusterwatch.coordinator.job_views import TrainingView, training_view
 from clusterwatch.coordinator.launchers import (
-    JobLabels,
     Launcher,
     SendStop,
+    VerifiedSlurmJobs,
     make_launcher,
     parse_slurm_job_ids,
 )
@@ -62,11 +62,11 @@ LAUNCHER_FIELDS = (
 
 
 def launcher_from(
-    settings: RecoverySettings, send_stop: SendStop, job_labels: JobLabels | None = None
+    settings: RecoverySettings, send_stop: SendStop, verified_slurm_jobs: VerifiedSlurmJobs | None = None
 ) -> Launcher:
     """The launcher adapter ``settings`` choose, with their options for it.
 
-    ``job_labels`` lets the SLURM adapter use the SLURM job id a job's ranks reported.
+    ``verified_slurm_jobs`` lets the SLURM adapter use the SLURM job verified for a job.
 
     Raises:
         ConfigError: a bad option of the chosen launcher, naming its key.
@@ -76,7 +76,7 @@ def launcher_from(
         send_stop,
         stop_grace_s=settings.restart_grace_s,
         slurm_job_ids=parse_slurm_job_ids(settings.slurm_job_ids) if settings.launcher == "slurm" else None,
-        job_labels=job_labels,
+        verified_slurm_jobs=verified_slurm_jobs,
         scontrol=settings.scontrol,
         kubernetes_namespace=settings.kubernetes_namespace,
         kubernetes_pod_selector=settings.kubernetes_pod_selector,
@@ -127,7 +127,7 @@ class CoordinatorServer:
         )
         recovery = recovery or RecoverySettings()
         # Before anything is opened: it may raise. (self.core exists by the time a job's labels are asked for.)
-        launcher = launcher_from(recovery, self._send_stop, self._job_labels)
+        launcher = launcher_from(recovery, self._send_stop, self._verified_slurm_jobs)
         self.core = Coordinator(
             EventLog(settings.state_dir), settings.unreachable_after_intervals, detection=detection
         )
@@ -176,10 +176,10 @@ class CoordinatorServer:
             settings = dataclasses.replace(settings, **{name: getattr(current, name) for name in changed})
         self.recovery.apply_settings(settings)
 
-    def _job_labels(self, job: str) -> dict[str, str]:
-        """A job's labels, for the SLURM launcher (on the event loop, like every launcher call)."""
+    def _verified_slurm_jobs(self, job: str) -> set[str]:
+        """A job's verified SLURM job ids, for the SLURM launcher (on the event loop, like every launcher call)."""
         record = self.core.jobs.jobs.get(job)
-        return record.labels if record is not None else {}
+        return record.verified_slurm_job_ids() if record is not None else set()
 
     async def _send_stop(
         self, node_id: str, stop: agent_pb2.StopWorkersCommand, timeout_s: float

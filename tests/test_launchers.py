@@ -118,9 +118,15 @@ SHOW_JOB = (
 )
 
 
-async def test_slurm_restart_is_one_requeue_of_the_numeric_job_name(bin_dir: Path) -> None:
+def verified_slurm(**options: Any) -> SlurmLauncher:
+    """A SLURM launcher whose jobs' ranks run in the SLURM job of the job's name (numeric names), as
+    their agents read it from the processes' cgroups."""
+    return SlurmLauncher(verified_job_ids=lambda job: {job} if job.isdigit() else set(), **options)
+
+
+async def test_slurm_restart_is_one_requeue_of_the_verified_job(bin_dir: Path) -> None:
     scontrol = write_standin(bin_dir, "scontrol")
-    outcome = await SlurmLauncher().restart("4242", ["gpu01", "gpu02"], [], "hang incident hang-1")
+    outcome = await verified_slurm().restart("4242", ["gpu01", "gpu02"], [], "hang incident hang-1")
     assert calls(scontrol) == [["requeue", "4242"]]
     assert outcome.ok, outcome.detail
     assert outcome.detail.startswith("requeued SLURM job 4242 (job '4242' on 2 nodes) in ")
@@ -154,30 +160,31 @@ async def test_slurm_exclusion_of_a_job_without_one(bin_dir: Path) -> None:
     scontrol = write_standin(
         bin_dir, "scontrol", [{"args": ["--oneliner", "show"], "stdout": SHOW_JOB.format(exc="(null)")}]
     )
-    outcome = await SlurmLauncher().restart("777", ["gpu03"], ["gpu03"], "")
+    outcome = await verified_slurm().restart("777", ["gpu03"], ["gpu03"], "")
     assert ["update", "JobId=777", "ExcNodeList=gpu03"] in calls(scontrol)
     assert outcome.ok, outcome.detail
 
 
-async def test_slurm_uses_the_job_id_the_ranks_reported_unless_mapped(bin_dir: Path) -> None:
+async def test_slurm_requeues_only_a_verified_job_id_never_what_the_ranks_say(bin_dir: Path) -> None:
+    """A rank's slurm_job_id label and a numeric job name are the user's word: a job named '888888',
+    or labelled 777777, must not get someone else's SLURM job requeued."""
     scontrol = write_standin(bin_dir, "scontrol")
-    reported = {
-        "llama": {"slurm_job_id": "4300"},
-        "4242_7": {"slurm_job_id": "4301"},
-        "odd": {"slurm_job_id": "x"},
-    }
-    launcher = SlurmLauncher(job_ids={"mapped": "777"}, job_labels=lambda job: reported.get(job, {}))
+    verified = {"llama": {"4300"}, "4242_7": {"4301"}, "split": {"4300", "4301"}, "odd": {"x"}}
+    launcher = SlurmLauncher(job_ids={"mapped": "777"}, verified_job_ids=lambda job: verified.get(job, set()))
     assert (await launcher.restart("llama", ["gpu01"], [], "hang")).ok
-    # The ranks' id wins over a job name that is one (an array task: its own job id)...
     assert (await launcher.restart("4242_7", ["gpu01"], [], "hang")).ok
-    # ...and the static mapping wins over both.
-    reported["mapped"] = {"slurm_job_id": "4300"}
+    # The static mapping wins over what is verified.
+    verified["mapped"] = {"4300"}
     assert (await launcher.restart("mapped", ["gpu01"], [], "hang")).ok
     assert calls(scontrol) == [["requeue", "4300"], ["requeue", "4301"], ["requeue", "777"]]
-    odd = await launcher.restart("odd", ["gpu01"], [], "hang")  # not an id: ignored, like no label
-    assert odd.detail == (
-        "job 'odd' has no SLURM job id: not in recovery.slurm_job_ids, none reported by its ranks and not numeric"
+    numeric = await launcher.restart("888888", ["gpu01"], [], "hang")
+    assert numeric.detail == (
+        "job '888888' has no SLURM job id: not in recovery.slurm_job_ids, and none verified (no rank's "
+        "process is in a SLURM job's cgroup, no SLURM Prolog registered it)"
     )
+    assert not (await launcher.restart("odd", ["gpu01"], [], "hang")).ok  # not an id: ignored
+    split = await launcher.restart("split", ["gpu01"], [], "hang")
+    assert split.detail == "job 'split' runs in several SLURM jobs (4300, 4301): not one to requeue"
     assert len(calls(scontrol)) == 3
 
 
@@ -194,10 +201,8 @@ async def test_slurm_job_without_an_id_runs_nothing(bin_dir: Path) -> None:
     scontrol = write_standin(bin_dir, "scontrol")
     unmapped = await SlurmLauncher(job_ids={"other": "1"}).restart("llama", ["gpu01"], [], "")
     assert not unmapped.ok
-    assert unmapped.detail == "job 'llama' has no SLURM job id: not in recovery.slurm_job_ids and not numeric"
-    not_numeric = await SlurmLauncher(numeric_job_names=False).restart("4242", ["gpu01"], [], "")
-    assert not not_numeric.ok
-    bad_node = await SlurmLauncher().restart("4242", ["gpu01"], ["--all"], "")
+    assert unmapped.detail.startswith("job 'llama' has no SLURM job id: not in recovery.slurm_job_ids")
+    bad_node = await verified_slurm().restart("4242", ["gpu01"], ["--all"], "")
     assert not bad_node.ok
     assert bad_node.detail == "not a SLURM node name: '--all'; nothing done"
     assert calls(scontrol) == []
@@ -206,7 +211,7 @@ async def test_slurm_job_without_an_id_runs_nothing(bin_dir: Path) -> None:
 async def test_slurm_nonzero_exit_is_a_failed_outcome_with_stderrs_first_line(bin_dir: Path) -> None:
     stderr = "scontrol: error: Requested operation is presently disabled for job 4242\nsecond line\n"
     write_standin(bin_dir, "scontrol", [{"args": ["requeue"], "exit": 1, "stderr": stderr}])
-    outcome = await SlurmLauncher().restart("4242", ["gpu01"], [], "")
+    outcome = await verified_slurm().restart("4242", ["gpu01"], [], "")
     assert not outcome.ok
     assert outcome.detail == (
         "SLURM job 4242 (job '4242') not requeued: `scontrol requeue 4242` failed "
@@ -218,7 +223,7 @@ async def test_slurm_failed_hold_leaves_the_job_running(bin_dir: Path) -> None:
     scontrol = write_standin(
         bin_dir, "scontrol", [{"args": ["requeuehold"], "exit": 1, "stderr": "Job is pending execution\n"}]
     )
-    outcome = await SlurmLauncher().restart("777", ["gpu01"], ["gpu01"], "")
+    outcome = await verified_slurm().restart("777", ["gpu01"], ["gpu01"], "")
     assert [argv[0] for argv in calls(scontrol)] == ["--oneliner", "requeuehold"]
     assert not outcome.ok
     assert (
@@ -230,7 +235,7 @@ async def test_slurm_failed_exclusion_still_releases_the_held_job(bin_dir: Path)
     scontrol = write_standin(
         bin_dir, "scontrol", [{"args": ["update"], "exit": 1, "stderr": "Invalid node name specified\n"}]
     )
-    outcome = await SlurmLauncher().restart("777", ["gpu01"], ["gpu09"], "")
+    outcome = await verified_slurm().restart("777", ["gpu01"], ["gpu09"], "")
     assert [argv[0] for argv in calls(scontrol)] == ["--oneliner", "requeuehold", "update", "release"]
     assert not outcome.ok
     assert outcome.detail == (
@@ -244,7 +249,7 @@ async def test_slurm_failed_release_says_how_to_release(bin_dir: Path) -> None:
     write_standin(
         bin_dir, "scontrol", [{"args": ["release"], "exit": 1, "stderr": "Access/permission denied\n"}]
     )
-    outcome = await SlurmLauncher().restart("777", ["gpu01"], ["gpu09"], "")
+    outcome = await verified_slurm().restart("777", ["gpu01"], ["gpu09"], "")
     assert not outcome.ok
     assert (
         "but still held: `scontrol release 777` failed (exit 1: Access/permission denied)" in outcome.detail
@@ -253,13 +258,13 @@ async def test_slurm_failed_release_says_how_to_release(bin_dir: Path) -> None:
 
 
 async def test_slurm_missing_scontrol(bin_dir: Path, tmp_path: Path) -> None:
-    on_path = await SlurmLauncher().restart("4242", ["gpu01"], [], "")  # bin_dir has no scontrol
+    on_path = await verified_slurm().restart("4242", ["gpu01"], [], "")  # bin_dir has no scontrol
     assert not on_path.ok
     assert on_path.detail.endswith(
         "`scontrol requeue 4242` failed (scontrol not found (looked for 'scontrol' on PATH))"
     )
     missing = tmp_path / "slurm" / "bin" / "scontrol"
-    by_path = await SlurmLauncher(scontrol=str(missing)).restart("4242", ["gpu01"], [], "")
+    by_path = await verified_slurm(scontrol=str(missing)).restart("4242", ["gpu01"], [], "")
     assert not by_path.ok
     assert f"scontrol not found (looked for {missing})" in by_path.detail
 
@@ -267,7 +272,7 @@ async def test_slurm_missing_scontrol(bin_dir: Path, tmp_path: Path) -> None:
 async def test_slurm_timeout_kills_scontrol(bin_dir: Path) -> None:
     scontrol = write_standin(bin_dir, "scontrol", [{"args": ["requeue"], "sleep_s": 60}])
     started = time.monotonic()
-    outcome = await SlurmLauncher(command_timeout_s=0.5).restart("4242", ["gpu01"], [], "")
+    outcome = await verified_slurm(command_timeout_s=0.5).restart("4242", ["gpu01"], [], "")
     assert time.monotonic() - started < 10
     assert not outcome.ok
     assert outcome.detail.endswith("`scontrol requeue 4242` failed (no answer within 0.5 s (killed))")
@@ -286,7 +291,7 @@ def test_slurm_job_ids_config() -> None:
     launcher = SlurmLauncher(job_ids={"llama": "777"})
     assert (launcher.slurm_job_id("llama"), launcher.slurm_job_id("123"), launcher.slurm_job_id("x")) == (
         "777",
-        "123",
+        None,
         None,
     )
 

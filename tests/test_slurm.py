@@ -286,16 +286,27 @@ async def test_begin_and_end_job_check_their_input(server: CoordinatorServer) ->
         )
 
 
-async def test_the_slurm_launcher_requeues_the_id_the_ranks_reported(
+async def test_the_slurm_launcher_requeues_the_job_the_agent_verified_not_the_label(
     server: CoordinatorServer, tmp_path: Path
 ) -> None:
     report = rank_report(0, job=JOB, world_size=1)
     report.identity.labels.update(LABELS)
     server.core.jobs.ingest("gpu01", [report], now_mono=time.monotonic(), now_unix=T0)
-    async with admin_channel(f"127.0.0.1:{server.grpc_port}") as channel:
-        response = await cluster_pb2_grpc.ClusterServiceStub(channel).RequestAction(
-            cluster_pb2.ActionRequest(job=JOB, action="restart")
-        )
+
+    async def restart() -> cluster_pb2.ActionResponse:
+        async with admin_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            return await cluster_pb2_grpc.ClusterServiceStub(channel).RequestAction(  # type: ignore[no-any-return]
+                cluster_pb2.ActionRequest(job=JOB, action="restart")
+            )
+
+    # The rank's label alone is its own word: nothing is requeued on it.
+    refused = await restart()
+    assert "has no SLURM job id" in refused.message, refused.message
+    assert not (tmp_path / "scontrol.calls").exists()
+    # Its agent read the process's cgroup: that SLURM job is requeued.
+    report.slurm_job_id = "4301"
+    server.core.jobs.ingest("gpu01", [report], now_mono=time.monotonic(), now_unix=T0)
+    response = await restart()
     assert response.message.startswith(f"done: requeued SLURM job 4301 (job '{JOB}' on 1 nodes)"), (
         response.message
     )

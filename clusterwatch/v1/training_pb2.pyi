@@ -577,12 +577,18 @@ class RankReport(_message.Message):
     EXIT_FIELD_NUMBER: _builtins.int
     COLLECTIVES_FIELD_NUMBER: _builtins.int
     UID_FIELD_NUMBER: _builtins.int
+    SLURM_JOB_ID_FIELD_NUMBER: _builtins.int
     state: Global___RankState.ValueType
     steps_dropped_total: _builtins.int
     """Steps the agent did not forward (more than it keeps per report)."""
     uid: _builtins.int
     """The user id the process runs as, from the kernel (the agent's hook
     socket handshake, SO_PEERCRED); unset when the agent did not verify it.
+    """
+    slurm_job_id: _builtins.str
+    """The SLURM job whose cgroup holds the process, as the agent read it from
+    /proc/PID/cgroup; empty outside SLURM. Unlike the slurm_job_id label the
+    rank gives itself, this is what the SLURM launcher may requeue.
     """
     @_builtins.property
     def identity(self) -> Global___RankIdentity: ...
@@ -618,10 +624,11 @@ class RankReport(_message.Message):
         exit: Global___RankExit | None = ...,
         collectives: _abc.Iterable[Global___CollectiveSummary] | None = ...,
         uid: _builtins.int | None = ...,
+        slurm_job_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_uid", b"_uid", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "uid", b"uid"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_uid", b"_uid", "checkpoint_results", b"checkpoint_results", "collectives", b"collectives", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "state", b"state", "steps", b"steps", "steps_dropped_total", b"steps_dropped_total", "uid", b"uid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_uid", b"_uid", "checkpoint_results", b"checkpoint_results", "collectives", b"collectives", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "slurm_job_id", b"slurm_job_id", "state", b"state", "steps", b"steps", "steps_dropped_total", b"steps_dropped_total", "uid", b"uid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__uid: _TypeAlias = _typing.Literal["uid"]  # noqa: Y015
     _WhichOneofArgType__uid: _TypeAlias = _typing.Literal["_uid", b"_uid"]  # noqa: Y015
