@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from clusterwatch.agent.credential_server import CredentialServer
+from clusterwatch.agent.hook_limits import HookLimitError, WorkBudget, message_items
 from clusterwatch.agent.hook_links import AcknowledgementRefusedError, HookLink, HookLinks
 from clusterwatch.agent.hook_socket import HookSocketError, SocketClaim, resolve_group
 from clusterwatch.agent.hook_validation import InvalidHookMessageError, RankGoneError, RefuseUndecodable
@@ -60,11 +61,13 @@ STATUS_BY_ERROR: tuple[tuple[type[ClusterwatchError], grpc.StatusCode], ...] = (
     (UnverifiedHookError, grpc.StatusCode.UNAUTHENTICATED),
     (PeerMismatchError, grpc.StatusCode.PERMISSION_DENIED),
     (AcknowledgementRefusedError, grpc.StatusCode.PERMISSION_DENIED),
+    (HookLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )
 # Refusals counted in clusterwatch_agent_hook_denied_total, by the code's label.
 DENIED_CODES = {
     grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
     grpc.StatusCode.PERMISSION_DENIED: "permission_denied",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",
 }
 
 HOOK_STREAMS = gauge("clusterwatch_agent_hook_streams", "Training hooks connected to this agent's socket.")
@@ -78,7 +81,8 @@ HOOK_INVALID = counter(
 HOOK_DENIED = counter(
     "clusterwatch_agent_hook_denied_total",
     "Hook streams ended because the hook did not prove which process it is (unauthenticated), "
-    "or claimed another process or answered a request not sent to its rank (permission_denied).",
+    "claimed another process or answered a request not sent to its rank (permission_denied), "
+    "or went past a limit on ranks or messages (resource_exhausted).",
 )
 
 # Message kinds as labels: the oneof members, plus "empty" for a message with none.
@@ -143,6 +147,8 @@ class HookServicer(hook_pb2_grpc.HookServiceServicer):
         self._proc_root = proc_root
         # Log each distinct refusal once at warning: a broken hook reconnects and repeats itself.
         self._warned: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Per user (uid from the kernel): what their hooks may make the agent do (agent/hook_limits.py).
+        self._budgets: dict[int | None, WorkBudget] = {}
 
     # Driven with context.read()/write() so commands can be written while
     # messages are read; the generated base class only types the generator style.
@@ -210,10 +216,13 @@ class HookServicer(hook_pb2_grpc.HookServiceServicer):
         """Apply messages until the hook half-closes; raise on the first bad one."""
         instance_id = link.instance_id
         registry = self._registry
+        budget = self._budgets.setdefault(peer.uid, WorkBudget())
+        whose = f"user {peer.uid}"
         while True:
             message: Any = await context.read()
             if message is EOF:
                 return
+            budget.charge(message_items(message), whose)
             kind = self._count(message)
             if kind == "steps":
                 registry.add_steps(instance_id, message.steps.steps)

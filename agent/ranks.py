@@ -16,6 +16,13 @@ from collections.abc import Iterable
 
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
+from clusterwatch.agent.hook_limits import (
+    MAX_COLLECTIVE_KINDS,
+    MAX_RANKS,
+    MAX_RANKS_PER_PROCESS,
+    MAX_RANKS_PER_UID,
+    HookLimitError,
+)
 from clusterwatch.agent.hook_validation import (
     InvalidHookMessageError,
     RankGoneError,
@@ -86,7 +93,9 @@ class RankEntry:
     checkpoint_results: collections.deque[training_pb2.CheckpointResult] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=MAX_CHECKPOINT_RESULTS_PER_REPORT)
     )
-    collectives: CollectiveMerger = dataclasses.field(default_factory=CollectiveMerger)
+    collectives: CollectiveMerger = dataclasses.field(
+        default_factory=lambda: CollectiveMerger(max_kinds=MAX_COLLECTIVE_KINDS)
+    )
     said_goodbye: bool = False
     stopped_for: str = ""
     exit: training_pb2.RankExit | None = None
@@ -228,6 +237,7 @@ class RankRegistry:
                 if other.pid == identity.pid and other.state is RankState.DISCONNECTED:
                     # A new hook in the same process (a second TrainingMonitor): the old one is done.
                     other.retire_after_report = True
+            self._check_room(identity.pid, uid)
             entry = self._entries[identity.instance_id] = RankEntry(
                 identity,
                 collections.deque(maxlen=self.max_steps_per_report),
@@ -259,6 +269,25 @@ class RankRegistry:
         entry.state = RankState.RUNNING
         entry.stream += 1
         return entry.stream
+
+    def _check_room(self, pid: int, uid: int | None) -> None:
+        """Refuse a new registration past agent/hook_limits.py's rank limits.
+
+        Raises:
+            HookLimitError: naming the limit.
+        """
+        live = [
+            e for e in self._entries.values() if e.state is not RankState.EXITED and not e.retire_after_report
+        ]
+        for count, limit, whose in (
+            (sum(e.pid == pid for e in live), MAX_RANKS_PER_PROCESS, f"process {pid}"),
+            (sum(e.uid == uid for e in live) if uid is not None else 0, MAX_RANKS_PER_UID, f"user {uid}"),
+            (len(live), MAX_RANKS, "this node"),
+        ):
+            if count >= limit:
+                raise HookLimitError(
+                    f"hello: {whose} has {count} live ranks registered already, the most allowed"
+                )
 
     def update_identity(self, instance_id: str, identity: training_pb2.RankIdentity) -> None:
         """Replace a process's identity (its backend or GPU became known)."""

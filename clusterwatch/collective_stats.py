@@ -63,10 +63,16 @@ class CollectiveMerger:
     The agent folds each rank's per-step summaries into one set per node
     report, so a report's size depends on how many kinds of collective ran,
     not on how many steps did.
+
+    Args:
+        max_kinds: at most this many keys between two takes; summaries of further
+            keys are dropped and counted in ``dropped_total`` (None: no limit).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_kinds: int | None = None) -> None:
         self._by_key: dict[tuple[str, str, int, str, int], training_pb2.CollectiveSummary] = {}
+        self._max_kinds = max_kinds
+        self.dropped_total = 0
 
     def __bool__(self) -> bool:
         return bool(self._by_key)
@@ -75,6 +81,9 @@ class CollectiveMerger:
         key = (summary.op, summary.group_name, summary.group_size, summary.dtype, summary.size_bucket_bytes)
         merged = self._by_key.get(key)
         if merged is None:
+            if self._max_kinds is not None and len(self._by_key) >= self._max_kinds:
+                self.dropped_total += 1
+                return
             self._by_key[key] = merged = training_pb2.CollectiveSummary()
             merged.CopyFrom(summary)
             return

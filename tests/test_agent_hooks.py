@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
 import stat
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +29,17 @@ import pytest
 from helpers import eventually, run_cli, samples_named, scrape
 from hook_client import HookClient
 
+from clusterwatch.agent.hook_limits import (
+    ITEM_BURST,
+    ITEMS_PER_S,
+    MAX_COLLECTIVE_KINDS,
+    MAX_RANKS_PER_PROCESS,
+)
 from clusterwatch.agent.hook_socket import HookSocketError, SocketClaim
 from clusterwatch.agent.proc_exit import ProcessExitWatcher
 from clusterwatch.agent.runtime import Agent
 from clusterwatch.config import AgentSettings, CoordinatorSettings
+from clusterwatch.coordinator.report_checks import check_report
 from clusterwatch.coordinator.server import CoordinatorServer
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, hook_pb2, training_pb2
 
@@ -544,3 +553,55 @@ def test_unusable_socket_paths_are_refused_without_touching_anything(tmp_path: P
     claim.claim()  # creates the missing directories
     claim.release()
     assert nested.parent.is_dir()
+
+
+FLOOD = Path(__file__).parent / "hook_workers" / "hook_flood.py"
+
+
+async def test_a_flooding_hook_is_refused_and_the_node_reports_on_time_and_valid(tmp_path: Path) -> None:
+    """A user process says hello as rank after rank, then sends 2,048 new collective kinds a batch as
+    fast as it can (tests/hook_workers/hook_flood.py): refused past agent/hook_limits.py's limits, and
+    the node's reports keep their pace and stay reports the coordinator takes (before the limits, they
+    stalled for 11-29 s, or grew past what the coordinator accepts)."""
+    async with running_agent(tmp_path, interval_s=0.1) as harness:
+        coordinator = harness.coordinator
+        loop = asyncio.get_running_loop()
+        quiet_start, quiet_s = len(coordinator.reports), loop.time()
+        await eventually(lambda: len(coordinator.reports) >= quiet_start + 10, 20, "ten quiet reports")
+        quiet_per_s = (len(coordinator.reports) - quiet_start) / (loop.time() - quiet_s)
+
+        start, started_s = len(coordinator.reports), loop.time()
+        flooder = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(FLOOD),
+            str(harness.socket_path),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(flooder.communicate(), 60)
+        flood_s = loop.time() - started_s
+        assert flooder.returncode == 0, err
+        sent = json.loads(out)["batches_sent"]
+        # MAX_RANKS_PER_PROCESS hellos were taken; each was cut off by the user's budget.
+        assert len(harness.agent.ranks) == MAX_RANKS_PER_PROCESS
+        through = [n for n in sent if n]  # a refused hello's stream gets nothing through
+        assert len(through) == MAX_RANKS_PER_PROCESS, sent
+        assert all(n < 399 for n in through), sent
+        assert sum(sent) * 2048 < 2 * ITEM_BURST + ITEMS_PER_S * flood_s
+        await eventually(
+            lambda: all(e.state.name == "DISCONNECTED" for e in harness.agent.ranks.entries()),
+            20, "every flooding stream to be ended",
+        )  # fmt: skip
+        samples = await asyncio.to_thread(harness.metrics)
+        refused = samples_named(samples, "clusterwatch_agent_hook_denied_total", code="resource_exhausted")
+        assert refused[0].value == 10  # 6 hellos, then the 4 streams
+
+        flood_reports = coordinator.reports[start:]
+        for report in flood_reports:  # each one a report the coordinator takes
+            check_report(report, time.time())
+            assert all(len(r.collectives) <= MAX_COLLECTIVE_KINDS for r in report.ranks)
+        assert any(
+            len(r.collectives) == MAX_COLLECTIVE_KINDS for report in flood_reports for r in report.ranks
+        )
+        # The pace held: at least half the quiet pace while flooded.
+        assert len(flood_reports) >= 0.5 * quiet_per_s * flood_s, (len(flood_reports), quiet_per_s, flood_s)

@@ -10,10 +10,17 @@ import math
 
 import pytest
 
+from clusterwatch.agent.hook_limits import (
+    MAX_COLLECTIVE_KINDS,
+    MAX_RANKS_PER_PROCESS,
+    HookLimitError,
+    WorkBudget,
+    message_items,
+)
 from clusterwatch.agent.hook_validation import DURATION_BUCKETS, InvalidHookMessageError, RankGoneError
 from clusterwatch.agent.proc_exit import ExitStatus
 from clusterwatch.agent.ranks import RankRegistry, RankState
-from clusterwatch.v1 import node_pb2, training_pb2
+from clusterwatch.v1 import hook_pb2, node_pb2, training_pb2
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -269,3 +276,56 @@ def test_identity_update_replaces_identity_but_not_the_process(registry: RankReg
     assert report(registry)[0].identity.backend == "nccl"
     with pytest.raises(InvalidHookMessageError, match=r"identity\.instance_id"):
         registry.update_identity("i0-100", identity(instance="other"))
+
+
+def test_ranks_are_bounded_per_process_per_user_and_per_node(
+    registry: RankRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """agent/hook_limits.py: a process registering rank after rank, or a user filling the node, is refused."""
+    for n in range(MAX_RANKS_PER_PROCESS):
+        registry.hello(identity(rank=n % 4, pid=100, instance=f"p{n}"), uid=1000)
+    with pytest.raises(HookLimitError, match="process 100 has 4 live ranks registered already"):
+        registry.hello(identity(pid=100, instance="one-more"), uid=1000)
+    # A process whose hook disconnected and comes back as a new TrainingMonitor replaces its old one.
+    registry.disconnect("p0", stream=1)
+    registry.hello(identity(pid=100, instance="replacement"), uid=1000)
+    # Per user, and per node (smaller limits, so the test does not register thousands).
+    monkeypatch.setattr("clusterwatch.agent.ranks.MAX_RANKS_PER_UID", 5)
+    monkeypatch.setattr("clusterwatch.agent.ranks.MAX_RANKS", 6)
+    registry.hello(identity(pid=101, instance="u1"), uid=1000)
+    with pytest.raises(HookLimitError, match="user 1000 has 5 live ranks"):
+        registry.hello(identity(pid=102, instance="u2"), uid=1000)
+    registry.hello(identity(pid=103, instance="v1"), uid=2000)
+    with pytest.raises(HookLimitError, match="this node has 6 live ranks"):
+        registry.hello(identity(pid=104, instance="v2"), uid=2000)
+
+
+def test_collective_kinds_are_bounded_per_rank_and_report(registry: RankRegistry) -> None:
+    registry.hello(identity())
+    batch = step(1)
+    batch.collectives.extend(
+        training_pb2.CollectiveSummary(
+            op="all_reduce", group_name=f"g{n}", group_size=2, dtype="float32", size_bucket_bytes=1024, count=1,
+            duration_bucket_counts=[1] + [0] * (DURATION_BUCKETS - 1),
+        )
+        for n in range(1000)
+    )  # fmt: skip
+    registry.add_steps("i0-100", [batch])
+    (sent,) = report(registry)
+    assert len(sent.collectives) == MAX_COLLECTIVE_KINDS
+    (after,) = report(registry)  # the next interval starts with room again
+    assert len(after.collectives) == 0
+
+
+def test_the_work_budget_refills_and_names_whose_it_is() -> None:
+    now = [0.0]
+    budget = WorkBudget(rate_per_s=100, burst=200, clock=lambda: now[0])
+    budget.charge(150, "user 7")
+    with pytest.raises(HookLimitError, match=r"^user 7 sent more than 100 items/s"):
+        budget.charge(100, "user 7")
+    now[0] = 0.5  # 50 back
+    budget.charge(100, "user 7")
+    assert message_items(hook_pb2.HookMessage(heartbeat=training_pb2.Heartbeat())) == 1
+    two_steps = hook_pb2.HookMessage(steps=hook_pb2.StepBatch(steps=[step(1), step(2)]))
+    two_steps.steps.steps[0].collectives.add()
+    assert message_items(two_steps) == 4
