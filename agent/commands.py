@@ -236,11 +236,15 @@ class CommandHandler:
                 message="stop_workers command names no job",
             )
         workers = lookup.worker_pids(stop.job)
+        if stop.pids:  # only these (the orphans of a dead launcher, say)
+            named = set(stop.pids)
+            workers = {pid: rank for pid, rank in workers.items() if pid in named}
         if not workers:
             return agent_pb2.CommandResult(
                 command_id=command_id,
                 status=Status.STATUS_FAILED,
-                message=f"no worker of job {stop.job} on this node",
+                message=f"no worker of job {stop.job} on this node"
+                + (f" among pids {', '.join(map(str, stop.pids))}" if stop.pids else ""),
             )
         grace_s = effective_grace_s(stop.grace_seconds)
         logger.warning(

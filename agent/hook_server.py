@@ -35,6 +35,7 @@ from clusterwatch.agent.peer_credentials import (
     UnverifiedHookError,
     VerifiedPeer,
 )
+from clusterwatch.agent.process_instance import VerifiedProcess, launcher_of, read_instance
 from clusterwatch.agent.ranks import RankRegistry
 from clusterwatch.agent.slurm_cgroup import slurm_job_of
 from clusterwatch.errors import ClusterwatchError
@@ -181,12 +182,7 @@ class HookServicer(hook_pb2_grpc.HookServiceServicer):
         peer = VerifiedPeer(self._nonces.redeem(first.credential_nonce), self._proc_root)
         peer.check_same_process()
         identity = peer.bind(first.hello, "hello")
-        stream = self._registry.hello(
-            identity,
-            uid=peer.uid,
-            start_ticks=peer.start_ticks,
-            slurm_job_id=slurm_job_of(peer.pid, self._proc_root),
-        )
+        stream = self._registry.hello(identity, verify_process(peer, self._proc_root))
         link = self._links.open(identity)
         self._stats.streams = len(self._links)
         reader = asyncio.create_task(self._read(link, peer, context), name=f"hook-read-{identity.rank}")
@@ -265,6 +261,17 @@ class HookServicer(hook_pb2_grpc.HookServiceServicer):
         if len(self._warned) > 256:
             self._warned.popitem(last=False)
         logger.warning("hook stream refused: %s", exc)
+
+
+def verify_process(peer: VerifiedPeer, proc_root: Path) -> VerifiedProcess:
+    """What the kernel says of the process on a stream: its uid, start, SLURM job and launcher."""
+    instance = read_instance(peer.pid, proc_root)
+    return VerifiedProcess(
+        uid=peer.uid,
+        start_ticks=peer.start_ticks,
+        slurm_job_id=slurm_job_of(peer.pid, proc_root),
+        launcher=launcher_of(instance, proc_root) if instance is not None else None,
+    )
 
 
 class HookServer:

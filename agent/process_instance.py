@@ -15,7 +15,12 @@ kernel reported for the socket is another process already.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
+
+# Parents that are never a worker's launcher: init systems and container inits
+# (a process whose launcher died is adopted by one of them).
+INIT_NAMES = frozenset({"init", "systemd", "tini", "dumb-init", "docker-init", "catatonit", "s6-svscan"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -26,11 +31,32 @@ class ProcessInstance:
         pid: in the agent's pid namespace.
         start_ticks: when it started, in clock ticks since boot.
         uid: its effective user id.
+        name: its command name (``comm``), "" when not read.
+        parent_pid: its parent's pid then (0: none).
     """
 
     pid: int
     start_ticks: int
     uid: int
+    name: str = dataclasses.field(default="", compare=False)
+    parent_pid: int = dataclasses.field(default=0, compare=False)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VerifiedProcess:
+    """What the agent learned of a hook's process from the kernel, not from the hook.
+
+    Attributes:
+        uid: from SO_PEERCRED.
+        start_ticks: when the process started (None: not read).
+        slurm_job_id: the SLURM job whose cgroup holds it (agent/slurm_cgroup.py); "" if none.
+        launcher: its parent when it registered, unless that is an init (see ``launcher_of``).
+    """
+
+    uid: int
+    start_ticks: int | None = None
+    slurm_job_id: str = ""
+    launcher: ProcessInstance | None = None
 
 
 def read_instance(pid: int, proc_root: Path = Path("/proc")) -> ProcessInstance | None:
@@ -42,13 +68,28 @@ def read_instance(pid: int, proc_root: Path = Path("/proc")) -> ProcessInstance 
     except OSError:
         return None
     # The command name (field 2) is in parentheses and may hold spaces or ')': split after the last one.
-    fields = stat[stat.rfind(b")") + 2 :].split()
+    close = stat.rfind(b")")
+    fields = stat[close + 2 :].split()
     try:
         start_ticks = int(fields[19])  # field 22 overall; fields[0] is field 3 (state)
+        parent_pid = int(fields[1])
         uid = next(int(line.split()[2]) for line in status.splitlines() if line.startswith("Uid:"))
     except (IndexError, ValueError, StopIteration):
         return None
-    return ProcessInstance(pid, start_ticks, uid)
+    name = stat[stat.find(b"(") + 1 : close].decode(errors="replace")
+    return ProcessInstance(pid, start_ticks, uid, name, parent_pid)
+
+
+def launcher_of(process: ProcessInstance, proc_root: Path = Path("/proc")) -> ProcessInstance | None:
+    """The process that launched ``process``: its parent, unless that is an init (pid 1, a
+    container's init, a subreaper init) or this agent, which launch nothing that could die alone."""
+    parent_pid = process.parent_pid
+    if parent_pid <= 1 or parent_pid == os.getpid():
+        return None
+    parent = read_instance(parent_pid, proc_root)
+    if parent is None or parent.name in INIT_NAMES or parent.name.startswith("containerd-shim"):
+        return None
+    return parent
 
 
 def still_running(instance: ProcessInstance, proc_root: Path = Path("/proc")) -> bool:

@@ -32,7 +32,7 @@ from clusterwatch.agent.hook_validation import (
     check_values,
 )
 from clusterwatch.agent.proc_exit import ExitStatus, ExitWatcher
-from clusterwatch.agent.process_instance import ProcessInstance
+from clusterwatch.agent.process_instance import ProcessInstance, VerifiedProcess
 from clusterwatch.collective_stats import CollectiveMerger
 from clusterwatch.v1 import training_pb2
 
@@ -82,6 +82,8 @@ class RankEntry:
         uid: the user the process runs as, as the kernel reported it; None if not verified.
         start_ticks: when the process started (agent/process_instance.py); None if not verified.
         slurm_job_id: the SLURM job whose cgroup holds the process (agent/slurm_cgroup.py); "" if none.
+        launcher: the process that launched it (its parent when it registered); None if none or unknown.
+        launcher_exit: how the launcher ended, once it did while this process runs (an orphan).
     """
 
     identity: training_pb2.RankIdentity
@@ -104,10 +106,22 @@ class RankEntry:
     uid: int | None = None
     start_ticks: int | None = None
     slurm_job_id: str = ""
+    launcher: ProcessInstance | None = None
+    launcher_exit: training_pb2.LauncherExit | None = None
 
     @property
     def instance_id(self) -> str:
         return self.identity.instance_id
+
+    @property
+    def orphaned(self) -> bool:
+        """Its launcher ended while it runs (and nobody is stopping it on purpose)."""
+        return (
+            self.launcher_exit is not None
+            and self.state is not RankState.EXITED
+            and self.pending_exit is None
+            and not self.stopped_for
+        )
 
     @property
     def pid(self) -> int:
@@ -208,20 +222,12 @@ class RankRegistry:
 
     # --- what hook streams call ---------------------------------------------
 
-    def hello(
-        self,
-        identity: training_pb2.RankIdentity,
-        uid: int | None = None,
-        start_ticks: int | None = None,
-        slurm_job_id: str = "",
-    ) -> int:
+    def hello(self, identity: training_pb2.RankIdentity, verified: VerifiedProcess | None = None) -> int:
         """Register a process, or re-attach a known one whose hook reconnected.
 
         Args:
             identity: from the hello, its pid verified by the caller.
-            uid: the user the process runs as, as the kernel says; None if not verified.
-            start_ticks: when the process started, as the kernel says; None if not verified.
-            slurm_job_id: the SLURM job whose cgroup holds the process; "" if none.
+            verified: what the kernel says of the process; None if not verified.
 
         Returns:
             The stream generation to pass to ``disconnect``.
@@ -229,6 +235,7 @@ class RankRegistry:
         Raises:
             InvalidHookMessageError: a bad identity, or a known instance claiming another pid.
             RankGoneError: the instance was already reported as exited.
+            HookLimitError: a new registration past agent/hook_limits.py's limits.
         """
         check_identity(identity, "hello")
         entry = self._entries.get(identity.instance_id)
@@ -237,15 +244,17 @@ class RankRegistry:
                 if other.pid == identity.pid and other.state is RankState.DISCONNECTED:
                     # A new hook in the same process (a second TrainingMonitor): the old one is done.
                     other.retire_after_report = True
+            uid = verified.uid if verified is not None else None
             self._check_room(identity.pid, uid)
             entry = self._entries[identity.instance_id] = RankEntry(
-                identity,
-                collections.deque(maxlen=self.max_steps_per_report),
-                uid=uid,
-                start_ticks=start_ticks,
-                slurm_job_id=slurm_job_id,
+                identity, collections.deque(maxlen=self.max_steps_per_report), uid=uid
             )
+            if verified is not None:
+                entry.start_ticks, entry.slurm_job_id = verified.start_ticks, verified.slurm_job_id
+                entry.launcher = verified.launcher
             self._watcher.watch(identity.pid)
+            if entry.launcher is not None:
+                self._watcher.watch(entry.launcher.pid)
             logger.info(
                 "rank %d of job %s registered (pid %d, uid %s, instance %s)",
                 identity.rank, identity.job, identity.pid, "unverified" if uid is None else uid,
@@ -256,16 +265,15 @@ class RankRegistry:
             description = entry.exit.description if entry.exit is not None else "exited"
             raise RankGoneError(f"instance {identity.instance_id} already ended: {description}")
         self._check_same_process(entry, identity, "hello")
+        start_ticks = verified.start_ticks if verified is not None else None
         if None not in (start_ticks, entry.start_ticks) and start_ticks != entry.start_ticks:
             raise InvalidHookMessageError(
                 "hello.instance_id",
                 f"{identity.instance_id} belongs to another process (same pid, started earlier)",
             )
         self._replace_identity(entry, identity)
-        if uid is not None:
-            entry.uid = uid
-        if start_ticks is not None:
-            entry.start_ticks = start_ticks
+        if verified is not None:
+            entry.uid = verified.uid
         entry.state = RankState.RUNNING
         entry.stream += 1
         return entry.stream
@@ -356,6 +364,8 @@ class RankRegistry:
             if entry.uid is not None:
                 report.uid = entry.uid
             report.slurm_job_id = entry.slurm_job_id
+            if entry.launcher_exit is not None and entry.orphaned:
+                report.launcher_exit.CopyFrom(entry.launcher_exit)
             if entry.heartbeat is not None:
                 report.heartbeat.CopyFrom(entry.heartbeat)
             if entry.steps:
@@ -375,9 +385,25 @@ class RankRegistry:
             del self._entries[entry.instance_id]
             if not any(other.pid == entry.pid for other in self._entries.values()):
                 self._watcher.unwatch(entry.pid)
+            launcher = entry.launcher
+            if launcher is not None and not any(o.launcher == launcher for o in self._entries.values()):
+                self._watcher.unwatch(launcher.pid)
 
     def _apply_exits(self, exits: dict[int, ExitStatus]) -> None:
         for entry in self._entries.values():
+            launcher = entry.launcher
+            if launcher is not None and entry.launcher_exit is None and launcher.pid in exits:
+                ended = exits[launcher.pid]
+                entry.launcher_exit = training_pb2.LauncherExit(
+                    launcher_pid=launcher.pid, launcher_name=launcher.name, description=ended.description,
+                    timestamp_unix_seconds=ended.timestamp_unix_s,
+                )  # fmt: skip
+                if entry.orphaned:
+                    logger.warning(
+                        "rank %d of job %s (pid %d) runs on without its launcher %s (pid %d): %s",
+                        entry.identity.rank, entry.identity.job, entry.pid, launcher.name, launcher.pid,
+                        ended.description,
+                    )  # fmt: skip
             status = exits.get(entry.pid) or entry.pending_exit
             if status is None or entry.state is RankState.EXITED:
                 continue

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import psutil
 
-from clusterwatch.agent.process_instance import ProcessInstance, still_running
+from clusterwatch.agent.process_instance import INIT_NAMES, ProcessInstance, still_running
 from clusterwatch.v1 import agent_pb2
 
 logger = logging.getLogger(__name__)
@@ -52,9 +52,6 @@ DEFAULT_KILL_WAIT_S = 2.0
 DEFAULT_POLL_S = 0.02
 DEFAULT_GPU_CHECK_TIMEOUT_S = 10.0
 NOT_A_RANK = -1
-# Parents of workers that are never launchers, even with stop_launcher: init
-# systems and container inits (the workers' launcher died and they were adopted).
-_INIT_NAMES = frozenset({"init", "systemd", "tini", "dumb-init", "docker-init", "catatonit", "s6-svscan"})
 
 # Pids of processes holding GPU memory, read after the stop; None: this node has no GPUs.
 GpuPidsProbe = Callable[[], Awaitable[Collection[int] | None]]
@@ -390,7 +387,7 @@ def _launchers(
         name = _name(parent)
         if parent.pid in protected:
             skipped.append(f"pid {parent.pid} is {protected[parent.pid]}")
-        elif name in _INIT_NAMES or name.startswith("containerd-shim"):
+        elif name in INIT_NAMES or name.startswith("containerd-shim"):
             skipped.append(f"pid {parent.pid} ({name}) is an init process")
         else:
             launchers.append(parent)

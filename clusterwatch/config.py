@@ -179,6 +179,7 @@ class DetectionSettings:
 
 
 ACTIONS = ("alert", "checkpoint", "restart", "checkpoint_and_restart", "exclude_node_and_restart")
+ORPHAN_ACTIONS = ("alert", "stop_orphans")
 # The launcher adapters of coordinator/launchers.py (LAUNCHER_KINDS there).
 LAUNCHERS = ("torchrun", "slurm", "kubernetes")
 # A job's pods by default (launchers.DEFAULT_POD_SELECTOR); {job} is the job name.
@@ -190,7 +191,8 @@ class RecoverySettings:
     """What the coordinator does about incidents (section ``[recovery]``).
 
     Each ``*_action`` is one of alert, checkpoint, restart,
-    checkpoint_and_restart, exclude_node_and_restart. ``launcher`` says how a
+    checkpoint_and_restart, exclude_node_and_restart (``orphaned_ranks_action``:
+    alert or stop_orphans). ``launcher`` says how a
     job is restarted; only the options of the chosen launcher are used.
 
     SIGHUP re-reads this section like ``[detection]``: the policy changes at
@@ -215,6 +217,12 @@ class RecoverySettings:
     )
     straggler_persist_s: float = setting(
         300.0, "a straggler must persist this long before its action", positive=True
+    )
+    orphaned_ranks_action: str = setting(
+        "stop_orphans",
+        "on ranks that run on after their launcher (torchrun) died: stop_orphans stops them (SIGTERM, grace, "
+        "SIGKILL) on their nodes, freeing their GPUs and peers; or alert",
+        choices=ORPHAN_ACTIONS,
     )
     node_failure_action: str = setting(
         "exclude_node_and_restart",

@@ -26,6 +26,7 @@ from clusterwatch.coordinator.failures import NodeFailureDetector, rank_failure
 from clusterwatch.coordinator.hangs import HangFinding, HangSettings, detect_hang
 from clusterwatch.coordinator.incidents import Finding, Kind, Severity
 from clusterwatch.coordinator.jobs import RUNNING, JobRecord
+from clusterwatch.coordinator.orphans import orphaned_ranks
 from clusterwatch.coordinator.slowdowns import SlowdownDetector, SlowdownFinding, SlowdownSettings
 from clusterwatch.coordinator.state import NodeRecord, NodeState
 from clusterwatch.coordinator.stragglers import StragglerDetector, StragglerFinding, StragglerSettings
@@ -123,6 +124,9 @@ class Detection:
         failure = rank_failure(job)
         if failure is not None:
             findings.append(failure)
+        orphans = orphaned_ranks(job)
+        if orphans is not None:
+            findings.append(orphans)
         hang = detect_hang(job, now_mono_s, self._hang, unreachable)
         if hang is not None:
             findings.append(_hang_finding(job, hang))

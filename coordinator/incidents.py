@@ -74,6 +74,7 @@ class Kind(enum.StrEnum):
     GPU_XID = "gpu_xid"
     GPU_LOST = "gpu_lost"
     INFINIBAND = "infiniband"
+    ORPHANED_RANKS = "orphaned_ranks"
 
 
 class Severity(enum.StrEnum):

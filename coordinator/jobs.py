@@ -136,6 +136,7 @@ class RankRecord:
             collectives (sum of bytes x bus factor / sum of durations).
         last_collectives: the collectives of that report, as the agent merged them.
         slurm_job_id: the SLURM job whose cgroup holds the process, as its agent read it ("" if none).
+        launcher_exit: set while the rank runs on after its launcher ended (coordinator/orphans.py).
     """
 
     identity: training_pb2.RankIdentity
@@ -154,6 +155,7 @@ class RankRecord:
     steps_dropped_total: int = 0
     exit: training_pb2.RankExit | None = None
     slurm_job_id: str = ""
+    launcher_exit: training_pb2.LauncherExit | None = None
 
     @property
     def rank(self) -> int:
@@ -551,6 +553,12 @@ class JobStore:
         record.node_id = node_id
         record.state = report.state
         record.slurm_job_id = report.slurm_job_id
+        if report.HasField("launcher_exit"):
+            launcher_exit = training_pb2.LauncherExit()
+            launcher_exit.CopyFrom(report.launcher_exit)
+            record.launcher_exit = launcher_exit
+        else:
+            record.launcher_exit = None
         if report.HasField("heartbeat"):
             previous = record.heartbeat
             if previous is None or report.heartbeat.timestamp_unix_seconds > previous.timestamp_unix_seconds:

@@ -162,14 +162,21 @@ class TorchrunLauncher:
         command = agent_pb2.StopWorkersCommand(
             job=job, grace_seconds=self._grace_s, stop_launcher=stop_launcher, reason=reason
         )
-        try:
-            return await self._send_stop(node, command, self._timeout_s)
-        except KeyError:
-            return "not connected"
-        except TimeoutError:
-            return f"no answer within {self._timeout_s:.1f} s"
-        except ConnectionError as exc:
-            return f"stream closed ({exc})"
+        return await stop_on_node(self._send_stop, node, command, self._timeout_s)
+
+
+async def stop_on_node(
+    send_stop: SendStop, node: str, command: agent_pb2.StopWorkersCommand, timeout_s: float
+) -> agent_pb2.CommandResult | str:
+    """One node's answer to ``command``, or why there is none (for summarise_stops)."""
+    try:
+        return await send_stop(node, command, timeout_s)
+    except KeyError:
+        return "not connected"
+    except TimeoutError:
+        return f"no answer within {timeout_s:.1f} s"
+    except ConnectionError as exc:
+        return f"stream closed ({exc})"
 
 
 _OUTCOME_ORDER = ("sigterm", "sigkill", "already_gone", "survived")

@@ -33,6 +33,7 @@ CHECKPOINT = "checkpoint"
 RESTART = "restart"
 CHECKPOINT_AND_RESTART = "checkpoint_and_restart"
 EXCLUDE_NODE_AND_RESTART = "exclude_node_and_restart"
+STOP_ORPHANS = "stop_orphans"
 RESTARTS = frozenset({RESTART, CHECKPOINT_AND_RESTART, EXCLUDE_NODE_AND_RESTART})
 HOUR_S = 3600.0
 NODE_KINDS = frozenset({Kind.NODE_UNREACHABLE, Kind.GPU_XID, Kind.GPU_LOST, Kind.INFINIBAND})
@@ -82,6 +83,8 @@ class Policy:
             return s.rank_failure_action
         if incident.kind == Kind.STRAGGLER:
             return s.straggler_action
+        if incident.kind == Kind.ORPHANED_RANKS:
+            return s.orphaned_ranks_action
         if incident.kind in NODE_KINDS and incident.severity == Severity.CRITICAL:
             return s.node_failure_action
         return None

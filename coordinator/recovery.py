@@ -15,7 +15,11 @@ ListActions API) and, unless skipped or in dry-run mode, an action:
 - ``exclude_node_and_restart``: the same, with the incident's nodes stopped
   for good (their launcher too) so an elastic job re-forms without them;
   only if the job can run without them (policy.exclusion_blocker), else
-  the incident is alerted and says why.
+  the incident is alerted and says why;
+- ``stop_orphans``: the ranks whose launcher died are stopped by their nodes'
+  agents (SIGTERM, grace, SIGKILL, reaped, GPU memory checked), whatever the
+  launcher kind: nothing is left to restart them, and they hold their GPUs and
+  peers. The incident resolves when their exits are reported.
 
 An ``alert`` on a rank failure still tracks the restart torchrun makes by
 itself. A restarted job is recovered when every rank of a newer generation
@@ -39,6 +43,7 @@ once its condition clears.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import logging
@@ -51,20 +56,28 @@ from clusterwatch.coordinator.background import BackgroundTasks, every
 from clusterwatch.coordinator.event_log import EventLog
 from clusterwatch.coordinator.incidents import Incident, IncidentState, Kind
 from clusterwatch.coordinator.jobs import RUNNING, JobRecord, RankConflict
-from clusterwatch.coordinator.launchers import Launcher
+from clusterwatch.coordinator.launchers import (
+    STOP_ANSWER_MARGIN_S,
+    Launcher,
+    SendStop,
+    stop_on_node,
+    summarise_stops,
+)
+from clusterwatch.coordinator.orphans import orphan_pids
 from clusterwatch.coordinator.policy import (
     ALERT,
     CHECKPOINT,
     EXCLUDE_NODE_AND_RESTART,
     HOUR_S,
     RESTARTS,
+    STOP_ORPHANS,
     Decision,
     Policy,
     checkpoints_first,
     exclusion_blocker,
 )
 from clusterwatch.coordinator.watchdog import Watchdog
-from clusterwatch.v1 import cluster_pb2
+from clusterwatch.v1 import agent_pb2, cluster_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +175,7 @@ class Recovery:
         checkpoint_now: the coordinated checkpoint.
         launcher: how a job is restarted (torchrun via the agents, SLURM, Kubernetes).
         wall_clock: seconds since the epoch.
+        send_stop: how a node's agent is told to stop workers (orphans); None: it cannot be.
     """
 
     def __init__(
@@ -175,6 +189,7 @@ class Recovery:
         checkpoint_now: CheckpointNow,
         launcher: Launcher,
         wall_clock: Callable[[], float],
+        send_stop: SendStop | None = None,
     ) -> None:
         self.settings = settings
         self.policy = Policy(settings)
@@ -186,6 +201,7 @@ class Recovery:
         self._checkpoint_now = checkpoint_now
         self._launcher = launcher
         self._wall = wall_clock
+        self._send_stop = send_stop
         self._restarted: dict[str, _Restarted] = {}
         self._actions = BackgroundTasks()
         # Live incidents a previous coordinator already acted on: never decided again.
@@ -301,6 +317,8 @@ class Recovery:
                     return self._finish(record, DONE, record.detail)
             if decision.action in RESTARTS:
                 return await self._restart(record, incident)
+            if decision.action == STOP_ORPHANS:
+                return await self._stop_orphans(record)
         except Exception as exc:  # a failed action is recorded, never raised into the loop
             logger.exception("action %s on job %s failed", record.id, record.job)
             return self._finish(record, FAILED, f"{record.detail + '; ' if record.detail else ''}{exc}")
@@ -419,6 +437,32 @@ class Recovery:
             else "starts over (no complete checkpoint)"
         )
         return self._finish(record, DONE, f"{prefix}{outcome.detail}; the job {where}")
+
+    async def _stop_orphans(self, record: cluster_pb2.ActionRecord) -> cluster_pb2.ActionRecord:
+        """Have each node's agent stop the job's orphaned ranks there (see the module docstring)."""
+        job = self._jobs().get(record.job)
+        if job is None:
+            return self._finish(record, FAILED, f"job {record.job} is gone")
+        if self._send_stop is None:
+            return self._finish(record, FAILED, "this coordinator cannot reach agents to stop processes")
+        targets = {node: pids for node in job.nodes() if (pids := orphan_pids(job, node))}
+        if not targets:
+            return self._finish(record, DONE, "no orphaned rank left to stop")
+        grace_s = self.settings.restart_grace_s
+        commands = {
+            node: agent_pb2.StopWorkersCommand(
+                job=record.job, grace_seconds=grace_s, reason=record.reason, pids=pids
+            )
+            for node, pids in targets.items()
+        }
+        answers = await asyncio.gather(
+            *(
+                stop_on_node(self._send_stop, n, c, grace_s + STOP_ANSWER_MARGIN_S)
+                for n, c in commands.items()
+            )
+        )
+        outcome = summarise_stops(record.job, dict(zip(commands, answers, strict=True)), ())
+        return self._finish(record, DONE if outcome.ok else FAILED, f"orphans: {outcome.detail}")
 
     def _track(self, now_unix_s: float) -> None:
         jobs = self._jobs()

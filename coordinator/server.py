@@ -141,6 +141,7 @@ class CoordinatorServer:
             checkpoint_now=self.actions.checkpoint_now,
             launcher=launcher,
             wall_clock=time.time,
+            send_stop=self._send_stop,
         )
         self.actions.recovery = self.recovery
         self.core.job_ended_listeners.append(self.recovery.forget_job)

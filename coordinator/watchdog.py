@@ -39,7 +39,7 @@ RESTART_GRACE_S = 15.0
 MAX_LIVE_LOADED = 100_000
 # Incidents about a job's training, which end with the job. Node incidents that
 # name a job (an XID under it) stay: the node's trouble outlives the job.
-JOB_KINDS = frozenset({Kind.STRAGGLER, Kind.JOB_SLOWDOWN, Kind.HANG, Kind.RANK_FAILURE})
+JOB_KINDS = frozenset({Kind.STRAGGLER, Kind.JOB_SLOWDOWN, Kind.HANG, Kind.RANK_FAILURE, Kind.ORPHANED_RANKS})
 
 
 @dataclasses.dataclass(frozen=True)

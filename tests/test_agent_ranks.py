@@ -19,6 +19,7 @@ from clusterwatch.agent.hook_limits import (
 )
 from clusterwatch.agent.hook_validation import DURATION_BUCKETS, InvalidHookMessageError, RankGoneError
 from clusterwatch.agent.proc_exit import ExitStatus
+from clusterwatch.agent.process_instance import VerifiedProcess
 from clusterwatch.agent.ranks import RankRegistry, RankState
 from clusterwatch.v1 import hook_pb2, node_pb2, training_pb2
 
@@ -283,21 +284,21 @@ def test_ranks_are_bounded_per_process_per_user_and_per_node(
 ) -> None:
     """agent/hook_limits.py: a process registering rank after rank, or a user filling the node, is refused."""
     for n in range(MAX_RANKS_PER_PROCESS):
-        registry.hello(identity(rank=n % 4, pid=100, instance=f"p{n}"), uid=1000)
+        registry.hello(identity(rank=n % 4, pid=100, instance=f"p{n}"), VerifiedProcess(uid=1000))
     with pytest.raises(HookLimitError, match="process 100 has 4 live ranks registered already"):
-        registry.hello(identity(pid=100, instance="one-more"), uid=1000)
+        registry.hello(identity(pid=100, instance="one-more"), VerifiedProcess(uid=1000))
     # A process whose hook disconnected and comes back as a new TrainingMonitor replaces its old one.
     registry.disconnect("p0", stream=1)
-    registry.hello(identity(pid=100, instance="replacement"), uid=1000)
+    registry.hello(identity(pid=100, instance="replacement"), VerifiedProcess(uid=1000))
     # Per user, and per node (smaller limits, so the test does not register thousands).
     monkeypatch.setattr("clusterwatch.agent.ranks.MAX_RANKS_PER_UID", 5)
     monkeypatch.setattr("clusterwatch.agent.ranks.MAX_RANKS", 6)
-    registry.hello(identity(pid=101, instance="u1"), uid=1000)
+    registry.hello(identity(pid=101, instance="u1"), VerifiedProcess(uid=1000))
     with pytest.raises(HookLimitError, match="user 1000 has 5 live ranks"):
-        registry.hello(identity(pid=102, instance="u2"), uid=1000)
-    registry.hello(identity(pid=103, instance="v1"), uid=2000)
+        registry.hello(identity(pid=102, instance="u2"), VerifiedProcess(uid=1000))
+    registry.hello(identity(pid=103, instance="v1"), VerifiedProcess(uid=2000))
     with pytest.raises(HookLimitError, match="this node has 6 live ranks"):
-        registry.hello(identity(pid=104, instance="v2"), uid=2000)
+        registry.hello(identity(pid=104, instance="v2"), VerifiedProcess(uid=2000))
 
 
 def test_collective_kinds_are_bounded_per_rank_and_report(registry: RankRegistry) -> None:

@@ -36,7 +36,7 @@ from clusterwatch.agent.hook_links import HookLinks
 from clusterwatch.agent.hook_server import HookServer
 from clusterwatch.agent.peer_credentials import NonceBook
 from clusterwatch.agent.proc_exit import ProcessExitWatcher
-from clusterwatch.agent.process_instance import read_instance
+from clusterwatch.agent.process_instance import VerifiedProcess, read_instance
 from clusterwatch.agent.ranks import RankEntry, RankRegistry
 from clusterwatch.agent.workers import WorkerStopper
 from clusterwatch.errors import ConfigError
@@ -550,7 +550,7 @@ async def test_a_stream_cannot_acknowledge_for_another_rank_or_job(
 
 def test_results_not_reported_yet_do_not_follow_a_process_to_another_rank() -> None:
     registry = RankRegistry(max_steps_per_report=16, exit_watcher=ProcessExitWatcher())
-    registry.hello(identity(0), uid=1000)
+    registry.hello(identity(0), VerifiedProcess(uid=1000))
     registry.checkpoint_result("j-0", training_pb2.CheckpointResult(command_id="ck-1", step=100, ok=True))
     registry.update_identity("j-0", identity(2, instance="j-0"))
     report = node_pb2.NodeReport()

@@ -132,11 +132,14 @@ def test_defaults_exclude_stragglers_and_failed_nodes_and_restart_hangs() -> Non
     policy = Policy(RecoverySettings(cooldown_s=0, straggler_persist_s=10))
     decisions = {
         kind: policy.decide(incident(kind, n), 200.0)
-        for n, kind in enumerate((Kind.HANG, Kind.RANK_FAILURE, Kind.STRAGGLER, Kind.GPU_XID))
+        for n, kind in enumerate(
+            (Kind.HANG, Kind.RANK_FAILURE, Kind.STRAGGLER, Kind.GPU_XID, Kind.ORPHANED_RANKS)
+        )
     }
     assert {kind: d.action for kind, d in decisions.items() if d is not None} == {
         Kind.HANG: "restart",
         Kind.RANK_FAILURE: "alert",
         Kind.STRAGGLER: "exclude_node_and_restart",
         Kind.GPU_XID: "exclude_node_and_restart",
+        Kind.ORPHANED_RANKS: "stop_orphans",
     }

@@ -7,10 +7,12 @@ After each job, the process table is scanned for anything left of the job's sess
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from helpers import (
     Cluster,
@@ -250,3 +252,42 @@ def test_a_persistent_straggler_is_checkpointed_and_its_node_left_out_of_the_ela
     assert [i.summary for i in incidents(coordinator) if i.kind == "rank_failure"] == []  # stopped on purpose
     for job in jobs.values():
         assert session_processes(job.pid) == []
+
+
+def test_workers_whose_torchrun_was_killed_are_named_and_stopped(cluster: Cluster, tmp_path: Path) -> None:
+    """torchrun SIGKILLed (the OOM killer, a careless kill -9): its workers, each in a session of
+    their own, train on alone. The agent sees their launcher end; the coordinator names them and
+    stops them through the agent (orphaned_ranks_action = stop_orphans, the default)."""
+    coordinator, socket = start(cluster)
+    job = cluster.torchrun(
+        TRAIN, "--out-dir", str(tmp_path / "out"), "--job", "orphans", "--until-file", str(tmp_path / "never"),
+        "--compute-ms", "40", nproc=4, socket=socket,
+    )  # fmt: skip
+    wait_for_ranks_past(coordinator, "orphans", 4, 3, 120)
+    workers = psutil.Process(job.pid).children()
+    assert len(workers) == 4
+    try:
+        job.kill()
+
+        def orphaned() -> cluster_pb2.Incident | None:
+            return next((i for i in incidents(coordinator) if i.kind == "orphaned_ranks"), None)
+
+        incident = wait_for(orphaned, 30, "the orphaned ranks to be named")
+        assert list(incident.ranks) == [0, 1, 2, 3]
+        assert list(incident.nodes) == ["node-a"]
+        assert f"(pid {job.pid}) ended: " in incident.summary, incident.summary
+        assert incident.cause == "launcher_exited"
+
+        def all_gone() -> bool:
+            return not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+
+        wait_for(all_gone, 30, "no worker of the job left")
+        (stop,) = wait_for(lambda: [a for a in actions(coordinator, "orphans") if a.outcome != "pending"], 30,
+                           "the stop to be recorded")  # fmt: skip
+        assert (stop.action, stop.outcome) == ("stop_orphans", "done"), stop.detail
+        assert "(4 sigterm)" in stop.detail, stop.detail
+        wait_for(lambda: orphaned() is None or orphaned().state == RESOLVED, 30, "the incident to resolve")  # type: ignore[union-attr]
+    finally:
+        for worker in workers:
+            with contextlib.suppress(psutil.Error):
+                worker.kill()

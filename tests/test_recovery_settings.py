@@ -76,7 +76,10 @@ async def test_sighup_rereads_recovery_settings_but_keeps_the_launcher(
     write_recovery(config, launcher="slurm", scontrol=str(scontrol))
     coordinator = cluster.coordinator("--config", str(config))
     async with AgentStream(coordinator.address, "node-a") as node:
-        await node.report(*(rank_report(rank, job=JOB, steps=STEPS) for rank in range(2)))
+        ranks = [rank_report(rank, job=JOB, steps=STEPS) for rank in range(2)]
+        for report in ranks:  # the agent found the processes in SLURM job JOB's cgroup
+            report.slurm_job_id = JOB
+        await node.report(*ranks)
         wait_for(lambda: job_status(coordinator, JOB), 20, f"job {JOB} in the snapshot")
 
         # The configured launcher: SLURM, through the configured scontrol.

@@ -320,11 +320,18 @@ class StopWorkersCommand(_message.Message):
     GRACE_SECONDS_FIELD_NUMBER: _builtins.int
     STOP_LAUNCHER_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    PIDS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     grace_seconds: _builtins.float
     stop_launcher: _builtins.bool
     reason: _builtins.str
     """Why, for the agent's log ("hang incident hang-1f2e...")."""
+    @_builtins.property
+    def pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Only these registered workers of the job (every one of them when empty),
+        e.g. the orphans whose launcher died.
+        """
+
     def __init__(
         self,
         *,
@@ -332,10 +339,11 @@ class StopWorkersCommand(_message.Message):
         grace_seconds: _builtins.float = ...,
         stop_launcher: _builtins.bool = ...,
         reason: _builtins.str = ...,
+        pids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["grace_seconds", b"grace_seconds", "job", b"job", "reason", b"reason", "stop_launcher", b"stop_launcher"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grace_seconds", b"grace_seconds", "job", b"job", "pids", b"pids", "reason", b"reason", "stop_launcher", b"stop_launcher"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -784,7 +784,7 @@ class Incident(_message.Message):
     id: _builtins.str
     kind: _builtins.str
     """"straggler", "job_slowdown", "hang", "rank_failure", "node_unreachable",
-    "gpu_xid", "gpu_lost", "infiniband".
+    "gpu_xid", "gpu_lost", "infiniband", "orphaned_ranks".
     """
     severity: _builtins.str
     """"critical" (training stopped or will), "warning" (training is slower)."""

@@ -578,6 +578,7 @@ class RankReport(_message.Message):
     COLLECTIVES_FIELD_NUMBER: _builtins.int
     UID_FIELD_NUMBER: _builtins.int
     SLURM_JOB_ID_FIELD_NUMBER: _builtins.int
+    LAUNCHER_EXIT_FIELD_NUMBER: _builtins.int
     state: Global___RankState.ValueType
     steps_dropped_total: _builtins.int
     """Steps the agent did not forward (more than it keeps per report)."""
@@ -612,6 +613,13 @@ class RankReport(_message.Message):
         of steps dropped above), merged per op, group, dtype and size bucket.
         """
 
+    @_builtins.property
+    def launcher_exit(self) -> Global___LauncherExit:
+        """Set when the process that launched this rank (its parent when it
+        registered, e.g. torchrun's elastic agent) ended while the rank still
+        runs: an orphan, training on alone and holding its peers.
+        """
+
     def __init__(
         self,
         *,
@@ -625,16 +633,49 @@ class RankReport(_message.Message):
         collectives: _abc.Iterable[Global___CollectiveSummary] | None = ...,
         uid: _builtins.int | None = ...,
         slurm_job_id: _builtins.str = ...,
+        launcher_exit: Global___LauncherExit | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_uid", b"_uid", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "uid", b"uid"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_uid", b"_uid", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "launcher_exit", b"launcher_exit", "uid", b"uid"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_uid", b"_uid", "checkpoint_results", b"checkpoint_results", "collectives", b"collectives", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "slurm_job_id", b"slurm_job_id", "state", b"state", "steps", b"steps", "steps_dropped_total", b"steps_dropped_total", "uid", b"uid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_uid", b"_uid", "checkpoint_results", b"checkpoint_results", "collectives", b"collectives", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "launcher_exit", b"launcher_exit", "slurm_job_id", b"slurm_job_id", "state", b"state", "steps", b"steps", "steps_dropped_total", b"steps_dropped_total", "uid", b"uid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__uid: _TypeAlias = _typing.Literal["uid"]  # noqa: Y015
     _WhichOneofArgType__uid: _TypeAlias = _typing.Literal["_uid", b"_uid"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__uid) -> _WhichOneofReturnType__uid | None: ...
 
 Global___RankReport: _TypeAlias = RankReport  # noqa: Y015
+
+@_typing.final
+class LauncherExit(_message.Message):
+    """How a rank's launcher ended, as its node's agent saw it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAUNCHER_PID_FIELD_NUMBER: _builtins.int
+    LAUNCHER_NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    TIMESTAMP_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    launcher_pid: _builtins.int
+    launcher_name: _builtins.str
+    """The launcher's command name ("torchrun", "python3")."""
+    description: _builtins.str
+    """"signal 9 (SIGKILL)", "exit_code 1", "exited (status unknown)"."""
+    timestamp_unix_seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        launcher_pid: _builtins.int = ...,
+        launcher_name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        timestamp_unix_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "launcher_name", b"launcher_name", "launcher_pid", b"launcher_pid", "timestamp_unix_seconds", b"timestamp_unix_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LauncherExit: _TypeAlias = LauncherExit  # noqa: Y015
 
 @_typing.final
 class ProcessDiagnosis(_message.Message):
