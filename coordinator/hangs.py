@@ -11,10 +11,16 @@ The culprits, in the order a person would check them:
 2. ranks whose heartbeat stopped advancing (a frozen or stopped process: the
    hook's heartbeat thread runs even while training is blocked in a
    collective, so silence means the whole process is stuck);
-3. ranks whose Flight Recorder ``last_enqueued_collective`` is behind the rest
-   of their process group: they never joined the collective everyone else
-   waits in (DESIGN.md, "Signals");
-4. ranks on a node that stopped reporting (unreachable): nothing is known of
+3. ranks in another collective than the rest of their process group at the
+   same point (another op, size or dtype at the same sequence, or a sequence
+   ahead or behind while the whole group waits): a collective mismatch
+   (coordinator/mismatch.py), a bug in the program that no waiting resolves;
+   it comes before 4 because a rank that went past the others' collective
+   must not make them look behind;
+4. ranks whose Flight Recorder ``last_enqueued_collective`` is behind the rest
+   of their process group (the ranks named in 3 left out): they never joined
+   the collective everyone else waits in (DESIGN.md, "Signals");
+5. ranks on a node that stopped reporting (unreachable): nothing is known of
    them now, so they come last, and only their node is blamed.
 
 If none of these names anyone and every rank waits in the same collective
@@ -27,8 +33,8 @@ node's agent may be cut off from the coordinator while training goes on), and
 its peers on the other nodes tell: a collective completes only once every
 rank has joined it, so while they finish steps it does too. A job with no rank
 on a reachable node is not judged at all; the node_unreachable incident says
-what is known. Ranks on unreachable nodes are never called frozen or behind
-on their stale heartbeats.
+what is known. Ranks on unreachable nodes are never called frozen, mismatched
+or behind on their stale heartbeats, nor are frozen ranks mismatched.
 
 Heartbeats are compared on the coordinator's monotonic clock (when a newer one
 last arrived), never on the ranks' wall clocks, so skew between hosts cannot
@@ -43,6 +49,7 @@ import math
 from collections.abc import Collection
 
 from clusterwatch.coordinator.jobs import JobRecord, RankRecord
+from clusterwatch.coordinator.mismatch import Mismatch, Position, find_mismatches
 from clusterwatch.v1 import training_pb2
 
 # Ranks whose step times the p99 is taken over (see timeout_s).
@@ -70,6 +77,7 @@ class HangSettings:
 class CulpritReason(enum.StrEnum):
     EXITED = "exited"
     HEARTBEAT_STOPPED = "heartbeat_stopped"
+    COLLECTIVE_MISMATCH = "collective_mismatch"
     BEHIND_IN_GROUP = "behind_in_group"
     NODE_UNREACHABLE = "node_unreachable"
 
@@ -93,12 +101,20 @@ class SharedCollective:
 
 @dataclasses.dataclass(frozen=True)
 class HangFinding:
+    """A hung job.
+
+    Attributes:
+        mismatches: the process groups whose ranks are in different
+            collectives (their odd ranks are culprits too).
+    """
+
     job: str
     stalled_s: float
     timeout_s: float
     last_step: int
     culprits: tuple[Culprit, ...]
     shared_collective: SharedCollective | None
+    mismatches: tuple[Mismatch, ...] = ()
 
     @property
     def summary(self) -> str:
@@ -156,10 +172,22 @@ def detect_hang(
     limit_s = timeout_s(job, settings)
     if stalled_s <= limit_s:
         return None
+    frozen = _frozen(heard, now_mono_s, settings.heartbeat_stale_s)
+    silent = {c.rank for c in frozen}
+    mismatches = find_mismatches(
+        (p for r in heard if r.rank not in silent and (p := position(r)) is not None),
+        group_sizes(ranks, job.world_size),
+    )
+    mismatched = [
+        Culprit(o.rank, o.node_id, CulpritReason.COLLECTIVE_MISMATCH, o.detail)
+        for m in mismatches
+        for o in m.odd
+    ]
     culprits = [
         *_exited(ranks),
-        *_frozen(heard, now_mono_s, settings.heartbeat_stale_s),
-        *_behind_in_group(heard),
+        *frozen,
+        *mismatched,
+        *_behind_in_group(heard, {c.rank for c in mismatched}),
         *_unheard(ranks, unreachable_nodes),
     ]
     first_reason: dict[int, Culprit] = {}  # a rank is named once, for its strongest reason
@@ -173,7 +201,36 @@ def detect_hang(
         last_step=max(r.last_step.step for r in ranks if r.last_step is not None),
         culprits=unique,
         shared_collective=None if unique else _shared_collective(heard),
+        mismatches=tuple(mismatches),
     )
+
+
+def position(rank: RankRecord, *, failed: bool = False) -> Position | None:
+    """The collective a running rank is in, from its latest heartbeat (None when none).
+
+    With ``failed``, the collective it failed in comes first (a rank whose
+    collective raised is no longer in it); exited ranks count too.
+    """
+    beat = rank.heartbeat
+    if beat is None or (rank.state != RUNNING and not failed):
+        return None
+    if failed and beat.HasField("failed_collective"):
+        collective = beat.failed_collective
+    elif beat.HasField("collective"):
+        collective = beat.collective
+    else:
+        return None
+    return Position(rank.rank, rank.node_id, collective, beat.step, beat.in_step)
+
+
+def group_sizes(ranks: list[RankRecord], world_size: int) -> dict[str, int]:
+    """Members per process group as the ranks report them (WORLD, "0": the world size)."""
+    sizes = {"0": world_size}
+    for rank in ranks:
+        if rank.heartbeat is not None:
+            for group in rank.heartbeat.process_groups:
+                sizes[group.group_name] = max(sizes.get(group.group_name, 0), group.size)
+    return sizes
 
 
 def _exited(ranks: list[RankRecord]) -> list[Culprit]:
@@ -209,11 +266,15 @@ def _unheard(ranks: list[RankRecord], unreachable_nodes: Collection[str]) -> lis
     ]
 
 
-def _behind_in_group(ranks: list[RankRecord]) -> list[Culprit]:
-    """Ranks whose Flight Recorder enqueued fewer collectives than the rest of a group."""
+def _behind_in_group(ranks: list[RankRecord], mismatched: Collection[int]) -> list[Culprit]:
+    """Ranks whose Flight Recorder enqueued fewer collectives than the rest of a group.
+
+    The ``mismatched`` ranks are left out: one that went past the others'
+    collective (it met something else there) does not make them behind.
+    """
     by_group: dict[str, list[tuple[RankRecord, int]]] = {}
     for rank in ranks:
-        if rank.state == EXITED or rank.heartbeat is None:
+        if rank.state == EXITED or rank.heartbeat is None or rank.rank in mismatched:
             continue
         for group in rank.heartbeat.flight_recorder:
             by_group.setdefault(group.group_name, []).append((rank, group.last_enqueued_collective))

@@ -1,0 +1,230 @@
+"""Collective mismatch: ranks of one process group in different collectives at the same point.
+
+Every rank's hook numbers the collectives it launches per process group and
+says, in each heartbeat, which one it is in (op, sequence, size and dtype of
+its data; clusterwatch/hook/collective_ledger.py). Ranks in the same
+collective agree on all four, so:
+
+- at the same sequence, a different op, size or dtype (``barrier`` where the
+  others ``all_reduce``, a tensor of another size) is another collective;
+- at another sequence, while every member of the group waits in one of its
+  collectives, the rank passed (or never reached) the collective the others
+  wait in: its call there met something else (a zero-size tensor the backend
+  completed alone, a skipped or an extra collective silently paired).
+
+Either never resolves by waiting: PyTorch's Flight Recorder analyzer calls it a
+collective mismatch. Within a group the ranks are sorted by what they are in;
+when one kind of collective holds more ranks than any other (and at least
+two), the ranks in anything else are the odd ones out. With no such majority
+(a 2-rank group, two halves) nothing tells which side left the common path,
+and every side is named, saying so.
+
+A sequence ahead of or behind the others is only judged when every member of
+the group is known to wait in one of its collectives: otherwise a member that
+never joined explains the rest (coordinator/hangs.py, ``behind_in_group``),
+and the root of a broadcast may legitimately finish before its receivers.
+Between equal sequences, steps tell more: a rank in a later step at the same
+collective number made fewer collectives in its steps so far (it skipped one
+its peers made).
+
+The hook's sequence numbers count only the collectives it times (see
+clusterwatch/hook/collective_patches.py): a collective one rank calls through a
+path the hook does not see (torch.compile, a coalescing manager) while the
+others call it where it does would shift that rank's numbers. SPMD programs
+call their collectives the same way on every rank, so the numbers agree in
+practice; the Flight Recorder, which counts every collective, backs a
+sequence verdict up where it is on.
+
+Pure: a function of what the caller hands in, no I/O and no clock.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+
+from clusterwatch.humanize import size_bytes
+from clusterwatch.v1 import training_pb2
+
+# Ranks spelled out in a detail before the rest are only counted.
+MAX_RANK_RANGES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """Where one rank is: the collective it waits in (or failed in), and its step.
+
+    Attributes:
+        step / in_step: ``Heartbeat.step`` and ``Heartbeat.in_step``.
+    """
+
+    rank: int
+    node_id: str
+    collective: training_pb2.CollectiveInFlight
+    step: int
+    in_step: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class OddRank:
+    rank: int
+    node_id: str
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    """One process group whose ranks are in different collectives.
+
+    Attributes:
+        sequence: the collective the others are in (with no majority: the
+            lowest sequence compared).
+        odd: the ranks named, in rank order; every rank compared when there
+            is no majority.
+        majority: whether a majority pointed them out.
+    """
+
+    group_name: str
+    sequence: int
+    odd: tuple[OddRank, ...]
+    majority: bool
+
+
+def find_mismatches(
+    positions: Iterable[Position], group_sizes: Mapping[str, int], *, compare_sequences: bool = True
+) -> list[Mismatch]:
+    """The groups whose ranks are in different collectives, in group-name order.
+
+    Args:
+        positions: one per rank at most: the collective it is in.
+        group_sizes: members per group, where known; a group whose positions
+            cover all its members may be judged on sequences too.
+        compare_sequences: False to compare ranks at the same sequence only
+            (positions taken at different times, as the last heartbeats of a
+            failed job are).
+    """
+    by_group: dict[str, list[Position]] = {}
+    for position in positions:
+        by_group.setdefault(position.collective.group_name, []).append(position)
+    found: list[Mismatch] = []
+    for group_name in sorted(by_group):
+        members = sorted(by_group[group_name], key=lambda p: p.rank)
+        if len(members) < 2:
+            continue
+        everyone = compare_sequences and group_sizes.get(group_name, 0) == len(members)
+        if everyone:
+            batches = [members]
+        else:
+            at_sequence: dict[int, list[Position]] = {}
+            for position in members:
+                at_sequence.setdefault(position.collective.sequence, []).append(position)
+            batches = [batch for _, batch in sorted(at_sequence.items()) if len(batch) > 1]
+        for batch in batches:
+            mismatch = _judge(group_name, batch)
+            if mismatch is not None:
+                found.append(mismatch)
+    return found
+
+
+_Signature = tuple[int, str, int, str]
+
+
+def _signature(c: training_pb2.CollectiveInFlight) -> _Signature:
+    return c.sequence, c.op, c.size_bytes, c.dtype
+
+
+def _judge(group_name: str, batch: Sequence[Position]) -> Mismatch | None:
+    """The odd ones out of ranks of one group (sorted by rank); None when they agree."""
+    kinds: dict[_Signature, list[Position]] = collections.defaultdict(list)
+    for position in batch:
+        kinds[_signature(position.collective)].append(position)
+    if len(kinds) == 1:
+        return None
+    ordered = sorted(kinds.values(), key=lambda ranks: (-len(ranks), ranks[0].rank))
+    largest = ordered[0]
+    if len(largest) >= 2 and len(largest) > len(ordered[1]):
+        return _against_majority(group_name, largest, ordered[1:])
+    return _without_majority(group_name, ordered)
+
+
+def _against_majority(group_name: str, majority: list[Position], others: list[list[Position]]) -> Mismatch:
+    reference = majority[0]
+    theirs = describe(reference.collective)
+    they = ranks_text(p.rank for p in majority)
+    steps = collections.Counter(p.step for p in majority if p.in_step)
+    common_step = steps.most_common(1)[0][0] if len(steps) == 1 else None
+    odd = []
+    for kind in others:
+        for position in kind:
+            detail = (
+                f"in {describe(position.collective)} of group {group_name} while {they} "
+                f"{'is' if len(majority) == 1 else 'are'} in {theirs}"
+                f"{_relation(position, reference.collective.sequence, common_step)}"
+            )
+            odd.append(OddRank(position.rank, position.node_id, detail))
+    odd.sort(key=lambda o: o.rank)
+    return Mismatch(group_name, reference.collective.sequence, tuple(odd), majority=True)
+
+
+def _relation(position: Position, sequence: int, their_step: int | None) -> str:
+    """What the rank's sequence or step says about where it is, against the majority's."""
+    ahead = position.collective.sequence - sequence
+    if ahead:
+        count = abs(ahead)
+        noun = "collective" if count == 1 else "collectives"
+        if ahead > 0:
+            return f": {count} {noun} ahead of them (it went past the one they wait in)"
+        return f": {count} {noun} behind them (they went past the one it waits in)"
+    if their_step is None or not position.in_step or position.step == their_step:
+        return ""
+    if position.step > their_step:
+        return (
+            f": in step {position.step} while they are in step {their_step} at the same collective number, "
+            "so it is ahead of them: it skipped a collective they made"
+        )
+    return (
+        f": in step {position.step} while they are in step {their_step} at the same collective number, "
+        "so it made a collective they did not"
+    )
+
+
+def _without_majority(group_name: str, kinds: list[list[Position]]) -> Mismatch:
+    sides = [f"{ranks_text(p.rank for p in kind)} in {describe(kind[0].collective)}" for kind in kinds]
+    odd = []
+    for index, kind in enumerate(kinds):
+        rest = "; ".join(side for other, side in enumerate(sides) if other != index)
+        for position in kind:
+            detail = (
+                f"in {describe(position.collective)} of group {group_name} while {rest}: "
+                "no majority tells which side left the common path"
+            )
+            odd.append(OddRank(position.rank, position.node_id, detail))
+    odd.sort(key=lambda o: o.rank)
+    sequence = min(kind[0].collective.sequence for kind in kinds)
+    return Mismatch(group_name, sequence, tuple(odd), majority=False)
+
+
+def describe(c: training_pb2.CollectiveInFlight) -> str:
+    """``all_reduce #61 (1.0MiB float32)``, ``barrier #61``."""
+    data = " ".join(part for part in (size_bytes(c.size_bytes) if c.size_bytes else "", c.dtype) if part)
+    return f"{c.op} #{c.sequence}" + (f" ({data})" if data else "")
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """``rank 3``, ``ranks 0, 1, 2``; more than MAX_RANK_RANGES as ranges (``ranks 0-511, 513-1023``),
+    and past MAX_RANK_RANGES ranges, counted."""
+    ordered = sorted(set(ranks))
+    ranges: list[tuple[int, int]] = []
+    for rank in ordered:
+        if ranges and rank == ranges[-1][1] + 1:
+            ranges[-1] = (ranges[-1][0], rank)
+        else:
+            ranges.append((rank, rank))
+    if len(ordered) == 1:
+        return f"rank {ordered[0]}"
+    if len(ordered) <= MAX_RANK_RANGES:
+        return "ranks " + ", ".join(str(rank) for rank in ordered)
+    shown = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges[:MAX_RANK_RANGES])
+    more = f", ... ({len(ordered)} ranks)" if len(ranges) > MAX_RANK_RANGES else ""
+    return f"ranks {shown}{more}"
