@@ -18,8 +18,10 @@ The culprits, in the order a person would check them:
    it comes before 4 because a rank that went past the others' collective
    must not make them look behind;
 4. ranks whose Flight Recorder ``last_enqueued_collective`` is behind the rest
-   of their process group (the ranks named in 3 left out): they never joined
-   the collective everyone else waits in (DESIGN.md, "Signals");
+   of their process group: they never joined the collective everyone else
+   waits in (DESIGN.md, "Signals"). In a group with a mismatch, its odd ranks
+   and the ranks waiting in its collectives are left out: those joined, and
+   the mismatch is why their collective cannot complete;
 5. ranks on a node that stopped reporting (unreachable): nothing is known of
    them now, so they come last, and only their node is blamed.
 
@@ -187,7 +189,7 @@ def detect_hang(
         *_exited(ranks),
         *frozen,
         *mismatched,
-        *_behind_in_group(heard, {c.rank for c in mismatched}),
+        *_behind_in_group(heard, mismatches),
         *_unheard(ranks, unreachable_nodes),
     ]
     first_reason: dict[int, Culprit] = {}  # a rank is named once, for its strongest reason
@@ -266,18 +268,23 @@ def _unheard(ranks: list[RankRecord], unreachable_nodes: Collection[str]) -> lis
     ]
 
 
-def _behind_in_group(ranks: list[RankRecord], mismatched: Collection[int]) -> list[Culprit]:
+def _behind_in_group(ranks: list[RankRecord], mismatches: Collection[Mismatch]) -> list[Culprit]:
     """Ranks whose Flight Recorder enqueued fewer collectives than the rest of a group.
 
-    The ``mismatched`` ranks are left out: one that went past the others'
-    collective (it met something else there) does not make them behind.
+    In a group with a mismatch, its odd ranks are left out (one that went past
+    the others' collective does not make them behind), and so are the ranks
+    waiting in one of the group's collectives: they joined it, and the
+    mismatch is why it cannot complete (on gloo, the root of a broadcast a
+    rank skipped, and the ranks it reached, go on without the others).
     """
+    odd = {m.group_name: {o.rank for o in m.odd} for m in mismatches}
     by_group: dict[str, list[tuple[RankRecord, int]]] = {}
     for rank in ranks:
-        if rank.state == EXITED or rank.heartbeat is None or rank.rank in mismatched:
+        if rank.state == EXITED or rank.heartbeat is None:
             continue
         for group in rank.heartbeat.flight_recorder:
-            by_group.setdefault(group.group_name, []).append((rank, group.last_enqueued_collective))
+            if rank.rank not in odd.get(group.group_name, ()):
+                by_group.setdefault(group.group_name, []).append((rank, group.last_enqueued_collective))
     culprits: list[Culprit] = []
     for name, members in sorted(by_group.items()):
         ahead = max(enqueued for _, enqueued in members)
@@ -289,9 +296,14 @@ def _behind_in_group(ranks: list[RankRecord], mismatched: Collection[int]) -> li
                 f"enqueued collective {enqueued} of group {name} while its peers reached {ahead}",
             )
             for rank, enqueued in members
-            if enqueued < ahead
+            if enqueued < ahead and not (name in odd and _waits_in(rank, name))
         )
     return culprits
+
+
+def _waits_in(rank: RankRecord, group_name: str) -> bool:
+    beat = rank.heartbeat
+    return beat is not None and beat.HasField("collective") and beat.collective.group_name == group_name
 
 
 def _shared_collective(ranks: list[RankRecord]) -> SharedCollective | None:

@@ -13,27 +13,34 @@ collective agree on all four, so:
   completed alone, a skipped or an extra collective silently paired).
 
 Either never resolves by waiting: PyTorch's Flight Recorder analyzer calls it a
-collective mismatch. Within a group the ranks are sorted by what they are in;
-when one kind of collective holds more ranks than any other (and at least
-two), the ranks in anything else are the odd ones out. With no such majority
-(a 2-rank group, two halves) nothing tells which side left the common path,
-and every side is named, saying so.
+collective mismatch. Who is the odd one out, in order:
 
-A sequence ahead of or behind the others is only judged when every member of
-the group is known to wait in one of its collectives: otherwise a member that
-never joined explains the rest (coordinator/hangs.py, ``behind_in_group``),
-and the root of a broadcast may legitimately finish before its receivers.
-Between equal sequences, steps tell more: a rank in a later step at the same
-collective number made fewer collectives in its steps so far (it skipped one
-its peers made).
+1. when every member of the group waits in one of its collectives: ranks at
+   the same point of the program (step, op, size, dtype) whose sequence
+   differs from the majority's there made more or fewer collectives to get
+   there (one made alone, one skipped). The others' collective may have
+   completed around the odd rank (a broadcast's root, and the ranks it
+   reached, go on to the next collective), so comparing ranks at one
+   sequence would split them;
+2. otherwise, the ranks sorted by what they are in (sequence, op, size,
+   dtype): those outside the kind most ranks are in. Sequences are only
+   compared when every member waits in the group (else a member that never
+   joined explains the rest, coordinator/hangs.py ``behind_in_group``, and a
+   root may legitimately finish before its receivers): a rank at another
+   sequence then went past the collective the others wait in, or they went
+   past its. At equal sequences, a rank in a later step made fewer
+   collectives in its steps so far (it skipped one its peers made).
+
+A majority is one kind holding more ranks than any other, and at least two.
+With none (a 2-rank group, two halves) nothing tells which side left the
+common path: every side is named, saying so.
 
 The hook's sequence numbers count only the collectives it times (see
 clusterwatch/hook/collective_patches.py): a collective one rank calls through a
 path the hook does not see (torch.compile, a coalescing manager) while the
 others call it where it does would shift that rank's numbers. SPMD programs
 call their collectives the same way on every rank, so the numbers agree in
-practice; the Flight Recorder, which counts every collective, backs a
-sequence verdict up where it is on.
+practice.
 
 Pure: a function of what the caller hands in, no I/O and no clock.
 """
@@ -112,19 +119,60 @@ def find_mismatches(
         members = sorted(by_group[group_name], key=lambda p: p.rank)
         if len(members) < 2:
             continue
-        everyone = compare_sequences and group_sizes.get(group_name, 0) == len(members)
-        if everyone:
-            batches = [members]
+        if compare_sequences and group_sizes.get(group_name, 0) == len(members):  # the whole group waits
+            judged = [_at_program_points(group_name, members) or _judge(group_name, members)]
         else:
             at_sequence: dict[int, list[Position]] = {}
             for position in members:
                 at_sequence.setdefault(position.collective.sequence, []).append(position)
-            batches = [batch for _, batch in sorted(at_sequence.items()) if len(batch) > 1]
-        for batch in batches:
-            mismatch = _judge(group_name, batch)
-            if mismatch is not None:
-                found.append(mismatch)
+            judged = [_judge(group_name, batch) for _, batch in sorted(at_sequence.items()) if len(batch) > 1]
+        found.extend(mismatch for mismatch in judged if mismatch is not None)
     return found
+
+
+def _majority(kinds: Iterable[list[Position]]) -> tuple[list[Position], list[list[Position]]] | None:
+    """The kind holding more ranks than any other (and at least two), and the rest; None if none does."""
+    ordered = sorted(kinds, key=lambda ranks: (-len(ranks), ranks[0].rank))
+    if len(ordered[0]) >= 2 and (len(ordered) == 1 or len(ordered[0]) > len(ordered[1])):
+        return ordered[0], ordered[1:]
+    return None
+
+
+def _at_program_points(group_name: str, members: Sequence[Position]) -> Mismatch | None:
+    """Ranks at the same point of the program (step, op, size, dtype) at another sequence than most there."""
+    points: dict[tuple[int, bool, str, int, str], dict[int, list[Position]]] = {}
+    for p in members:
+        c = p.collective
+        point = points.setdefault((p.step, p.in_step, c.op, c.size_bytes, c.dtype), {})
+        point.setdefault(c.sequence, []).append(p)
+    odd: list[OddRank] = []
+    sequence = 0
+    for at_sequence in points.values():
+        split = _majority(at_sequence.values()) if len(at_sequence) > 1 else None
+        if split is None:
+            continue
+        majority, others = split
+        theirs = majority[0].collective.sequence
+        sequence = sequence or theirs
+        they = f"{ranks_text(p.rank for p in majority)} {'is' if len(majority) == 1 else 'are'} in #{theirs}"
+        for position in (p for kind in others for p in kind):
+            more = position.collective.sequence - theirs
+            count = f"{abs(more)} collective{'s' if abs(more) > 1 else ''}"
+            why = (
+                f"it counts {count} more than they do, so it made {count} they did not"
+                if more > 0
+                else f"it counts {count} fewer than they do, so it skipped {count} they made (it is ahead of them)"
+            )
+            detail = f"in {describe(position.collective)} of group {group_name} {_when(position)}, where {they}: {why}"
+            odd.append(OddRank(position.rank, position.node_id, detail))
+    if not odd:
+        return None
+    odd.sort(key=lambda o: o.rank)
+    return Mismatch(group_name, sequence, tuple(odd), majority=True)
+
+
+def _when(position: Position) -> str:
+    return f"in step {position.step}" if position.in_step else f"after step {position.step}"
 
 
 _Signature = tuple[int, str, int, str]
@@ -141,11 +189,12 @@ def _judge(group_name: str, batch: Sequence[Position]) -> Mismatch | None:
         kinds[_signature(position.collective)].append(position)
     if len(kinds) == 1:
         return None
-    ordered = sorted(kinds.values(), key=lambda ranks: (-len(ranks), ranks[0].rank))
-    largest = ordered[0]
-    if len(largest) >= 2 and len(largest) > len(ordered[1]):
-        return _against_majority(group_name, largest, ordered[1:])
-    return _without_majority(group_name, ordered)
+    split = _majority(kinds.values())
+    if split is not None:
+        return _against_majority(group_name, *split)
+    return _without_majority(
+        group_name, sorted(kinds.values(), key=lambda ranks: (-len(ranks), ranks[0].rank))
+    )
 
 
 def _against_majority(group_name: str, majority: list[Position], others: list[list[Position]]) -> Mismatch:

@@ -328,3 +328,20 @@ def test_process_groups_are_judged_apart() -> None:
     finding = hung_with(beats)
     assert [(c.rank, c.reason) for c in finding.culprits] == [(4, CulpritReason.COLLECTIVE_MISMATCH)]
     assert "of group 2 while ranks 2, 3 are in all_gather #9 (4.0KiB float32)" in finding.culprits[0].detail
+
+
+def test_a_skipped_collective_is_named_though_the_others_completed_around_it() -> None:
+    # What gloo does (tests/test_mismatch_e2e.py): rank 3 skipped step 30's broadcast #62. The root
+    # (rank 0) and rank 2 got theirs and wait in step 31's all_reduce #63; rank 1 waits for its
+    # broadcast, which came through rank 3; rank 3's all_reduce took number 62. Compared at one
+    # sequence, ranks 1 and 3 would split; at the same point of step 31, rank 3 counts one fewer.
+    beats = {r: in_collective(1005.0, "all_reduce", 63, step=31) for r in (0, 2)}
+    beats[1] = in_collective(1005.0, "broadcast", 62, size=4, step=30)
+    beats[3] = in_collective(1005.0, "all_reduce", 62, step=31)
+    finding = hung_with(beats)
+    assert [(c.rank, c.reason) for c in finding.culprits] == [(3, CulpritReason.COLLECTIVE_MISMATCH)]
+    assert finding.culprits[0].detail == (
+        "in all_reduce #62 (1.0MiB float32) of group 0 in step 31, where ranks 0, 2 are in #63: "
+        "it counts 1 collective fewer than they do, so it skipped 1 collective they made (it is ahead of them)"
+    )
+    assert [(m.sequence, m.majority) for m in finding.mismatches] == [(63, True)]
