@@ -51,7 +51,7 @@ import math
 from collections.abc import Collection
 
 from clusterwatch.coordinator.jobs import JobRecord, RankRecord
-from clusterwatch.coordinator.mismatch import Mismatch, Position, find_mismatches
+from clusterwatch.coordinator.mismatch import Mismatch, find_mismatches, group_sizes, position
 from clusterwatch.v1 import training_pb2
 
 # Ranks whose step times the p99 is taken over (see timeout_s).
@@ -205,34 +205,6 @@ def detect_hang(
         shared_collective=None if unique else _shared_collective(heard),
         mismatches=tuple(mismatches),
     )
-
-
-def position(rank: RankRecord, *, failed: bool = False) -> Position | None:
-    """The collective a running rank is in, from its latest heartbeat (None when none).
-
-    With ``failed``, the collective it failed in comes first (a rank whose
-    collective raised is no longer in it); exited ranks count too.
-    """
-    beat = rank.heartbeat
-    if beat is None or (rank.state != RUNNING and not failed):
-        return None
-    if failed and beat.HasField("failed_collective"):
-        collective = beat.failed_collective
-    elif beat.HasField("collective"):
-        collective = beat.collective
-    else:
-        return None
-    return Position(rank.rank, rank.node_id, collective, beat.step, beat.in_step)
-
-
-def group_sizes(ranks: list[RankRecord], world_size: int) -> dict[str, int]:
-    """Members per process group as the ranks report them (WORLD, "0": the world size)."""
-    sizes = {"0": world_size}
-    for rank in ranks:
-        if rank.heartbeat is not None:
-            for group in rank.heartbeat.process_groups:
-                sizes[group.group_name] = max(sizes.get(group.group_name, 0), group.size)
-    return sizes
 
 
 def _exited(ranks: list[RankRecord]) -> list[Culprit]:

@@ -42,7 +42,7 @@ others call it where it does would shift that rank's numbers. SPMD programs
 call their collectives the same way on every rank, so the numbers agree in
 practice.
 
-Pure: a function of what the caller hands in, no I/O and no clock.
+Pure: a function of the ranks' latest heartbeats, no I/O and no clock.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ import collections
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
-from clusterwatch.humanize import size_bytes
+from clusterwatch.coordinator.jobs import RUNNING, RankRecord
+from clusterwatch.humanize import collective as describe
 from clusterwatch.v1 import training_pb2
 
 # Ranks spelled out in a detail before the rest are only counted.
@@ -175,6 +176,34 @@ def _when(position: Position) -> str:
     return f"in step {position.step}" if position.in_step else f"after step {position.step}"
 
 
+def position(rank: RankRecord, *, failed: bool = False) -> Position | None:
+    """The collective a running rank is in, from its latest heartbeat (None when none).
+
+    With ``failed``, the collective it failed in comes first (a rank whose
+    collective raised is no longer in it); exited ranks count too.
+    """
+    beat = rank.heartbeat
+    if beat is None or (rank.state != RUNNING and not failed):
+        return None
+    if failed and beat.HasField("failed_collective"):
+        collective = beat.failed_collective
+    elif beat.HasField("collective"):
+        collective = beat.collective
+    else:
+        return None
+    return Position(rank.rank, rank.node_id, collective, beat.step, beat.in_step)
+
+
+def group_sizes(ranks: list[RankRecord], world_size: int) -> dict[str, int]:
+    """Members per process group as the ranks report them (WORLD, "0": the world size)."""
+    sizes = {"0": world_size}
+    for rank in ranks:
+        if rank.heartbeat is not None:
+            for group in rank.heartbeat.process_groups:
+                sizes[group.group_name] = max(sizes.get(group.group_name, 0), group.size)
+    return sizes
+
+
 _Signature = tuple[int, str, int, str]
 
 
@@ -252,12 +281,6 @@ def _without_majority(group_name: str, kinds: list[list[Position]]) -> Mismatch:
     odd.sort(key=lambda o: o.rank)
     sequence = min(kind[0].collective.sequence for kind in kinds)
     return Mismatch(group_name, sequence, tuple(odd), majority=False)
-
-
-def describe(c: training_pb2.CollectiveInFlight) -> str:
-    """``all_reduce #61 (1.0MiB float32)``, ``barrier #61``."""
-    data = " ".join(part for part in (size_bytes(c.size_bytes) if c.size_bytes else "", c.dtype) if part)
-    return f"{c.op} #{c.sequence}" + (f" ({data})" if data else "")
 
 
 def ranks_text(ranks: Iterable[int]) -> str:

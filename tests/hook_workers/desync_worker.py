@@ -11,7 +11,11 @@ what the others do:
   step's 1 MiB all-reduce, meets their 4-byte broadcast. gloo hangs.
 - ``empty``: it all-reduces an empty tensor (its shard ran out of data). gloo
   completes that alone, so the rank goes one collective ahead: it waits in the
-  next step's all-reduce while they wait in this one.
+  step's broadcast while they wait in its all-reduce.
+
+(A tensor of another size does not hang on gloo: the rank that receives the
+larger part aborts at once, and torchrun tears the others down about 0.1 s
+later. coordinator/failures.py says what the last heartbeats show then.)
 
 Just before, that rank writes the time to ``--desync-file``. The job then
 never ends: the test stops it.
