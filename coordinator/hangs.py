@@ -249,7 +249,9 @@ def _behind_in_group(ranks: list[RankRecord], mismatches: Collection[Mismatch]) 
     mismatch is why it cannot complete (on gloo, the root of a broadcast a
     rank skipped, and the ranks it reached, go on without the others).
     """
-    odd = {m.group_name: {o.rank for o in m.odd} for m in mismatches}
+    odd: dict[str, set[int]] = {}
+    for m in mismatches:
+        odd.setdefault(m.group_name, set()).update(o.rank for o in m.odd)
     by_group: dict[str, list[tuple[RankRecord, int]]] = {}
     for rank in ranks:
         if rank.state == EXITED or rank.heartbeat is None:
