@@ -73,9 +73,15 @@ def rank_state(rank: cluster_pb2.RankStatus) -> str:
     if rank.state == RankState.RANK_STATE_RUNNING:
         if rank.heartbeat.HasField("collective"):
             c = rank.heartbeat.collective
-            return f"in {c.op} #{c.sequence} {duration(c.elapsed_seconds)}"
+            return f"in {collective(c)} {duration(c.elapsed_seconds)}"
         return "running"
     return "unknown"
+
+
+def collective(c: training_pb2.CollectiveInFlight) -> str:
+    """``all_reduce #61 (1.0MiB float32)``, ``barrier #61``: a collective and what it carries."""
+    data = " ".join(part for part in (size_bytes(c.size_bytes) if c.size_bytes else "", c.dtype) if part)
+    return f"{c.op} #{c.sequence}" + (f" ({data})" if data else "")
 
 
 def node_state(state: cluster_pb2.NodeState.ValueType) -> str:

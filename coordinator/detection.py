@@ -220,6 +220,8 @@ def _hang_finding(job: JobRecord, hang: HangFinding) -> Finding:
     }
     if hang.culprits:
         cause = hang.culprits[0].reason.value
+        if hang.mismatches:  # the collective the others are in, which the odd ranks are not
+            evidence["collective_sequence"] = float(hang.mismatches[0].sequence)
     elif hang.shared_collective is not None:
         cause = "collective_stuck"
         evidence["collective_sequence"] = float(hang.shared_collective.sequence)

@@ -5,6 +5,17 @@ round (coordinator/detection.py) calls it and the incident book de-duplicates
 (coordinator/incidents.py). Conditions (a node unreachable, a GPU missing, a
 port down) are findings while they hold; events (an XID, an error-counter
 jump) are latched findings whose ``latch_value`` is the counter.
+
+A rank failure names the first rank that exited uncleanly (and those after it
+that the launcher did not tear down). When the ranks' last heartbeats show a
+collective mismatch (coordinator/mismatch.py: ranks at the same collective
+number of a group with another op, size or dtype, from the collective each
+failed in or was waiting in), the finding names the odd ranks too, with cause
+``collective_mismatch``: on gloo a size mismatch aborts the rank that
+*receives* the larger message, which is the odd rank only when its tensor is
+the smaller one. The failed collective reaches the coordinator because the
+hook sends a heartbeat as soon as a collective raises; a rank killed inside
+one says only what its previous heartbeat caught, so the evidence is partial.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ import signal
 
 from clusterwatch.coordinator.incidents import Finding, Kind, Severity
 from clusterwatch.coordinator.jobs import EXITED, RUNNING, JobRecord, RankRecord
+from clusterwatch.coordinator.mismatch import find_mismatches, position
 from clusterwatch.coordinator.state import NodeRecord, NodeState
 from clusterwatch.v1 import node_pb2
 
@@ -33,12 +45,9 @@ def rank_failure(job: JobRecord) -> Finding | None:
     A rank of an older generation not yet replaced by its restarted instance
     is that generation's failure (already found), not a new one.
     """
+    generation = [r for r in job.ranks.values() if r.identity.restart_count == job.restart_count]
     failed = sorted(
-        (
-            r
-            for r in job.ranks.values()
-            if r.state == EXITED and _unclean(r) and r.identity.restart_count == job.restart_count
-        ),
+        (r for r in generation if r.state == EXITED and _unclean(r)),
         key=lambda r: (r.exit.timestamp_unix_seconds if r.exit else 0.0, r.rank),
     )
     if not failed:
@@ -47,6 +56,16 @@ def rank_failure(job: JobRecord) -> Finding | None:
     culprits = [first] + [r for r in failed[1:] if not _teardown(r)]
     exit_ = first.exit
     evidence: dict[str, float] = {"ranks_failed": float(len(culprits))}
+    # Heartbeats taken at different moments: only ranks at the same collective number compare.
+    mismatches = find_mismatches(
+        (p for r in generation if (p := position(r, failed=True)) is not None), {}, compare_sequences=False
+    )
+    odd = [o for m in mismatches for o in m.odd]
+    mismatch = ""
+    if mismatches:
+        evidence["collective_sequence"] = float(mismatches[0].sequence)
+        named = "; ".join(f"rank {o.rank} on {o.node_id}: {o.detail}" for o in odd)
+        mismatch = f"; their last heartbeats show a collective mismatch: {named}"
     if exit_ is not None and exit_.HasField("signal"):
         evidence["signal"] = float(exit_.signal)
     if exit_ is not None and exit_.HasField("exit_code"):
@@ -54,17 +73,19 @@ def rank_failure(job: JobRecord) -> Finding | None:
     how = exit_.description if exit_ is not None and exit_.description else "exited"
     others = f" (and {len(culprits) - 1} more)" if len(culprits) > 1 else ""
     running = len(job.running_ranks())
+    named_ranks = {r.rank for r in culprits} | {o.rank for o in odd}
+    blamed = [r for r in generation if r.rank in named_ranks]
     return Finding(
         key=("rank_failure", job.job, job.restart_count),
         kind=Kind.RANK_FAILURE,
         severity=Severity.CRITICAL,
         summary=f"job {job.job}: rank {first.rank} on {first.node_id} {how}{others}; "
-        f"{running} of {job.world_size} ranks still running",
-        cause="process_exited",
+        f"{running} of {job.world_size} ranks still running{mismatch}",
+        cause="collective_mismatch" if mismatches else "process_exited",
         job=job.job,
-        ranks=tuple(sorted(r.rank for r in culprits)),
-        nodes=tuple(sorted({r.node_id for r in culprits})),
-        gpus=tuple(sorted({r.identity.gpu_uuid for r in culprits if r.identity.gpu_uuid})),
+        ranks=tuple(sorted(named_ranks)),
+        nodes=tuple(sorted({r.node_id for r in blamed})),
+        gpus=tuple(sorted({r.identity.gpu_uuid for r in blamed if r.identity.gpu_uuid})),
         evidence=evidence,
     )
 

@@ -11,10 +11,18 @@ The culprits, in the order a person would check them:
 2. ranks whose heartbeat stopped advancing (a frozen or stopped process: the
    hook's heartbeat thread runs even while training is blocked in a
    collective, so silence means the whole process is stuck);
-3. ranks whose Flight Recorder ``last_enqueued_collective`` is behind the rest
+3. ranks in another collective than the rest of their process group at the
+   same point (another op, size or dtype at the same sequence, or a sequence
+   ahead or behind while the whole group waits): a collective mismatch
+   (coordinator/mismatch.py), a bug in the program that no waiting resolves;
+   it comes before 4 because a rank that went past the others' collective
+   must not make them look behind;
+4. ranks whose Flight Recorder ``last_enqueued_collective`` is behind the rest
    of their process group: they never joined the collective everyone else
-   waits in (DESIGN.md, "Signals");
-4. ranks on a node that stopped reporting (unreachable): nothing is known of
+   waits in (DESIGN.md, "Signals"). In a group with a mismatch, its odd ranks
+   and the ranks waiting in its collectives are left out: those joined, and
+   the mismatch is why their collective cannot complete;
+5. ranks on a node that stopped reporting (unreachable): nothing is known of
    them now, so they come last, and only their node is blamed.
 
 If none of these names anyone and every rank waits in the same collective
@@ -27,8 +35,8 @@ node's agent may be cut off from the coordinator while training goes on), and
 its peers on the other nodes tell: a collective completes only once every
 rank has joined it, so while they finish steps it does too. A job with no rank
 on a reachable node is not judged at all; the node_unreachable incident says
-what is known. Ranks on unreachable nodes are never called frozen or behind
-on their stale heartbeats.
+what is known. Ranks on unreachable nodes are never called frozen, mismatched
+or behind on their stale heartbeats, nor are frozen ranks mismatched.
 
 Heartbeats are compared on the coordinator's monotonic clock (when a newer one
 last arrived), never on the ranks' wall clocks, so skew between hosts cannot
@@ -43,6 +51,7 @@ import math
 from collections.abc import Collection
 
 from clusterwatch.coordinator.jobs import JobRecord, RankRecord
+from clusterwatch.coordinator.mismatch import Mismatch, find_mismatches, group_sizes, position
 from clusterwatch.v1 import training_pb2
 
 # Ranks whose step times the p99 is taken over (see timeout_s).
@@ -70,6 +79,7 @@ class HangSettings:
 class CulpritReason(enum.StrEnum):
     EXITED = "exited"
     HEARTBEAT_STOPPED = "heartbeat_stopped"
+    COLLECTIVE_MISMATCH = "collective_mismatch"
     BEHIND_IN_GROUP = "behind_in_group"
     NODE_UNREACHABLE = "node_unreachable"
 
@@ -93,12 +103,20 @@ class SharedCollective:
 
 @dataclasses.dataclass(frozen=True)
 class HangFinding:
+    """A hung job.
+
+    Attributes:
+        mismatches: the process groups whose ranks are in different
+            collectives (their odd ranks are culprits too).
+    """
+
     job: str
     stalled_s: float
     timeout_s: float
     last_step: int
     culprits: tuple[Culprit, ...]
     shared_collective: SharedCollective | None
+    mismatches: tuple[Mismatch, ...] = ()
 
     @property
     def summary(self) -> str:
@@ -156,10 +174,22 @@ def detect_hang(
     limit_s = timeout_s(job, settings)
     if stalled_s <= limit_s:
         return None
+    frozen = _frozen(heard, now_mono_s, settings.heartbeat_stale_s)
+    silent = {c.rank for c in frozen}
+    mismatches = find_mismatches(
+        (p for r in heard if r.rank not in silent and (p := position(r)) is not None),
+        group_sizes(ranks, job.world_size),
+    )
+    mismatched = [
+        Culprit(o.rank, o.node_id, CulpritReason.COLLECTIVE_MISMATCH, o.detail)
+        for m in mismatches
+        for o in m.odd
+    ]
     culprits = [
         *_exited(ranks),
-        *_frozen(heard, now_mono_s, settings.heartbeat_stale_s),
-        *_behind_in_group(heard),
+        *frozen,
+        *mismatched,
+        *_behind_in_group(heard, mismatches),
         *_unheard(ranks, unreachable_nodes),
     ]
     first_reason: dict[int, Culprit] = {}  # a rank is named once, for its strongest reason
@@ -173,6 +203,7 @@ def detect_hang(
         last_step=max(r.last_step.step for r in ranks if r.last_step is not None),
         culprits=unique,
         shared_collective=None if unique else _shared_collective(heard),
+        mismatches=tuple(mismatches),
     )
 
 
@@ -209,14 +240,25 @@ def _unheard(ranks: list[RankRecord], unreachable_nodes: Collection[str]) -> lis
     ]
 
 
-def _behind_in_group(ranks: list[RankRecord]) -> list[Culprit]:
-    """Ranks whose Flight Recorder enqueued fewer collectives than the rest of a group."""
+def _behind_in_group(ranks: list[RankRecord], mismatches: Collection[Mismatch]) -> list[Culprit]:
+    """Ranks whose Flight Recorder enqueued fewer collectives than the rest of a group.
+
+    In a group with a mismatch, its odd ranks are left out (one that went past
+    the others' collective does not make them behind), and so are the ranks
+    waiting in one of the group's collectives: they joined it, and the
+    mismatch is why it cannot complete (on gloo, the root of a broadcast a
+    rank skipped, and the ranks it reached, go on without the others).
+    """
+    odd: dict[str, set[int]] = {}
+    for m in mismatches:
+        odd.setdefault(m.group_name, set()).update(o.rank for o in m.odd)
     by_group: dict[str, list[tuple[RankRecord, int]]] = {}
     for rank in ranks:
         if rank.state == EXITED or rank.heartbeat is None:
             continue
         for group in rank.heartbeat.flight_recorder:
-            by_group.setdefault(group.group_name, []).append((rank, group.last_enqueued_collective))
+            if rank.rank not in odd.get(group.group_name, ()):
+                by_group.setdefault(group.group_name, []).append((rank, group.last_enqueued_collective))
     culprits: list[Culprit] = []
     for name, members in sorted(by_group.items()):
         ahead = max(enqueued for _, enqueued in members)
@@ -228,9 +270,14 @@ def _behind_in_group(ranks: list[RankRecord]) -> list[Culprit]:
                 f"enqueued collective {enqueued} of group {name} while its peers reached {ahead}",
             )
             for rank, enqueued in members
-            if enqueued < ahead
+            if enqueued < ahead and not (name in odd and _waits_in(rank, name))
         )
     return culprits
+
+
+def _waits_in(rank: RankRecord, group_name: str) -> bool:
+    beat = rank.heartbeat
+    return beat is not None and beat.HasField("collective") and beat.collective.group_name == group_name
 
 
 def _shared_collective(ranks: list[RankRecord]) -> SharedCollective | None:

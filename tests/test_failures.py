@@ -155,3 +155,74 @@ def test_infiniband_down_flap_and_error_jump() -> None:
 
 def test_a_port_never_seen_active_is_not_down() -> None:
     assert NodeFailureDetector().update({"n": node("n", ib(state="DOWN"))}, {}) == []
+
+
+def collective(op: str, sequence: int, size: int) -> training_pb2.CollectiveInFlight:
+    return training_pb2.CollectiveInFlight(
+        op=op, group_name="0", sequence=sequence, blocking=True, size_bytes=size, dtype="float32"
+    )
+
+
+def test_a_failure_after_a_size_mismatch_names_the_rank_whose_size_differs() -> None:
+    # What gloo does when rank 3 all-reduces 2 MiB where the others do 1 MiB: rank 2, which receives
+    # rank 3's part, aborts; ranks 1 and 3 raise (and say so at once); rank 0 was torn down while its
+    # heartbeat showed it in the collective.
+    mib = 1 << 20
+    store = JobStore()
+    for rank in range(4):
+        store.ingest(f"node-{rank}", [rank_report(rank, world_size=4, steps=[step(1)])], 10.0, 1000.0)
+    beats = {
+        0: training_pb2.Heartbeat(timestamp_unix_seconds=1000.1, collective=collective("all_reduce", 9, mib)),
+        1: training_pb2.Heartbeat(
+            timestamp_unix_seconds=1000.3, failed_collective=collective("all_reduce", 9, mib)
+        ),
+        2: training_pb2.Heartbeat(timestamp_unix_seconds=1000.0),  # its last beat came before the collective
+        3: training_pb2.Heartbeat(
+            timestamp_unix_seconds=1000.3, failed_collective=collective("all_reduce", 9, 2 * mib)
+        ),
+    }
+    exits = {
+        2: killed(signal.SIGABRT, 1000.2),
+        1: training_pb2.RankExit(
+            timestamp_unix_seconds=1000.3, exit_code=1, clean=True, description="exit code 1"
+        ),
+        3: training_pb2.RankExit(
+            timestamp_unix_seconds=1000.3, exit_code=1, clean=True, description="exit code 1"
+        ),
+        0: killed(signal.SIGTERM, 1000.4),
+    }
+    for rank, exit_ in exits.items():
+        report = rank_report(rank, world_size=4, state=EXITED, heartbeat=beats[rank], exit=exit_)
+        store.ingest(f"node-{rank}", [report], 11.0, 1001.0)
+    finding = rank_failure(store.jobs["train"])
+    assert finding is not None
+    assert finding.cause == "collective_mismatch"
+    assert (finding.ranks, finding.nodes) == ((2, 3), ("node-2", "node-3"))
+    assert finding.summary.startswith("job train: rank 2 on node-2 killed by signal 6 (SIGABRT)")
+    assert finding.summary.endswith(
+        "their last heartbeats show a collective mismatch: rank 3 on node-3: in all_reduce #9 (2.0MiB float32) "
+        "of group 0 while ranks 0, 1 are in all_reduce #9 (1.0MiB float32)"
+    )
+    assert finding.evidence["collective_sequence"] == 9
+
+
+def test_heartbeats_at_different_collective_numbers_are_no_mismatch() -> None:
+    # A rank killed while its last heartbeat showed an earlier collective: not comparable, nothing said.
+    store = JobStore()
+    for rank in range(2):
+        store.ingest(f"node-{rank}", [rank_report(rank, world_size=2, steps=[step(1)])], 10.0, 1000.0)
+    beat0 = training_pb2.Heartbeat(timestamp_unix_seconds=1000.0, collective=collective("broadcast", 8, 4))
+    beat1 = training_pb2.Heartbeat(
+        timestamp_unix_seconds=1000.0, failed_collective=collective("all_reduce", 9, 64)
+    )
+    store.ingest(
+        "node-0",
+        [rank_report(0, world_size=2, state=EXITED, heartbeat=beat0, exit=killed(signal.SIGKILL, 1000.5))],
+        11.0,
+        1001.0,
+    )
+    store.ingest("node-1", [rank_report(1, world_size=2, heartbeat=beat1)], 11.0, 1001.0)
+    finding = rank_failure(store.jobs["train"])
+    assert finding is not None
+    assert (finding.cause, finding.ranks) == ("process_exited", (0,))
+    assert "mismatch" not in finding.summary

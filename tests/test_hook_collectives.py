@@ -200,6 +200,9 @@ def test_in_flight_shows_the_collective_a_thread_is_blocked_in(ranks: list[Rank]
     assert (launched["op"], launched["blocking"]) == ("all_reduce", False)  # launched, nobody waits yet
     assert (waited["op"], waited["blocking"]) == ("all_reduce", True)  # now in Work.wait()
     assert waited["sequence"] == launched["sequence"] == sync["sequence"] + 1
+    # What each carries is known while it is in flight (read at launch): ranks compare it on a hang.
+    assert (sync["size_bytes"], sync["dtype"]) == (40, "float32")  # torch.ones(10)
+    assert (launched["size_bytes"], launched["dtype"]) == (44, "float32")  # torch.ones(11)
     assert sync["started_monotonic_s"] <= sync["seen_monotonic_s"]
     # The sequence rank 0 was stuck at is the one rank 1 completed for the same all_reduce.
     completed = row(ranks[1], "in_flight", "all_reduce")
@@ -314,6 +317,27 @@ def test_collectives_keep_their_return_values_and_exceptions(
     assert [_exception_of(call) for call in bad_calls] == raised
     assert all(exc is not None for exc in raised)
     assert tracker.in_flight() is None  # the failed calls left nothing behind
+    assert errors == []
+
+
+@pytest.mark.usefixtures("world")
+def test_a_collective_that_raises_is_remembered_and_told_at_once(errors: list[BaseException]) -> None:
+    told: list[object] = []
+    tracker = CollectiveTracker(on_error=errors.append, on_failure=lambda: told.append(tracker.last_failed()))
+    tracker.install()
+    try:
+        dist.all_reduce(torch.ones(4))
+        assert tracker.last_failed() is None
+        with pytest.raises(RuntimeError):  # torch refuses the root
+            dist.broadcast(torch.ones(3, dtype=torch.float64), src=5)
+    finally:
+        tracker.uninstall()
+    failed = tracker.last_failed()
+    assert failed is not None
+    assert (failed.op, failed.group_name, failed.sequence, failed.blocking) == ("broadcast", "0", 2, True)
+    assert (failed.size_bytes, failed.dtype) == (24, "float64")
+    assert told == [failed]  # told once it was remembered, on the raising thread
+    assert tracker.in_flight() is None
     assert errors == []
 
 

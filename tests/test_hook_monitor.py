@@ -74,9 +74,8 @@ def monitor_for(path: Path, **options: object) -> TrainingMonitor:
     return TrainingMonitor(
         "unit",
         socket_path=str(path),
-        heartbeat_interval_s=0.05,
         environ=environ,
-        **options,  # type: ignore[arg-type]
+        **{"heartbeat_interval_s": 0.05, **options},  # type: ignore[arg-type]
     )
 
 
@@ -298,3 +297,36 @@ def test_the_node_range_comes_from_the_launchers_command_line(
     argv: list[str], environ: dict[str, str], expected: tuple[int, int]
 ) -> None:
     assert launcher_nnodes(environ, argv) == expected
+
+
+def test_a_collective_that_raises_is_in_a_heartbeat_at_once(peer: tuple[Peer, Path]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    servicer, path = peer
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    monitor = monitor_for(path, heartbeat_interval_s=60.0)  # no heartbeat falls due during the test
+    try:
+        wait_for(lambda: servicer.of_kind("heartbeat"), 10, "the stream's first heartbeat")
+        dist.all_reduce(torch.ones(4))
+        with pytest.raises(RuntimeError):  # torch refuses the root: the collective raises
+            dist.broadcast(torch.ones(3, dtype=torch.float64), src=5)
+        beat = wait_for(
+            lambda: next(
+                (
+                    m.heartbeat
+                    for m in servicer.of_kind("heartbeat")
+                    if m.heartbeat.HasField("failed_collective")
+                ),
+                None,
+            ),
+            10,
+            "a heartbeat out of turn saying which collective raised",
+        )
+    finally:
+        monitor.close()
+        dist.destroy_process_group()
+    failed = beat.failed_collective
+    assert (failed.op, failed.group_name, failed.sequence) == ("broadcast", "0", 2)
+    assert (failed.size_bytes, failed.dtype) == (24, "float64")
+    assert not beat.HasField("collective")  # it is no longer in flight

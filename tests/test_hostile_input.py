@@ -221,6 +221,11 @@ REPORT_ROWS: dict[str, tuple[Mutation, str, str]] = {
         "ranks[0].heartbeat.step_elapsed_seconds",
         "bad_number",
     ),
+    "10 KB dtype of a collective": (
+        lambda r: setattr(r.ranks[0].heartbeat.collective, "dtype", "x" * 10_000),
+        "ranks[0].heartbeat.collective.dtype",
+        "too_long",
+    ),
     "duplicate rank": (_dup_rank, "ranks[1]", "duplicate"),
     "duplicate gpu index": (lambda r: setattr(r.gpus[2], "index", 0), "gpus[2].index", "duplicate"),
     "gpu index past nvml": (lambda r: setattr(r.gpus[2], "index", 64), "gpus[2].index", "bad_number"),
@@ -715,6 +720,14 @@ HOOK_ROWS: dict[str, tuple[list[hook_pb2.HookMessage], str]] = {
             )
         ],
         "heartbeat.health.last_error",
+    ),
+    "10 KB dtype of a failed collective": (
+        [
+            hook_pb2.HookMessage(
+                heartbeat=training_pb2.Heartbeat(failed_collective=training_pb2.CollectiveInFlight(dtype=BIG))
+            )
+        ],
+        "heartbeat.failed_collective.dtype",
     ),
     "histogram of the wrong shape": (
         [hook_pb2.HookMessage(steps=hook_pb2.StepBatch(steps=[with_buckets(3)]))],

@@ -10,7 +10,7 @@ from clusterwatch.tui.history import sparkline
 from clusterwatch.tui.state import TopState
 from clusterwatch.tui.views import gpus, incidents, network, nodes, ranks, summary
 from clusterwatch.tui.views.rows import Tone
-from clusterwatch.v1 import cluster_pb2
+from clusterwatch.v1 import cluster_pb2, training_pb2
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -45,6 +45,27 @@ def test_the_hung_rank_is_named_with_the_collective_its_peers_wait_in() -> None:
     assert 1.08 < slow < 1.2  # compute time over the job's median
     others = [r for k, r in rows.items() if k not in {"llama-8b/11", "llama-8b/24"}]
     assert {r.tone for r in others} == {Tone.PLAIN}
+
+
+def test_a_rank_in_another_collective_than_its_peers_is_marked_a_mismatch_with_what_it_is_in() -> None:
+    snapshot = cluster_pb2.ClusterSnapshot()
+    job = snapshot.jobs.add(job="desync")
+    for rank in range(4):
+        status = job.ranks.add(node_id=f"node-{rank // 2}", state=training_pb2.RANK_STATE_RUNNING)
+        status.identity.job, status.identity.rank, status.identity.world_size = "desync", rank, 4
+        c = status.heartbeat.collective
+        c.op, c.group_name, c.sequence, c.elapsed_seconds = "all_reduce", "0", 61, 6.0
+        c.size_bytes, c.dtype = 1 << 20, "float32"
+        if rank == 3:
+            c.op, c.size_bytes, c.dtype = "barrier", 0, ""
+    hang = snapshot.incidents.add(id="h", kind="hang", cause="collective_mismatch", job="desync", ranks=[3])
+    state = TopState()
+    state.apply(Update(snapshot, [hang]))
+    rows = {r.key: r for r in ranks.rank_rows(state)}
+    assert rows["desync/3"].tone is Tone.ERROR
+    assert rows["desync/3"].cells[8].text == "HUNG: collective mismatch · in barrier #61 6.00s"
+    assert rows["desync/0"].tone is Tone.PLAIN
+    assert rows["desync/0"].cells[8].text == "in all_reduce #61 (1.0MiB float32) 6.00s"
 
 
 def test_port_rates_come_from_each_nodes_last_two_reports() -> None:

@@ -5,6 +5,10 @@ call in here around the original: ``_begin`` registers the launch before the
 call, ``_launched`` or ``_failed`` after it; ``_wait_started`` and
 ``_wait_finished`` bracket ``Work.wait()``.
 
+- **Size and dtype** are read at launch, so the collective a rank is stuck in
+  says what it carries (``InFlight``); a collective that raises is kept as
+  ``last_failed()`` and ``on_failure`` is told, so the rank can say which
+  collective it failed in before the launcher tears it down.
 - **Synchronous collectives**: the duration, and the blocked time of the
   calling thread, is the whole call (on CUDA tensors: the span of CUDA events
   recorded around it, see ``clusterwatch.hook.cuda_timing``).
@@ -44,9 +48,13 @@ class _CallTiming(_Ledger):
     """The ledger's bookkeeping for collective calls; what the patched functions call."""
 
     def __init__(
-        self, on_error: Callable[[BaseException], None], *, cuda: CudaEventSource | None = None
+        self,
+        on_error: Callable[[BaseException], None],
+        *,
+        cuda: CudaEventSource | None = None,
+        on_failure: Callable[[], None] | None = None,
     ) -> None:
-        super().__init__(on_error, cuda=cuda)
+        super().__init__(on_error, cuda=cuda, on_failure=on_failure)
         self._futureless_work_types: set[type] = set()
 
     def _begin(self, patched: _OpArguments, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Launch | None:
@@ -64,12 +72,11 @@ class _CallTiming(_Ledger):
             coalescing = self._c10d._world.pg_coalesce_state
             if info is None or (coalescing and group in coalescing) or self._too_many_in_flight():
                 return None
-            tensor: Any = None
+            data: Any = None
             data_index = patched.data_index
             if data_index is not None:
-                tensor = args[data_index] if len(args) > data_index else kwargs.get(patched.data_param)
-                if isinstance(tensor, (list, tuple)):
-                    tensor = tensor[0] if tensor else None
+                data = args[data_index] if len(args) > data_index else kwargs.get(patched.data_param)
+            tensor: Any = (data[0] if data else None) if isinstance(data, (list, tuple)) else data
             clock = Clock.WALL
             if isinstance(tensor, self._torch.Tensor):
                 clock = self._cuda.clock(tensor)
@@ -88,6 +95,8 @@ class _CallTiming(_Ledger):
                 blocked_key=threading.get_ident(),
                 asynchronous=asynchronous,
             )
+            if data is not None:
+                self._measure(launch, data, tensor)
             if clock is Clock.CUDA_EVENTS:
                 launch.device = tensor.device
                 launch.cuda = CudaTiming(self._cuda.record(tensor.device))
@@ -98,19 +107,9 @@ class _CallTiming(_Ledger):
             self._report(exc)
             return None
 
-    def _launched(
-        self,
-        patched: _OpArguments,
-        launch: _Launch,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        result: Any,
-    ) -> None:
+    def _launched(self, launch: _Launch, result: Any) -> None:
         done_ns = time.monotonic_ns()
         try:
-            index = patched.data_index
-            if index is not None:
-                self._measure(launch, args[index] if len(args) > index else kwargs.get(patched.data_param))
             if launch.asynchronous and result is not None:
                 self._track_work(launch, result)
             elif launch.cuda is not None:
@@ -133,22 +132,28 @@ class _CallTiming(_Ledger):
     def _failed(self, launch: _Launch) -> None:
         """The collective raised: it is no longer in flight and is not counted, but its wait was real."""
         try:
+            now_ns = time.monotonic_ns()
             with self._lock:
                 if launch.cuda is None and not launch.asynchronous:
-                    self._add_blocked(launch.blocked_key, time.monotonic_ns() - launch.start_ns)
+                    self._add_blocked(launch.blocked_key, now_ns - launch.start_ns)
                 self._drop(launch)
+            self._raised(launch, now_ns)
         except Exception as exc:
             self._report(exc)
 
-    def _measure(self, launch: _Launch, data: Any) -> None:
-        """Size (nccl-tests sense) and dtype of the collective's data tensor or tensor list."""
-        if isinstance(data, (list, tuple)):
-            launch.size_bytes = sum(tensor.nbytes for tensor in data)
-            data = data[0] if data else None
-        elif data is not None:
-            launch.size_bytes = data.nbytes
-        if data is not None:
-            launch.dtype = self._dtype_name(data.dtype)
+    def _measure(self, launch: _Launch, data: Any, first: Any) -> None:
+        """Size (nccl-tests sense) and dtype of the data: a tensor, or a list whose first is ``first``.
+
+        What is not a tensor is left for torch to refuse (it raises its own error).
+        """
+        tensor_type = self._torch.Tensor
+        if not isinstance(first, tensor_type):
+            return
+        launch.dtype = self._dtype_name(first.dtype)
+        if data is first:
+            launch.size_bytes = first.nbytes
+        else:
+            launch.size_bytes = sum(t.nbytes for t in data if isinstance(t, tensor_type))
 
     # -- the Work of an async collective -------------------------------------------
 
@@ -223,6 +228,8 @@ class _CallTiming(_Ledger):
                     stall_end = self._cuda.record(launch.device)
                 except Exception as exc:
                     self._report(exc)
+            if launch is not None and not completed:
+                self._raised(launch, done_ns)
             with self._lock:
                 if launch is None:  # not ours: the time in wait() is all we know
                     self._add_blocked(threading.get_ident(), done_ns - token.start_ns)

@@ -4,7 +4,7 @@ Everything that times a collective (``clusterwatch.hook.collective_calls`` for
 ``torch.distributed`` calls, ``clusterwatch.hook.ddp_timing`` for DDP buckets)
 registers a ``_Launch`` here and, once it completes, counts it into the step's
 aggregates exactly once. The monitor reads the result: ``in_flight()``,
-``poll()`` and ``take_step()``.
+``last_failed()``, ``poll()`` and ``take_step()``.
 
 - **Blocked time** (``take_step()``): how long the training thread could not go
   on because of collectives: the whole call of a synchronous collective, the
@@ -20,7 +20,11 @@ collective launched on a group takes the next one, so for an SPMD program they
 agree across ranks and the rank with the lowest in-flight number is the one
 the others wait for. ``send``/``recv`` count separately (as the Flight Recorder's
 p2p sequence does), since only the two peers take part. A collective takes
-its number at launch, even if torch then rejects its arguments.
+its number at launch, even if torch then rejects its arguments. Its size and
+dtype are read at launch too (``tensor.nbytes``, no copy), so a collective a
+rank is stuck in says what it carries: ranks of one group in the same
+sequence with a different op, size or dtype are in different collectives
+(a collective mismatch, which the coordinator names).
 
 One lock guards the shared state and is only held for dictionary updates.
 Importing this module does not import torch.
@@ -72,6 +76,8 @@ class InFlight:
         elapsed_s: Time since launch when ``in_flight()`` answered (from integer
             nanoseconds read after the launch, so never negative).
         blocking: A thread is waiting in it (a synchronous call, or ``Work.wait()``).
+        size_bytes: Its data's size (nccl-tests "size"; 0 for barrier).
+        dtype: Its data's dtype ("float32"; "" for barrier).
     """
 
     op: str
@@ -81,6 +87,8 @@ class InFlight:
     started_unix_s: float
     elapsed_s: float
     blocking: bool
+    size_bytes: int = 0
+    dtype: str = ""
 
 
 class _GroupInfo:
@@ -160,12 +168,19 @@ class _Ledger:
     Args:
         on_error: See ``CollectiveTracker``.
         cuda: See ``CollectiveTracker``.
+        on_failure: See ``CollectiveTracker``.
     """
 
     def __init__(
-        self, on_error: Callable[[BaseException], None], *, cuda: CudaEventSource | None = None
+        self,
+        on_error: Callable[[BaseException], None],
+        *,
+        cuda: CudaEventSource | None = None,
+        on_failure: Callable[[], None] | None = None,
     ) -> None:
         self._on_error = on_error
+        self._on_failure = on_failure
+        self._last_failed: InFlight | None = None
         self._cuda: Any = cuda  # a CudaEventSource once _bind_torch() has run
         self._lock = threading.Lock()
         self._state = _ThreadState()
@@ -219,19 +234,14 @@ class _Ledger:
                 if chosen is None:
                     return None
                 blocking = chosen.waiting > 0
-            elapsed_s = (time.monotonic_ns() - chosen.start_ns) / 1e9
-            return InFlight(
-                op=chosen.op,
-                group_name=chosen.group.name,
-                sequence=chosen.sequence,
-                started_monotonic_s=chosen.start_ns / 1e9,
-                started_unix_s=time.time() - elapsed_s,
-                elapsed_s=elapsed_s,
-                blocking=blocking,
-            )
+            return _snapshot(chosen, blocking, time.monotonic_ns())
         except Exception as exc:
             self._report(exc)
             return None
+
+    def last_failed(self) -> InFlight | None:
+        """The newest collective that raised (as it was when it raised); None if none did."""
+        return self._last_failed
 
     def poll(self) -> None:
         """Count the CUDA collectives whose events have completed (``query()`` only; never waits)."""
@@ -365,8 +375,32 @@ class _Ledger:
         with self._lock:
             self._drop(launch)
 
+    def _raised(self, launch: _Launch, now_ns: int) -> None:
+        """The collective raised: remember it and tell ``on_failure``. Caller does not hold the lock."""
+        self._last_failed = _snapshot(launch, blocking=True, now_ns=now_ns)
+        if self._on_failure is not None:
+            try:
+                self._on_failure()
+            except Exception as exc:
+                self._report(exc)
+
     def _report(self, exc: BaseException) -> None:
         try:
             self._on_error(exc)
         except Exception:
             logger.debug("clusterwatch: on_error raised", exc_info=True)
+
+
+def _snapshot(launch: _Launch, blocking: bool, now_ns: int) -> InFlight:
+    elapsed_s = max(0, now_ns - launch.start_ns) / 1e9
+    return InFlight(
+        op=launch.op,
+        group_name=launch.group.name,
+        sequence=launch.sequence,
+        started_monotonic_s=launch.start_ns / 1e9,
+        started_unix_s=time.time() - elapsed_s,
+        elapsed_s=elapsed_s,
+        blocking=blocking,
+        size_bytes=launch.size_bytes,
+        dtype=launch.dtype,
+    )

@@ -95,7 +95,7 @@ class _PatchedCollective(_OpArguments):
             tracker._failed(launch)
             raise
         state.inside = False
-        tracker._launched(self, launch, args, kwargs, result)
+        tracker._launched(launch, result)
         return result
 
     def __eq__(self, other: object) -> bool:
@@ -116,9 +116,13 @@ class _ProcessPatches(_CallTiming):
     """``install()`` and ``uninstall()`` of the patches; the timing they add is ``_CallTiming``'s."""
 
     def __init__(
-        self, on_error: Callable[[BaseException], None], *, cuda: CudaEventSource | None = None
+        self,
+        on_error: Callable[[BaseException], None],
+        *,
+        cuda: CudaEventSource | None = None,
+        on_failure: Callable[[], None] | None = None,
     ) -> None:
-        super().__init__(on_error, cuda=cuda)
+        super().__init__(on_error, cuda=cuda, on_failure=on_failure)
         self._patches: list[tuple[Any, str, Any, Any, bool]] = []
 
     def install(self) -> None:

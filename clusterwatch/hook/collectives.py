@@ -11,7 +11,7 @@ whose docstring says what it sees and what it does not:
   with a comm hook.
 - ``clusterwatch.hook.collective_ledger``: launches in flight, sequence numbers,
   blocked time and aggregates; what the monitor reads (``in_flight()``,
-  ``poll()``, ``take_step()``).
+  ``last_failed()``, ``poll()``, ``take_step()``).
 - ``clusterwatch.hook.collective_ops``: the functions timed, the op names they
   report, and where each takes its data.
 - ``clusterwatch.hook.cuda_timing``: collectives on CUDA tensors are timed with
@@ -47,4 +47,8 @@ class CollectiveTracker(_ProcessPatches, _DdpTiming):
             must not block. The collective concerned runs normally.
         cuda: How CUDA events are made (default: ``CudaEvents()``, real ones);
             tests pass a stand-in to run the CUDA bookkeeping without a GPU.
+        on_failure: Called (on the thread whose collective raised, before the
+            exception goes on) when a timed collective raises; ``last_failed()``
+            then says which. It must not block: the monitor only wakes its
+            heartbeat thread.
     """

@@ -43,7 +43,7 @@ from clusterwatch.v1 import hook_pb2, training_pb2
 
 if TYPE_CHECKING:
     from clusterwatch.hook.aggregate import CollectiveAggregate
-    from clusterwatch.hook.collectives import CollectiveTracker
+    from clusterwatch.hook.collectives import CollectiveTracker, InFlight
 
 logger = logging.getLogger("clusterwatch.hook")
 
@@ -147,13 +147,6 @@ class TrainingMonitor:
         self.flight_recorder_enabled = False
         with self.health.guard("flight recorder"):
             self.flight_recorder_enabled = flight_recorder.enable(environ)
-        if instrument_collectives:
-            with self.health.guard("collective timing"):
-                from clusterwatch.hook.collectives import CollectiveTracker
-
-                tracker = CollectiveTracker(on_error=lambda exc: self.health.record("collective timing", exc))
-                tracker.install()
-                self._tracker = tracker
         self._link = AgentLink(
             resolve_socket_path(socket_path, environ),
             self._hello,
@@ -164,6 +157,18 @@ class TrainingMonitor:
             queue_size=queue_size,
             before_flush=self._refresh_identity,
         )
+        if instrument_collectives:
+            with self.health.guard("collective timing"):
+                from clusterwatch.hook.collectives import CollectiveTracker
+
+                tracker = CollectiveTracker(
+                    on_error=lambda exc: self.health.record("collective timing", exc),
+                    # Say at once which collective raised: the launcher may tear the
+                    # process down before the next heartbeat is due.
+                    on_failure=self._link.beat_soon,
+                )
+                tracker.install()
+                self._tracker = tracker
         self._link.start()
         atexit.register(self.close)
 
@@ -331,16 +336,10 @@ class TrainingMonitor:
                 self._tracker.poll()
                 in_flight = self._tracker.in_flight()
                 if in_flight is not None:
-                    beat.collective.CopyFrom(
-                        training_pb2.CollectiveInFlight(
-                            op=in_flight.op,
-                            group_name=in_flight.group_name,
-                            sequence=in_flight.sequence,
-                            started_unix_seconds=in_flight.started_unix_s,
-                            elapsed_seconds=in_flight.elapsed_s,
-                            blocking=in_flight.blocking,
-                        )
-                    )
+                    beat.collective.CopyFrom(_collective_proto(in_flight))
+                failed = self._tracker.last_failed()
+                if failed is not None:
+                    beat.failed_collective.CopyFrom(_collective_proto(failed))
         if self.flight_recorder_enabled:
             with self.health.guard("flight recorder"):
                 beat.flight_recorder.extend(flight_recorder.read_status())
@@ -419,3 +418,16 @@ class TrainingMonitor:
 
     def _send_result(self, result: training_pb2.CheckpointResult) -> None:
         self._link.send(hook_pb2.HookMessage(checkpoint_result=result))
+
+
+def _collective_proto(collective: InFlight) -> training_pb2.CollectiveInFlight:
+    return training_pb2.CollectiveInFlight(
+        op=collective.op,
+        group_name=collective.group_name,
+        sequence=collective.sequence,
+        started_unix_seconds=collective.started_unix_s,
+        elapsed_seconds=collective.elapsed_s,
+        blocking=collective.blocking,
+        size_bytes=collective.size_bytes,
+        dtype=collective.dtype,
+    )

@@ -4,7 +4,8 @@ Everything runs on the hook's own threads; the training thread only appends
 to a bounded queue, which never blocks (when full, the oldest step is dropped
 and counted). Step summaries are batched into one message per wake-up;
 heartbeats go out every interval whether the training thread is busy, blocked
-in a collective or idle. Checkpoint results and identity updates use a
+in a collective or idle, and out of turn when asked (``beat_soon``: a
+collective raised, and the process may be torn down before the next one). Checkpoint results and identity updates use a
 second small queue so a flood of steps cannot push them out.
 
 Before each stream the link fetches a nonce from the agent's credential
@@ -50,6 +51,9 @@ CONNECT_TIMEOUT_S = 2.0
 # cost more than all the timing it carries (measured with bench/hook_overhead.py).
 FLUSH_INTERVAL_S = 0.25
 STEPS_PER_BATCH = 64
+# A heartbeat asked for out of turn (beat_soon) waits at least this long after
+# the previous one, so a loop of failing collectives cannot flood the agent.
+MIN_HEARTBEAT_GAP_S = 0.05
 # A stream that lasted this long was accepted: the backoff starts over. One
 # the agent ends sooner (it refused the hello) keeps backing off, quietly.
 STABLE_STREAM_S = 10.0
@@ -96,6 +100,7 @@ class AgentLink:
         )
         self._control: collections.deque[hook_pb2.HookMessage] = collections.deque(maxlen=256)
         self._wake = threading.Event()
+        self._beat_soon = False
         self._closing = threading.Event()
         self._goodbye: str | None = None
         self._backoff = Backoff(base_s=0.2, cap_s=reconnect_max_s)
@@ -122,6 +127,11 @@ class AgentLink:
         if len(self._control) == self._control.maxlen:
             self._health.dropped()
         self._control.append(message)
+        self._wake.set()
+
+    def beat_soon(self) -> None:
+        """Send a heartbeat now rather than at the next interval (at most one per MIN_HEARTBEAT_GAP_S). Never blocks."""
+        self._beat_soon = True
         self._wake.set()
 
     def close(self, goodbye: str | None = None, timeout_s: float = 2.0) -> None:
@@ -193,13 +203,17 @@ class AgentLink:
     ) -> Iterator[hook_pb2.HookMessage]:
         """The request stream (consumed on gRPC's thread): hello, then batches and heartbeats."""
         yield hello
-        next_heartbeat_s = time.monotonic()
+        next_heartbeat_s = last_heartbeat_s = time.monotonic()
         flush_interval_s = min(FLUSH_INTERVAL_S, self.heartbeat_interval_s)
         while not ended.is_set():
             now_s = time.monotonic()
+            if self._beat_soon:
+                self._beat_soon = False
+                next_heartbeat_s = min(next_heartbeat_s, last_heartbeat_s + MIN_HEARTBEAT_GAP_S)
             if now_s >= next_heartbeat_s:
                 yield from self._drain()  # steps first: the heartbeat says how many finished
                 yield hook_pb2.HookMessage(heartbeat=self._heartbeat())
+                last_heartbeat_s = now_s
                 next_heartbeat_s = now_s + self.heartbeat_interval_s
             if self._closing.is_set():
                 yield from self._drain()

@@ -291,6 +291,8 @@ class CollectiveInFlight(_message.Message):
     STARTED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     ELAPSED_SECONDS_FIELD_NUMBER: _builtins.int
     BLOCKING_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
     op: _builtins.str
     group_name: _builtins.str
     sequence: _builtins.int
@@ -298,6 +300,14 @@ class CollectiveInFlight(_message.Message):
     elapsed_seconds: _builtins.float
     blocking: _builtins.bool
     """The training thread waits in it (a synchronous call or Work.wait())."""
+    size_bytes: _builtins.int
+    """Size of its data as CollectiveSummary.bytes_total counts it (nccl-tests
+    "size"), and the data's dtype ("float32"); 0 and "" for barrier, and
+    size 0 for a DDP bucket under a user's comm hook. Ranks in the same
+    collective (group and sequence) agree on op, size and dtype; one that
+    differs is in another collective (a collective mismatch).
+    """
+    dtype: _builtins.str
     def __init__(
         self,
         *,
@@ -307,10 +317,12 @@ class CollectiveInFlight(_message.Message):
         started_unix_seconds: _builtins.float = ...,
         elapsed_seconds: _builtins.float = ...,
         blocking: _builtins.bool = ...,
+        size_bytes: _builtins.int = ...,
+        dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocking", b"blocking", "elapsed_seconds", b"elapsed_seconds", "group_name", b"group_name", "op", b"op", "sequence", b"sequence", "started_unix_seconds", b"started_unix_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocking", b"blocking", "dtype", b"dtype", "elapsed_seconds", b"elapsed_seconds", "group_name", b"group_name", "op", b"op", "sequence", b"sequence", "size_bytes", b"size_bytes", "started_unix_seconds", b"started_unix_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -442,6 +454,7 @@ class Heartbeat(_message.Message):
     FLIGHT_RECORDER_FIELD_NUMBER: _builtins.int
     HEALTH_FIELD_NUMBER: _builtins.int
     PROCESS_GROUPS_FIELD_NUMBER: _builtins.int
+    FAILED_COLLECTIVE_FIELD_NUMBER: _builtins.int
     timestamp_unix_seconds: _builtins.float
     step: _builtins.int
     """Current step, or the last one finished when between steps."""
@@ -461,6 +474,15 @@ class Heartbeat(_message.Message):
     def process_groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProcessGroupMembership]:
         """Process groups with more than one member this rank belongs to."""
 
+    @_builtins.property
+    def failed_collective(self) -> Global___CollectiveInFlight:
+        """The newest collective that raised in this process (a peer died, the
+        backend found a size mismatch...), as it was when it raised; unset when
+        none did. A rank sends a heartbeat at once when one raises, so its last
+        heartbeat says which collective it failed in even when the launcher tears
+        the job down a moment later.
+        """
+
     def __init__(
         self,
         *,
@@ -474,10 +496,11 @@ class Heartbeat(_message.Message):
         flight_recorder: _abc.Iterable[Global___FlightRecorderGroup] | None = ...,
         health: Global___HookHealth | None = ...,
         process_groups: _abc.Iterable[Global___ProcessGroupMembership] | None = ...,
+        failed_collective: Global___CollectiveInFlight | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["collective", b"collective", "health", b"health"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["collective", b"collective", "failed_collective", b"failed_collective", "health", b"health"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["collective", b"collective", "flight_recorder", b"flight_recorder", "flight_recorder_enabled", b"flight_recorder_enabled", "health", b"health", "in_step", b"in_step", "process_groups", b"process_groups", "step", b"step", "step_elapsed_seconds", b"step_elapsed_seconds", "steps_completed_total", b"steps_completed_total", "timestamp_unix_seconds", b"timestamp_unix_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["collective", b"collective", "failed_collective", b"failed_collective", "flight_recorder", b"flight_recorder", "flight_recorder_enabled", b"flight_recorder_enabled", "health", b"health", "in_step", b"in_step", "process_groups", b"process_groups", "step", b"step", "step_elapsed_seconds", b"step_elapsed_seconds", "steps_completed_total", b"steps_completed_total", "timestamp_unix_seconds", b"timestamp_unix_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

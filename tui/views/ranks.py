@@ -12,6 +12,8 @@ from clusterwatch.tui.views.rows import Cell, Column, Row, SortValue, Tone, numb
 from clusterwatch.v1 import cluster_pb2, training_pb2
 
 STEP_HISTORY_WIDTH = 16
+COLLECTIVE_MISMATCH = "collective_mismatch"
+"""A hang's cause when the rank is in another collective than its peers (coordinator/mismatch.py)."""
 COLUMNS = (
     Column("RANK", 5, right=True),
     Column("NODE", 13),
@@ -68,7 +70,10 @@ def _rank_row(
     missing: str,
 ) -> Row:
     mark, tone = "", Tone.PLAIN
-    if hung is not None:
+    if hung is not None and hung.cause == COLLECTIVE_MISMATCH:
+        # It is in another collective than its peers (the state says which), not missing theirs.
+        mark, tone = "HUNG: collective mismatch · ", Tone.ERROR
+    elif hung is not None:
         mark, tone = f"HUNG: {missing or hung.cause} · ", Tone.ERROR
     elif straggling is not None:
         mark, tone = f"STRAGGLER ({straggling.cause}) · ", Tone.WARNING
