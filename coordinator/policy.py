@@ -10,7 +10,11 @@ Safety, in the order it is checked:
    decision waits until the cooldown is over;
 2. an opted-out job gets nothing but alerts;
 3. no more than ``max_restarts_per_hour`` restarts of a job: the next one
-   is skipped and the incident says the job is left to a person.
+   is skipped and the incident says the job is left to a person;
+4. no restart for a collective mismatch (ranks of one group in different
+   collectives): it is the program taking different paths, and the restarted
+   job would run into it again from its last checkpoint. It is alerted, with
+   the stacks that show where.
 
 Each incident is decided once (a straggler only once it persisted
 ``straggler_persist_s``); a skipped decision is recorded like a taken one.
@@ -36,6 +40,8 @@ EXCLUDE_NODE_AND_RESTART = "exclude_node_and_restart"
 STOP_ORPHANS = "stop_orphans"
 RESTARTS = frozenset({RESTART, CHECKPOINT_AND_RESTART, EXCLUDE_NODE_AND_RESTART})
 HOUR_S = 3600.0
+# A hang or failure whose ranks called different collectives (coordinator/mismatch.py): a bug, not a fault.
+COLLECTIVE_MISMATCH = "collective_mismatch"
 NODE_KINDS = frozenset({Kind.NODE_UNREACHABLE, Kind.GPU_XID, Kind.GPU_LOST, Kind.INFINIBAND})
 # Kinds whose job still makes progress, so it can checkpoint before a restart
 # (a hung, crashed or node-less job cannot: it resumes from the last complete one).
@@ -107,6 +113,12 @@ class Policy:
         exclude = incident.nodes if action == EXCLUDE_NODE_AND_RESTART else ()
         decision = Decision(incident.id, incident.job, action, incident.summary, exclude_nodes=exclude)
         skipped, rate_limited = self._why_not(decision, now_unix_s)
+        if not skipped and action in RESTARTS and incident.cause == COLLECTIVE_MISMATCH:
+            skipped = (
+                "alerted instead: a collective mismatch is the program taking different paths on different "
+                "ranks; a restart resumes from the last checkpoint and runs into it again (see the incident's "
+                "stacks)"
+            )
         if skipped:
             return dataclasses.replace(decision, skipped=skipped, rate_limited=rate_limited)
         self.note_action(incident.job, action, now_unix_s)

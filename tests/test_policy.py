@@ -143,3 +143,18 @@ def test_defaults_exclude_stragglers_and_failed_nodes_and_restart_hangs() -> Non
         Kind.GPU_XID: "exclude_node_and_restart",
         Kind.ORPHANED_RANKS: "stop_orphans",
     }
+
+
+def test_a_collective_mismatch_is_alerted_not_restarted_into_again() -> None:
+    policy = Policy(RecoverySettings(hang_action="restart", rank_failure_action="restart", cooldown_s=0))
+    for n, kind in enumerate((Kind.HANG, Kind.RANK_FAILURE)):
+        mismatch = dataclasses.replace(incident(kind, n), cause="collective_mismatch")
+        decision = policy.decide(mismatch, 100.0)
+        assert decision is not None
+        assert decision.action == "restart"
+        assert decision.skipped.startswith("alerted instead: a collective mismatch is the program taking")
+    assert policy.restarts_in_last_hour("train", 100.0) == 0  # nothing counted against the budget
+    # Another cause of hang is restarted as configured.
+    other = policy.decide(incident(Kind.HANG, 9), 100.0)
+    assert other is not None
+    assert not other.skipped
