@@ -391,19 +391,6 @@ class RankRegistry:
 
     def _apply_exits(self, exits: dict[int, ExitStatus]) -> None:
         for entry in self._entries.values():
-            launcher = entry.launcher
-            if launcher is not None and entry.launcher_exit is None and launcher.pid in exits:
-                ended = exits[launcher.pid]
-                entry.launcher_exit = training_pb2.LauncherExit(
-                    launcher_pid=launcher.pid, launcher_name=launcher.name, description=ended.description,
-                    timestamp_unix_seconds=ended.timestamp_unix_s,
-                )  # fmt: skip
-                if entry.orphaned:
-                    logger.warning(
-                        "rank %d of job %s (pid %d) runs on without its launcher %s (pid %d): %s",
-                        entry.identity.rank, entry.identity.job, entry.pid, launcher.name, launcher.pid,
-                        ended.description,
-                    )  # fmt: skip
             status = exits.get(entry.pid) or entry.pending_exit
             if status is None or entry.state is RankState.EXITED:
                 continue
@@ -411,6 +398,22 @@ class RankRegistry:
                 entry.pending_exit = status  # the stream is still open: one report's grace
                 continue
             self._mark_exited(entry, status)
+        # After the ranks' own exits: a launcher ending after its workers (a job's normal end) orphans none.
+        for entry in self._entries.values():
+            launcher = entry.launcher
+            if launcher is None or entry.launcher_exit is not None or launcher.pid not in exits:
+                continue
+            ended = exits[launcher.pid]
+            entry.launcher_exit = training_pb2.LauncherExit(
+                launcher_pid=launcher.pid, launcher_name=launcher.name, description=ended.description,
+                timestamp_unix_seconds=ended.timestamp_unix_s,
+            )  # fmt: skip
+            if entry.orphaned:
+                logger.warning(
+                    "rank %d of job %s (pid %d) runs on without its launcher %s (pid %d): %s",
+                    entry.identity.rank, entry.identity.job, entry.pid, launcher.name, launcher.pid,
+                    ended.description,
+                )  # fmt: skip
 
     @staticmethod
     def _mark_exited(entry: RankEntry, status: ExitStatus) -> None:

@@ -7,6 +7,7 @@ scripted one says which pids exited (the real one is tested in test_proc_exit.py
 from __future__ import annotations
 
 import math
+import signal
 
 import pytest
 
@@ -19,7 +20,7 @@ from clusterwatch.agent.hook_limits import (
 )
 from clusterwatch.agent.hook_validation import DURATION_BUCKETS, InvalidHookMessageError, RankGoneError
 from clusterwatch.agent.proc_exit import ExitStatus
-from clusterwatch.agent.process_instance import VerifiedProcess
+from clusterwatch.agent.process_instance import ProcessInstance, VerifiedProcess
 from clusterwatch.agent.ranks import RankRegistry, RankState
 from clusterwatch.v1 import hook_pb2, node_pb2, training_pb2
 
@@ -330,3 +331,43 @@ def test_the_work_budget_refills_and_names_whose_it_is() -> None:
     two_steps = hook_pb2.HookMessage(steps=hook_pb2.StepBatch(steps=[step(1), step(2)]))
     two_steps.steps.steps[0].collectives.add()
     assert message_items(two_steps) == 4
+
+
+def test_a_rank_whose_launcher_ends_first_is_reported_orphaned_until_it_exits(
+    registry: RankRegistry, watcher: ScriptedExitWatcher
+) -> None:
+    torchrun = ProcessInstance(50, 1234, 0, name="pt_elastic")
+    for rank in (0, 1):
+        registry.hello(identity(rank, pid=100 + rank), VerifiedProcess(uid=0, launcher=torchrun))
+    assert watcher.watched == {50, 100, 101}
+    assert not any(r.HasField("launcher_exit") for r in report(registry))
+    watcher.exit(50, signal.SIGKILL)  # kill -9 of torchrun: its workers live on
+    orphans = report(registry)
+    assert [
+        (r.identity.rank, r.launcher_exit.launcher_pid, r.launcher_exit.description) for r in orphans
+    ] == [
+        (0, 50, "killed by signal 9 (SIGKILL)"),
+        (1, 50, "killed by signal 9 (SIGKILL)"),
+    ]
+    assert orphans[0].launcher_exit.launcher_name == "pt_elastic"
+    # Stopped, they exit: reported once as exited, without the orphan mark, and forgotten with the launcher.
+    for rank in (0, 1):
+        registry.disconnect(f"i{rank}-{100 + rank}", stream=1)
+        watcher.exit(100 + rank, signal.SIGTERM)
+    gone = report(registry)
+    assert [(r.state, r.HasField("launcher_exit")) for r in gone] == [(EXITED, False)] * 2
+    assert report(registry) == []
+    assert watcher.watched == set()
+
+
+def test_a_launcher_ending_after_its_ranks_orphans_none(
+    registry: RankRegistry, watcher: ScriptedExitWatcher
+) -> None:
+    """A job's normal end: the workers exit, then torchrun, maybe seen in one batch."""
+    registry.hello(identity(0), VerifiedProcess(uid=0, launcher=ProcessInstance(50, 1, 0, name="torchrun")))
+    registry.disconnect("i0-100", stream=1)
+    watcher.exit(100, 0)
+    watcher.exit(50, 0)
+    (last,) = report(registry)
+    assert last.state == EXITED
+    assert not last.HasField("launcher_exit")
