@@ -68,6 +68,22 @@ def test_a_rank_in_another_collective_than_its_peers_is_marked_a_mismatch_with_w
     assert rows["desync/0"].cells[8].text == "in all_reduce #61 (1.0MiB float32) 6.00s"
 
 
+def test_ranks_left_by_their_launcher_are_marked_orphaned() -> None:
+    snapshot = cluster_pb2.ClusterSnapshot()
+    job = snapshot.jobs.add(job="left")
+    for rank in range(2):
+        status = job.ranks.add(node_id="node-0", state=training_pb2.RANK_STATE_RUNNING)
+        status.identity.job, status.identity.rank, status.identity.world_size = "left", rank, 2
+    orphans = snapshot.incidents.add(
+        id="o", kind="orphaned_ranks", cause="launcher_exited", job="left", ranks=[0, 1]
+    )
+    state = TopState()
+    state.apply(Update(snapshot, [orphans]))
+    rows = {r.key: r for r in ranks.rank_rows(state)}
+    assert [rows[f"left/{rank}"].tone for rank in (0, 1)] == [Tone.ERROR] * 2
+    assert rows["left/0"].cells[8].text.startswith("ORPHANED: launcher gone · ")
+
+
 def test_port_rates_come_from_each_nodes_last_two_reports() -> None:
     state = TopState()
     cluster = SyntheticCluster()

@@ -35,12 +35,14 @@ def rank_rows(state: TopState) -> list[Row]:
         incidents = [i for i in live if i.job == job.job]
         stragglers = {r: i for i in incidents if i.kind == "straggler" for r in i.ranks}
         hung = {r: i for i in incidents if i.kind == "hang" for r in i.ranks}
+        orphaned = {r: i for i in incidents if i.kind == "orphaned_ranks" for r in i.ranks}
         missing = _missing_collective(job, set(hung))
         typical = _TypicalCompute(job)
         for rank in job.ranks:
             number_of = rank.identity.rank
             rows.append(_rank_row(job.job, rank, typical, straggling=stragglers.get(number_of),
-                                  hung=hung.get(number_of), missing=missing))  # fmt: skip
+                                  hung=hung.get(number_of), orphaned=number_of in orphaned,
+                                  missing=missing))  # fmt: skip
     return rows
 
 
@@ -67,10 +69,13 @@ def _rank_row(
     *,
     straggling: cluster_pb2.Incident | None,
     hung: cluster_pb2.Incident | None,
+    orphaned: bool,
     missing: str,
 ) -> Row:
     mark, tone = "", Tone.PLAIN
-    if hung is not None and hung.cause == COLLECTIVE_MISMATCH:
+    if orphaned:  # its launcher died: nothing else about it matters as much
+        mark, tone = "ORPHANED: launcher gone · ", Tone.ERROR
+    elif hung is not None and hung.cause == COLLECTIVE_MISMATCH:
         # It is in another collective than its peers (the state says which), not missing theirs.
         mark, tone = "HUNG: collective mismatch · ", Tone.ERROR
     elif hung is not None:
