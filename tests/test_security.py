@@ -7,6 +7,7 @@ connect with good, foreign and borrowed certificates.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import os
 from datetime import UTC, datetime, timedelta
@@ -18,12 +19,13 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from helpers import Cluster, Coordinator, Process, clusterwatch_cmd, run_cli, wait_for
+from helpers import Cluster, Coordinator, Process, clusterwatch_cmd, run_cli, samples_named, scrape, wait_for
+from training_builders import AgentStream, rank_report, step
 
 from clusterwatch import certs
 from clusterwatch.client import ClusterClient
 from clusterwatch.peer_identity import Role
-from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2
+from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2, node_pb2
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -352,3 +354,50 @@ def test_a_ca_is_not_trusted_further_than_its_path_length(pki: Pki, secured: Coo
         pki, "m", [x509.UniformResourceIdentifier("clusterwatch://node/node-b")], issuer=intermediate
     )
     assert hello_status(secured, credentials_of(pki, as_node, intermediate), "node-b") in refused
+
+
+# ---------------------------------------------------------------- a node's word about other nodes' ranks
+
+
+async def test_a_forged_node_cannot_take_another_nodes_rank_and_steer_recovery(cluster: Cluster) -> None:
+    """What a stolen node key (or, before roles, any certificate) allowed: claim rank 1 of a job that
+    runs elsewhere, with a newer restart count, and report XID 79 under it, so that the policy
+    restarted the job without the honest node. The claim is refused; the job is not touched."""
+    coordinator = cluster.coordinator("--cooldown-s", "0")
+    forged = rank_report(1, job="victim", instance_id="forged", restart_count=5)
+    forged.identity.gpu_uuid = "GPU-rogue"
+    hardware = node_pb2.NodeReport()
+    hardware.gpus.add(index=0, uuid="GPU-rogue", name="NVIDIA H100", memory_total_bytes=80 << 30)
+    hardware.gpus[0].xid_errors.add(xid=79, count=1)
+
+    def conflicts() -> float:
+        samples = samples_named(scrape(coordinator.metrics_url), "clusterwatch_rank_reports_rejected_total",
+                                reason="rank_conflict")  # fmt: skip
+        return sum(s.value for s in samples)
+
+    def xid_incident() -> cluster_pb2.Incident | None:
+        with coordinator.client() as client:
+            return next((i for i in client.incidents() if i.kind == "gpu_xid"), None)
+
+    async with (
+        AgentStream(coordinator.address, "honest") as honest,
+        AgentStream(coordinator.address, "rogue") as rogue,
+    ):
+        for number in range(1, 200):
+            await honest.report(*(rank_report(r, job="victim", steps=[step(number)]) for r in (0, 1)))
+            await rogue.report(forged, hardware=hardware)
+            if number > 5 and conflicts() >= 5 and xid_incident() is not None:
+                break
+            await asyncio.sleep(0.1)  # the agents' pace
+        else:
+            pytest.fail("the rogue's claims were not refused, or its XID not seen")
+    with coordinator.client() as client:
+        ranks = {
+            r.identity.rank: r for job in client.snapshot().jobs if job.job == "victim" for r in job.ranks
+        }
+        actions = client.actions(job="victim")
+    assert {rank: r.node_id for rank, r in ranks.items()} == {0: "honest", 1: "honest"}
+    assert actions == []  # no restart, no exclusion: the rogue's XID is its own node's, under no job
+    incident = xid_incident()
+    assert incident is not None
+    assert not incident.job
