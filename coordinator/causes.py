@@ -45,8 +45,8 @@ whole.
 
 Missing data is normal (an unset optional field, a CPU rank, a node without a
 previous report or without InfiniBand): the rule that needs it is skipped.
-Counter rates come from ``NodeRecord.previous`` -> ``NodeRecord.report``,
-matched per device so one reset counter does not spoil the others.
+Counter rates come from ``NodeRecord.previous`` -> ``NodeRecord.report`` by
+the one per-device rule (coordinator/rates.py).
 """
 
 from __future__ import annotations
@@ -55,10 +55,11 @@ import bisect
 import dataclasses
 import enum
 import statistics
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Literal, NamedTuple, TypeVar
 
 from clusterwatch.coordinator.jobs import JobRecord, RankRecord
+from clusterwatch.coordinator.rates import counter_rate, nic_key, port_key
 from clusterwatch.coordinator.state import NodeRecord
 from clusterwatch.coordinator.topology_advice import Placement, place
 from clusterwatch.errors import ConfigError
@@ -174,7 +175,6 @@ _GPU_REASON_GROUPS: tuple[tuple[CauseName, int], ...] = (
 )
 _IB_ACTIVE = "ACTIVE"
 
-M = TypeVar("M")
 _GpuField = Literal[
     "sm_clock_hertz", "sm_clock_max_hertz", "temperature_celsius", "power_watts", "power_limit_watts"
 ]
@@ -598,18 +598,18 @@ def _node_network(
         return _NodeNetwork(None, None, None, None, down)
     ports_now, ports_before = _only(report.ib_ports, devices), _only(previous.ib_ports, devices)
     ib_errors = [
-        _rate(ports_before, ports_now, _port_key, _optional(field), elapsed_s) for field in _IB_ERRORS
+        counter_rate(ports_before, ports_now, port_key, _optional(field), elapsed_s) for field in _IB_ERRORS
     ]
     return _NodeNetwork(
         transmit_wait_per_s=_transmit_wait_per_s(node),
         ib_errors_per_s=_sum(ib_errors),
-        ib_link_downed_per_s=_rate(
-            ports_before, ports_now, _port_key, _optional("link_downed_total"), elapsed_s
+        ib_link_downed_per_s=counter_rate(
+            ports_before, ports_now, port_key, _optional("link_downed_total"), elapsed_s
         ),
-        nic_errors_per_s=_rate(
+        nic_errors_per_s=counter_rate(
             _only(previous.nics, devices),
             _only(report.nics, devices),
-            lambda n: n.device,
+            nic_key,
             lambda n: n.receive_errors_total + n.transmit_errors_total,
             elapsed_s,
         ),
@@ -640,7 +640,9 @@ def _transmit_wait_per_s(node: NodeRecord | None) -> float | None:
     elapsed_s = report.timestamp_unix_seconds - previous.timestamp_unix_seconds
     if elapsed_s <= 0:
         return None
-    return _rate(previous.ib_ports, report.ib_ports, _port_key, _optional("transmit_wait_total"), elapsed_s)
+    return counter_rate(
+        previous.ib_ports, report.ib_ports, port_key, _optional("transmit_wait_total"), elapsed_s
+    )
 
 
 def _network_signals(
@@ -839,35 +841,6 @@ def _optional_value(message: node_pb2.GpuSample, field: _GpuField) -> float | No
     return float(getattr(message, field)) if message.HasField(field) else None
 
 
-def _port_key(port: node_pb2.IbPortSample) -> tuple[str, int]:
-    return port.device, port.port
-
-
 def _optional(field: _IbCounter) -> Callable[[node_pb2.IbPortSample], int | None]:
     """Reads an optional counter of an InfiniBand port: None when unset."""
     return lambda port: getattr(port, field) if port.HasField(field) else None
-
-
-def _rate(
-    before: Iterable[M],
-    now: Iterable[M],
-    key: Callable[[M], Hashable],
-    value: Callable[[M], int | None],
-    elapsed_s: float,
-) -> float | None:
-    """Per-second increase of a counter summed over devices present in both reports.
-
-    Devices are matched by ``key``; one whose counter is unset in either
-    report, or went down (a reset), is left out. None when no device is left.
-    """
-    previous = {key(item): value(item) for item in before}
-    delta = 0
-    matched = False
-    for item in now:
-        current = value(item)
-        old = previous.get(key(item))
-        if current is None or old is None or current < old:
-            continue
-        delta += current - old
-        matched = True
-    return delta / elapsed_s if matched else None
