@@ -62,7 +62,9 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
     def snapshot(self, summary_only: bool = False) -> cluster_pb2.ClusterSnapshot:
         """Nodes and jobs now; jobs are small, so summaries keep them whole."""
         core = self._core
-        training = training_view(core.jobs, core.checkpoints, core.now()[0])
+        training = training_view(
+            core.jobs, core.checkpoints, core.now()[0], core.watchdog.detection.slowdown_ratios
+        )
         return cluster_pb2.ClusterSnapshot(
             timestamp_unix_seconds=time.time(),
             coordinator_version=__version__,
@@ -171,7 +173,9 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         self._authorize(context, f"begin job {request.job!r}")
         core = self._core
         core.begin_job(request.job, request.labels, request.nodes)
-        view = job_view(core.jobs, core.checkpoints, request.job, core.now()[0])
+        view = job_view(
+            core.jobs, core.checkpoints, request.job, core.now()[0], core.watchdog.detection.slowdown_ratios
+        )
         assert view is not None  # noqa: S101 - registered just now, on this thread
         return job_status(view)
 

@@ -8,7 +8,7 @@ JobStatus messages are built from the same views.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from clusterwatch.coordinator.checkpoints import CheckpointTracker, LatestCheckpoint
 from clusterwatch.coordinator.jobs import EXITED, CollectiveTotals, JobRecord, JobStore, RankRecord
@@ -28,6 +28,7 @@ class RankView:
     collectives: Sequence[training_pb2.CollectiveSummary]
     steps_dropped_total: int
     exit: training_pb2.RankExit | None
+    slowdown_ratio: float | None = None
 
     @property
     def rank(self) -> int:
@@ -72,8 +73,18 @@ class TrainingView:
     rank_reports_rejected_total: Mapping[tuple[str, str], int]
 
 
-def training_view(store: JobStore, checkpoints: CheckpointTracker, now_mono: float) -> TrainingView:
-    """Views of every job, sorted by name (ranks by rank). Call on the event loop."""
+# The straggler detector's slowdown ratio of each rank of a job (DetectionRound.slowdown_ratios).
+SlowdownRatios = Callable[[JobRecord], Mapping[int, float]]
+
+
+def training_view(
+    store: JobStore, checkpoints: CheckpointTracker, now_mono: float, slowdowns: SlowdownRatios | None = None
+) -> TrainingView:
+    """Views of every job, sorted by name (ranks by rank). Call on the event loop.
+
+    ``slowdowns`` gives each rank the detector's slowdown ratio, the one
+    clusterwatch_rank_slowdown_ratio exports and ``top`` shows.
+    """
     results = _per_job(checkpoints.results_total)
     outcomes = _per_job(checkpoints.checkpoints_total)
     jobs = tuple(
@@ -84,13 +95,20 @@ def training_view(store: JobStore, checkpoints: CheckpointTracker, now_mono: flo
             results=results.get(name, {}),
             outcomes=outcomes.get(name, {}),
             now_mono=now_mono,
+            slowdowns=slowdowns,
         )
         for name in sorted(store.jobs)
     )
     return TrainingView(jobs, dict(store.rejected_total))
 
 
-def job_view(store: JobStore, checkpoints: CheckpointTracker, name: str, now_mono: float) -> JobView | None:
+def job_view(
+    store: JobStore,
+    checkpoints: CheckpointTracker,
+    name: str,
+    now_mono: float,
+    slowdowns: SlowdownRatios | None = None,
+) -> JobView | None:
     """The view of one job; None when the store has no such job. Call on the event loop."""
     job = store.jobs.get(name)
     if job is None:
@@ -99,7 +117,9 @@ def job_view(store: JobStore, checkpoints: CheckpointTracker, name: str, now_mon
     outcomes = {
         label: n for (job_name, label), n in checkpoints.checkpoints_total.items() if job_name == name
     }
-    return _job_view(store, job, checkpoints, results=results, outcomes=outcomes, now_mono=now_mono)
+    return _job_view(
+        store, job, checkpoints, results=results, outcomes=outcomes, now_mono=now_mono, slowdowns=slowdowns
+    )
 
 
 def _job_view(
@@ -110,8 +130,10 @@ def _job_view(
     results: Mapping[str, int],
     outcomes: Mapping[str, int],
     now_mono: float,
+    slowdowns: SlowdownRatios | None,
 ) -> JobView:
-    ranks = tuple(_rank_view(r) for _, r in sorted(job.ranks.items()))
+    ratios = slowdowns(job) if slowdowns is not None else {}
+    ranks = tuple(_rank_view(r, ratios.get(r.rank)) for _, r in sorted(job.ranks.items()))
     return JobView(
         job=job.job,
         world_size=job.world_size,
@@ -143,7 +165,7 @@ def _per_job(counts: Mapping[tuple[str, str], int]) -> dict[str, dict[str, int]]
     return out
 
 
-def _rank_view(r: RankRecord) -> RankView:
+def _rank_view(r: RankRecord, slowdown_ratio: float | None) -> RankView:
     return RankView(
         identity=r.identity,
         node_id=r.node_id,
@@ -155,6 +177,7 @@ def _rank_view(r: RankRecord) -> RankView:
         collectives=r.last_collectives,
         steps_dropped_total=r.steps_dropped_total,
         exit=r.exit,
+        slowdown_ratio=slowdown_ratio,
     )
 
 
@@ -189,4 +212,6 @@ def _rank_status(view: RankView) -> cluster_pb2.RankStatus:
         status.last_step.CopyFrom(view.last_step.to_proto())
     if view.exit is not None:
         status.exit.CopyFrom(view.exit)
+    if view.slowdown_ratio is not None:
+        status.slowdown_ratio = view.slowdown_ratio
     return status

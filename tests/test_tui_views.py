@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from training_builders import T0, rank_report, step
 
+from clusterwatch.coordinator.checkpoints import CheckpointTracker
+from clusterwatch.coordinator.job_views import job_status, training_view
+from clusterwatch.coordinator.jobs import JobStore
+from clusterwatch.coordinator.stragglers import StragglerDetector
 from clusterwatch.sim.snapshot import SyntheticCluster, synthetic_snapshot
 from clusterwatch.tui.feed import Disconnected, Update
 from clusterwatch.tui.history import sparkline
@@ -156,3 +161,29 @@ def test_incidents_keep_resolved_ones_and_show_evidence_and_stacks() -> None:
     assert "restart: done  stopped 32 workers in 1.2 s" in text
     assert "wait (torch/distributed/distributed_c10d.py:3252)" in text
     assert "unavailable: deadline" in incidents.incident_detail(hang, "unavailable: deadline").plain
+
+
+def test_tops_slowdown_is_the_straggler_detectors_own() -> None:
+    """The SLOW column shows what the detector computed (and clusterwatch_rank_slowdown_ratio exports):
+    a rank's compute over the median of the *other* ranks, over the detector's window."""
+    store = JobStore()
+    for n in range(1, 41):  # rank 2 computes 30 % longer; every rank a little noise
+        reports = [
+            rank_report(r, world_size=4, steps=[step(n, step_s=1.0, compute_s=0.4 * (1.3 if r == 2 else 1.0) * (1 + 0.01 * ((n * (r + 3)) % 5)))])
+            for r in range(4)
+        ]  # fmt: skip
+        store.ingest("node-a", reports, now_mono=float(n), now_unix=T0 + n)
+    detector = StragglerDetector()
+    job = store.jobs["train"]
+    detector.update(job)
+    ratios = detector.slowdown_ratios(job)
+    assert set(ratios) == {0, 1, 2, 3}
+    assert ratios[2] > 1.25
+    view = training_view(store, CheckpointTracker(), now_mono=41.0, slowdowns=detector.slowdown_ratios)
+    snapshot = cluster_pb2.ClusterSnapshot(jobs=[job_status(j) for j in view.jobs])
+    state = TopState()
+    state.apply(Update(snapshot, []))
+    rows = {r.key: r for r in ranks.rank_rows(state)}
+    assert {rank: rows[f"train/{rank}"].cells[6].text for rank in ratios} == {
+        rank: f"{ratio:.2f}x" for rank, ratio in ratios.items()
+    }

@@ -159,6 +159,9 @@ def _rank(
     status.last_step.step_seconds = compute_s + communication_s
     status.last_step.compute_seconds = compute_s
     status.last_step.communication_seconds = communication_s
+    status.slowdown_ratio = compute_s / (
+        cluster.step_s * 0.72
+    )  # what the detector would find: vs the typical rank
     status.heartbeat.timestamp_unix_seconds = now - (27 if hung else 0.2)
     status.heartbeat.step = done + 1
     status.heartbeat.in_step = True

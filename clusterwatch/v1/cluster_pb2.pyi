@@ -216,10 +216,16 @@ class RankStatus(_message.Message):
     BANDWIDTH_FIELD_NUMBER: _builtins.int
     EXIT_FIELD_NUMBER: _builtins.int
     COLLECTIVES_FIELD_NUMBER: _builtins.int
+    SLOWDOWN_RATIO_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     state: _training_pb2.RankState.ValueType
     last_progress_unix_seconds: _builtins.float
     """Wall clock when the coordinator learned of the latest finished step."""
+    slowdown_ratio: _builtins.float
+    """Its compute time over the median of the job's other ranks, over the
+    straggler detector's latest window (as clusterwatch_rank_slowdown_ratio);
+    unset before the detector has a comparable step.
+    """
     @_builtins.property
     def identity(self) -> _training_pb2.RankIdentity: ...
     @_builtins.property
@@ -250,12 +256,15 @@ class RankStatus(_message.Message):
         bandwidth: _abc.Iterable[Global___OpBandwidth] | None = ...,
         exit: _training_pb2.RankExit | None = ...,
         collectives: _abc.Iterable[_training_pb2.CollectiveSummary] | None = ...,
+        slowdown_ratio: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "last_step", b"last_step"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_slowdown_ratio", b"_slowdown_ratio", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "last_step", b"last_step", "slowdown_ratio", b"slowdown_ratio"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bandwidth", b"bandwidth", "collectives", b"collectives", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "last_progress_unix_seconds", b"last_progress_unix_seconds", "last_step", b"last_step", "node_id", b"node_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_slowdown_ratio", b"_slowdown_ratio", "bandwidth", b"bandwidth", "collectives", b"collectives", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "last_progress_unix_seconds", b"last_progress_unix_seconds", "last_step", b"last_step", "node_id", b"node_id", "slowdown_ratio", b"slowdown_ratio", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__slowdown_ratio: _TypeAlias = _typing.Literal["slowdown_ratio"]  # noqa: Y015
+    _WhichOneofArgType__slowdown_ratio: _TypeAlias = _typing.Literal["_slowdown_ratio", b"_slowdown_ratio"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__slowdown_ratio) -> _WhichOneofReturnType__slowdown_ratio | None: ...
 
 Global___RankStatus: _TypeAlias = RankStatus  # noqa: Y015
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import statistics
 
 from clusterwatch.humanize import all_reduce_bus_bandwidth, bandwidth, duration, rank_state
 from clusterwatch.tui.history import sparkline
@@ -37,35 +36,17 @@ def rank_rows(state: TopState) -> list[Row]:
         hung = {r: i for i in incidents if i.kind == "hang" for r in i.ranks}
         orphaned = {r: i for i in incidents if i.kind == "orphaned_ranks" for r in i.ranks}
         missing = _missing_collective(job, set(hung))
-        typical = _TypicalCompute(job)
         for rank in job.ranks:
             number_of = rank.identity.rank
-            rows.append(_rank_row(job.job, rank, typical, straggling=stragglers.get(number_of),
+            rows.append(_rank_row(job.job, rank, straggling=stragglers.get(number_of),
                                   hung=hung.get(number_of), orphaned=number_of in orphaned,
                                   missing=missing))  # fmt: skip
     return rows
 
 
-class _TypicalCompute:
-    """The median compute time of a job's ranks, worked out once and only if a slowdown is shown."""
-
-    def __init__(self, job: cluster_pb2.JobStatus) -> None:
-        self._job = job
-        self._seconds: float | None = None
-
-    def slowdown(self, rank: cluster_pb2.RankStatus) -> float | None:
-        if not rank.HasField("last_step"):
-            return None
-        if self._seconds is None:
-            compute = [r.last_step.compute_seconds for r in self._job.ranks if r.HasField("last_step")]
-            self._seconds = statistics.median(compute)
-        return rank.last_step.compute_seconds / self._seconds if self._seconds else None
-
-
 def _rank_row(
     job: str,
     rank: cluster_pb2.RankStatus,
-    typical: _TypicalCompute,
     *,
     straggling: cluster_pb2.Incident | None,
     hung: cluster_pb2.Incident | None,
@@ -89,7 +70,7 @@ def _rank_row(
 
     def cells() -> tuple[Cell, ...]:
         last = rank.last_step if rank.HasField("last_step") else None
-        slowdown = typical.slowdown(rank)
+        slowdown = _slowdown(rank)
         return (
             Cell(str(number_of)),
             Cell(rank.node_id),
@@ -114,7 +95,7 @@ def _rank_row(
             )
         else:
             step_values = (number(None),) * 4
-        slowdown = number(typical.slowdown(rank))
+        slowdown = number(_slowdown(rank))
         return (
             number_of,
             rank.node_id,
@@ -168,3 +149,9 @@ def job_lines(state: TopState) -> list[list[Cell]]:
             Cell(checkpoint, Tone.MUTED if not job.HasField("latest_complete_checkpoint_step") else Tone.PLAIN),
         ])  # fmt: skip
     return lines
+
+
+def _slowdown(rank: cluster_pb2.RankStatus) -> float | None:
+    """The straggler detector's own ratio (clusterwatch_rank_slowdown_ratio): over its window, against
+    the median of the *other* ranks, so top and Grafana agree; None before it has one."""
+    return rank.slowdown_ratio if rank.HasField("slowdown_ratio") else None
