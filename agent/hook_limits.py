@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from clusterwatch.errors import ClusterwatchError
+from clusterwatch.errors import ResourceExhaustedError
 from clusterwatch.v1 import hook_pb2
 
 MAX_RANKS_PER_PROCESS = 4
@@ -43,8 +43,11 @@ ITEMS_PER_S = 50_000
 ITEM_BURST = 200_000
 
 
-class HookLimitError(ClusterwatchError):
-    """A hook went past one of this module's limits (RESOURCE_EXHAUSTED)."""
+class HookLimitError(ResourceExhaustedError):
+    """A hook went past one of this module's limits (RESOURCE_EXHAUSTED); it may retry after a second."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after_s=1.0)
 
 
 class WorkBudget:

@@ -18,7 +18,7 @@ import asyncio
 import collections
 import logging
 
-from clusterwatch.errors import ClusterwatchError
+from clusterwatch.errors import PermissionDeniedError
 from clusterwatch.v1 import agent_pb2, hook_pb2, training_pb2
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ MAX_ASKED_RANKS = 4096
 AskKey = tuple[str, str, int]  # instance_id, job, rank
 
 
-class AcknowledgementRefusedError(ClusterwatchError):
+class AcknowledgementRefusedError(PermissionDeniedError):
     """A hook answered a request that was not sent to it as its rank (PERMISSION_DENIED).
 
     Attributes:

@@ -25,14 +25,12 @@ from typing import Any
 import grpc
 
 from clusterwatch.agent.credential_server import CredentialServer
-from clusterwatch.agent.hook_limits import HookLimitError, WorkBudget, message_items
-from clusterwatch.agent.hook_links import AcknowledgementRefusedError, HookLink, HookLinks
+from clusterwatch.agent.hook_limits import WorkBudget, message_items
+from clusterwatch.agent.hook_links import HookLink, HookLinks
 from clusterwatch.agent.hook_socket import HookSocketError, SocketClaim, resolve_group
-from clusterwatch.agent.hook_validation import InvalidHookMessageError, RankGoneError, RefuseUndecodable
+from clusterwatch.agent.hook_validation import InvalidHookMessageError, RefuseUndecodable
 from clusterwatch.agent.peer_credentials import (
     NonceBook,
-    PeerMismatchError,
-    UnverifiedHookError,
     VerifiedPeer,
 )
 from clusterwatch.agent.process_instance import VerifiedProcess, launcher_of, read_instance
@@ -40,6 +38,7 @@ from clusterwatch.agent.ranks import RankRegistry
 from clusterwatch.agent.slurm_cgroup import slurm_job_of
 from clusterwatch.errors import ClusterwatchError
 from clusterwatch.grpc_options import SERVER_OPTIONS
+from clusterwatch.grpc_status import status_for
 from clusterwatch.hook_handshake import credential_socket_path
 from clusterwatch.promtext import Exposition, counter, gauge, labels
 from clusterwatch.v1 import hook_pb2, hook_pb2_grpc
@@ -55,15 +54,6 @@ SHUTDOWN_GRACE_S = 1.0
 # How long an ending stream waits for its writer to finish the write under way.
 WRITER_STOP_S = 1.0
 
-# The one place hook-side errors become status codes.
-STATUS_BY_ERROR: tuple[tuple[type[ClusterwatchError], grpc.StatusCode], ...] = (
-    (InvalidHookMessageError, grpc.StatusCode.INVALID_ARGUMENT),
-    (RankGoneError, grpc.StatusCode.FAILED_PRECONDITION),
-    (UnverifiedHookError, grpc.StatusCode.UNAUTHENTICATED),
-    (PeerMismatchError, grpc.StatusCode.PERMISSION_DENIED),
-    (AcknowledgementRefusedError, grpc.StatusCode.PERMISSION_DENIED),
-    (HookLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-)
 # Refusals counted in clusterwatch_agent_hook_denied_total, by the code's label.
 DENIED_CODES = {
     grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
@@ -109,13 +99,6 @@ class HookStats:
         exp.add(HOOK_INVALID, node_label, self.invalid_total)
         for code, count in list(self.denied_total.items()):
             exp.add(HOOK_DENIED, f"{node_label},{labels(code=code)}", count)
-
-
-def status_for(exc: ClusterwatchError) -> grpc.StatusCode:
-    for error_type, code in STATUS_BY_ERROR:
-        if isinstance(exc, error_type):
-            return code
-    return grpc.StatusCode.INTERNAL
 
 
 class Superseded(Exception):  # noqa: N818 - a signal between two tasks, not an error report

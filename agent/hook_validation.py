@@ -28,7 +28,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
 from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S
-from clusterwatch.errors import ClusterwatchError
+from clusterwatch.errors import FailedPreconditionError, InvalidReportError
 from clusterwatch.job_labels import labels_problem
 from clusterwatch.v1 import training_pb2
 
@@ -54,7 +54,7 @@ MAX_ENTRIES: dict[str, int] = {
 DEFAULT_MAX_ENTRIES = 1024
 
 
-class InvalidHookMessageError(ClusterwatchError):
+class InvalidHookMessageError(InvalidReportError):
     """A hook message breaks the protocol or carries impossible values (INVALID_ARGUMENT).
 
     Attributes:
@@ -66,7 +66,7 @@ class InvalidHookMessageError(ClusterwatchError):
         super().__init__(f"{field}: {problem}")
 
 
-class RankGoneError(ClusterwatchError):
+class RankGoneError(FailedPreconditionError):
     """A message for a training process the agent already reported as exited (FAILED_PRECONDITION)."""
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from clusterwatch.agent.process_instance import ProcessInstance, still_running
-from clusterwatch.errors import ClusterwatchError
+from clusterwatch.errors import PermissionDeniedError, UnauthenticatedError
 from clusterwatch.v1 import training_pb2
 
 logger = logging.getLogger(__name__)
@@ -38,14 +38,14 @@ MAX_REMEMBERED_USED = 1024
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
-class UnverifiedHookError(ClusterwatchError):
+class UnverifiedHookError(UnauthenticatedError):
     """A hello without a valid credential nonce (UNAUTHENTICATED)."""
 
     def __init__(self, problem: str) -> None:
         super().__init__(f"hello.credential_nonce: {problem}")
 
 
-class PeerMismatchError(ClusterwatchError):
+class PeerMismatchError(PermissionDeniedError):
     """A hook claims to be a process it is not (PERMISSION_DENIED)."""
 
 

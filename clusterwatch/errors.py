@@ -1,8 +1,8 @@
 """The exception hierarchy shared by every component.
 
-Each subsystem raises subclasses of ClusterwatchError; servicers map them to
-gRPC status codes in one place (clusterwatch.coordinator.errors_interceptor) and
-the CLI maps ConfigError to exit code 2.
+Each subsystem raises subclasses of these; every servicer (the coordinator's
+and the agent's hook server) maps them to gRPC status codes with one table
+(clusterwatch/grpc_status.py), and the CLI maps ConfigError to exit code 2.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Maps clusterwatch exceptions to gRPC status codes, for every RPC, in one place.
+"""Maps clusterwatch exceptions to gRPC status codes (clusterwatch/grpc_status.py's table), for every RPC.
 
 It also runs the access gate (coordinator/access.py) before every RPC, inside
 the same mapping, so a refused peer gets PERMISSION_DENIED with the reason.
@@ -14,42 +14,10 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from clusterwatch.errors import (
-    AbortedError,
-    ClusterwatchError,
-    ConfigError,
-    FailedPreconditionError,
-    InvalidReportError,
-    InvalidRequestError,
-    NotFoundError,
-    PermissionDeniedError,
-    ResourceExhaustedError,
-    UnauthenticatedError,
-    UnimplementedError,
-)
+from clusterwatch.errors import ClusterwatchError, InvalidRequestError
+from clusterwatch.grpc_status import status_for
 
 logger = logging.getLogger(__name__)
-
-STATUS_BY_ERROR: tuple[tuple[type[ClusterwatchError], grpc.StatusCode], ...] = (
-    (InvalidReportError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
-    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (NotFoundError, grpc.StatusCode.NOT_FOUND),
-    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
-    (UnimplementedError, grpc.StatusCode.UNIMPLEMENTED),
-    (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (AbortedError, grpc.StatusCode.ABORTED),
-    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
-    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
-)
-
-
-def status_for(exc: ClusterwatchError) -> grpc.StatusCode:
-    for error_type, code in STATUS_BY_ERROR:
-        if isinstance(exc, error_type):
-            return code
-    return grpc.StatusCode.INTERNAL
-
 
 # Runs before every RPC with the method's full name and the call's context; raises to refuse it.
 Gate = Callable[[str, Any], None]
