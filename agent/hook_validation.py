@@ -2,8 +2,9 @@
 
 What the agent forwards must pass the coordinator's checks too
 (coordinator/report_checks.py and rank_reports.py), or the coordinator
-refuses a whole rank's report; so the limits here are the same: ids at most
-MAX_ID_CHARS characters, free text MAX_TEXT_CHARS, counted repeated fields,
+refuses a whole rank's report; so both read one table
+(clusterwatch/wire_limits.py): ids at most MAX_ID_CHARS characters, free text
+MAX_TEXT_CHARS, counted repeated fields,
 every number finite and >= 0, and collective histograms of the shape in
 clusterwatch/collective_stats.py. The hook and the agent share the host's
 clock, so a ``*_unix_seconds`` more than MAX_CLOCK_SKEW_S in the future is
@@ -27,31 +28,19 @@ import grpc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
-from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S
 from clusterwatch.errors import FailedPreconditionError, InvalidReportError
 from clusterwatch.job_labels import labels_problem
 from clusterwatch.v1 import training_pb2
-
-MAX_ID_CHARS = 256
-MAX_TEXT_CHARS = 4096
-TEXT_FIELDS = frozenset({"last_error", "path", "error", "description", "reason"})
-MAX_CLOCK_SKEW_S = 86_400.0
-# One duration bucket per bound plus +Inf.
-DURATION_BUCKETS = len(COLLECTIVE_DURATION_BUCKETS_S) + 1
-_V1 = "clusterwatch.v1."
-# Repeated fields and their most entries (DEFAULT_MAX_ENTRIES otherwise).
-MAX_ENTRIES: dict[str, int] = {
-    # One StepBatch: the hook's queue holds 1024 by default.
-    f"{_V1}StepBatch.steps": 4096,
-    # Kinds of collective in one step (op x group x dtype x size bucket).
-    f"{_V1}StepSummary.collectives": 1024,
-    f"{_V1}Heartbeat.flight_recorder": 1024,
-    # Groups one rank belongs to, and the members of one listed (not evenly spaced) group.
-    f"{_V1}Heartbeat.process_groups": 1024,
-    f"{_V1}ProcessGroupMembership.ranks": 1024,
-    f"{_V1}CollectiveSummary.duration_bucket_counts": DURATION_BUCKETS,
-}
-DEFAULT_MAX_ENTRIES = 1024
+from clusterwatch.wire_limits import (
+    DEFAULT_MAX_ENTRIES,
+    DURATION_BUCKETS,
+    MAX_CLOCK_SKEW_S,
+    MAX_ENTRIES,
+    MAX_ID_CHARS,
+    MAX_TEXT_CHARS,
+    TEXT_FIELDS,
+    V1,
+)
 
 
 class InvalidHookMessageError(InvalidReportError):
@@ -174,8 +163,8 @@ def _check_heartbeat(heartbeat: training_pb2.Heartbeat, field: str) -> None:
 _MAX_RANK = (1 << 32) - 1
 # Checks of one message type's fields together, run after its own fields' checks.
 _RULES: dict[str, Callable[[Any, str], None]] = {
-    f"{_V1}ProcessGroupMembership": _check_membership,
-    f"{_V1}Heartbeat": _check_heartbeat,
+    f"{V1}ProcessGroupMembership": _check_membership,
+    f"{V1}Heartbeat": _check_heartbeat,
 }
 
 # Every double in training.proto is a duration, a timestamp, a count or a
@@ -259,7 +248,7 @@ def _check(message: Message, field: str, now_unix_s: float) -> None:
         count = len(getattr(message, name))
         if count > limit:
             raise InvalidHookMessageError(f"{field}.{name}", f"at most {limit} entries, got {count}")
-        if full_name == f"{_V1}CollectiveSummary.duration_bucket_counts" and count != DURATION_BUCKETS:
+        if full_name == f"{V1}CollectiveSummary.duration_bucket_counts" and count != DURATION_BUCKETS:
             raise InvalidHookMessageError(
                 f"{field}.{name}",
                 f"must have {DURATION_BUCKETS} entries (see clusterwatch/collective_stats.py), got {count}",
@@ -280,7 +269,7 @@ def check_batch(steps: list[training_pb2.StepSummary]) -> None:
     Raises:
         InvalidHookMessageError: naming ``steps``.
     """
-    limit = MAX_ENTRIES[f"{_V1}StepBatch.steps"]
+    limit = MAX_ENTRIES[f"{V1}StepBatch.steps"]
     if len(steps) > limit:
         raise InvalidHookMessageError("steps", f"at most {limit} entries, got {len(steps)}")
 

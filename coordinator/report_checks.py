@@ -54,84 +54,41 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from clusterwatch.errors import InvalidReportError
 from clusterwatch.v1 import agent_pb2, node_pb2
-
-# Names and ids: node, host, GPU UUID and model, PCI bus id, NIC and HCA
-# names, Kubernetes pod/namespace/container (<= 253), job, instance...
-MAX_ID_CHARS = 256
-# Free text: errors, exit descriptions, checkpoint paths (PATH_MAX is 4096).
-MAX_TEXT_CHARS = 4096
-# `py-spy dump` of every thread of a training process.
-MAX_STACK_DUMP_CHARS = 1 << 20
-TEXT_FIELDS = frozenset({"error", "last_error", "description", "path", "message", "reason"})
-DUMP_FIELDS = frozenset({"stack_dump"})
-
-# A node with NTP is within milliseconds; a day leaves room for a broken clock
-# while refusing what is plainly not a time (0 stays allowed: unset).
-MAX_CLOCK_SKEW_S = 86_400.0
-# Declared report intervals: the token bucket (coordinator/admission.py) paces a
-# node by its interval, so the shortest one bounds what one node may send.
-MIN_INTERVAL_S = 0.05
-MAX_INTERVAL_S = 3600.0
-
-# No agent numbers this many reports in its life (136 years at 1 Hz): a jump
-# this far past the last one is a broken sequence, not reports that were lost.
-MAX_SEQUENCE_JUMP = 1 << 32
-
-# More GPUs than NVML could report on one node: the largest single-host
-# systems have 16 (HGX-2/DGX-2 class); 8 GPUs x 7 MIG instances each is 56.
-MAX_GPUS = 64
-# NVML_NVLINK_MAX_LINKS is 18 (nvml.h, Hopper and Blackwell); room for growth.
-MAX_NVLINKS = 64
-
-_V1 = "clusterwatch.v1."
-MAX_ENTRIES: dict[str, int] = {
-    f"{_V1}NodeReport.gpus": MAX_GPUS,
-    # Kubernetes nodes carry one veth per pod (110 by default), plus bridges and VLANs.
-    f"{_V1}NodeReport.nics": 4096,
-    # HCAs x ports, SR-IOV functions included.
-    f"{_V1}NodeReport.ib_ports": 256,
-    f"{_V1}NodeReport.collectors": 64,
-    # One per training process on the node (one per core for CPU jobs), plus those that exited.
-    f"{_V1}NodeReport.ranks": 1024,
-    f"{_V1}GpuSample.nvlinks": MAX_NVLINKS,
-    # Distinct XID codes (they are below 200 today).
-    f"{_V1}GpuSample.xid_errors": 1024,
-    # Processes holding memory on one GPU (MPS allows 48 clients per GPU).
-    f"{_V1}GpuSample.processes": 4096,
-    f"{_V1}GpuInventory.query_errors": 1024,
-    # mlx5 exposes ~100 hw_counters per port.
-    f"{_V1}IbPortSample.hw_counters": 1024,
-    # The agent keeps at most max_steps_per_report (default 512) per rank.
-    f"{_V1}RankReport.steps": 4096,
-    f"{_V1}RankReport.collectives": 4096,
-    # The agent keeps at most 64 per rank between two reports.
-    f"{_V1}RankReport.checkpoint_results": 256,
-    f"{_V1}Heartbeat.flight_recorder": 1024,
-    f"{_V1}Hello.capabilities": 64,
-    f"{_V1}CommandResult.diagnoses": 4096,
-    f"{_V1}CommandResult.stopped": 4096,
-}
-DEFAULT_MAX_ENTRIES = 1024
+from clusterwatch.wire_limits import (
+    DEFAULT_MAX_ENTRIES,
+    DUMP_FIELDS,
+    MAX_CLOCK_SKEW_S,
+    MAX_ENTRIES,
+    MAX_GPUS,
+    MAX_ID_CHARS,
+    MAX_INTERVAL_S,
+    MAX_SEQUENCE_JUMP,
+    MAX_STACK_DUMP_CHARS,
+    MAX_TEXT_CHARS,
+    MIN_INTERVAL_S,
+    TEXT_FIELDS,
+    V1,
+)
 
 # Not read here at all: the job store checks a rank's labels (clusterwatch/job_labels.py).
-_SKIPPED = frozenset({f"{_V1}RankIdentity.labels"})
+_SKIPPED = frozenset({f"{V1}RankIdentity.labels"})
 # Counted, not descended into: the job store reads and checks these per rank.
-_NOT_DESCENDED = frozenset({f"{_V1}RankReport.steps", f"{_V1}RankReport.collectives"})
+_NOT_DESCENDED = frozenset({f"{V1}RankReport.steps", f"{V1}RankReport.collectives"})
 # Repeated strings (their elements are ids).
 _REPEATED_STRINGS = frozenset(
-    {f"{_V1}Hello.capabilities", f"{_V1}TopologyNic.interfaces", f"{_V1}NodeTopology.problems"}
+    {f"{V1}Hello.capabilities", f"{V1}TopologyNic.interfaces", f"{V1}NodeTopology.problems"}
 )
 # Lists whose elements must differ in these fields within one report.
 _UNIQUE_KEYS: dict[str, tuple[str, ...]] = {
-    f"{_V1}NodeReport.gpus": ("index",),
-    f"{_V1}NodeReport.nics": ("device",),
-    f"{_V1}NodeReport.ib_ports": ("device", "port"),
-    f"{_V1}NodeReport.collectors": ("name",),
-    f"{_V1}NodeTopology.gpus": ("index",),
-    f"{_V1}NodeTopology.nics": ("device",),
-    f"{_V1}NodeTopology.gpu_links": ("gpu", "peer_gpu"),
-    f"{_V1}NodeTopology.gpu_nics": ("gpu", "nic"),
-    f"{_V1}NodeTopology.numa_nodes": ("id",),
+    f"{V1}NodeReport.gpus": ("index",),
+    f"{V1}NodeReport.nics": ("device",),
+    f"{V1}NodeReport.ib_ports": ("device", "port"),
+    f"{V1}NodeReport.collectors": ("name",),
+    f"{V1}NodeTopology.gpus": ("index",),
+    f"{V1}NodeTopology.nics": ("device",),
+    f"{V1}NodeTopology.gpu_links": ("gpu", "peer_gpu"),
+    f"{V1}NodeTopology.gpu_nics": ("gpu", "nic"),
+    f"{V1}NodeTopology.numa_nodes": ("id",),
 }
 
 
@@ -178,10 +135,10 @@ class _Rule(enum.Enum):
 
 
 _SPECIAL_RULES: dict[str, _Rule] = {
-    f"{_V1}NodeReport.timestamp_unix_seconds": _Rule.WALL_TIME,
-    f"{_V1}NodeReport.interval_seconds": _Rule.INTERVAL,
-    f"{_V1}HostSample.boot_time_seconds": _Rule.PAST_TIME,
-    f"{_V1}Hello.interval_seconds": _Rule.HELLO_INTERVAL,
+    f"{V1}NodeReport.timestamp_unix_seconds": _Rule.WALL_TIME,
+    f"{V1}NodeReport.interval_seconds": _Rule.INTERVAL,
+    f"{V1}HostSample.boot_time_seconds": _Rule.PAST_TIME,
+    f"{V1}Hello.interval_seconds": _Rule.HELLO_INTERVAL,
 }
 _FLOATING = (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT)
 
@@ -661,7 +618,7 @@ def _fast_ok(report: node_pb2.NodeReport, now_unix_s: float, keep: list[Any]) ->
 def _list_ok(container: Any, child: _Child, keep: list[Any]) -> bool:
     if not container:
         return True
-    if len(container) > MAX_ENTRIES[f"{_V1}NodeReport.{child.name}"]:
+    if len(container) > MAX_ENTRIES[f"{V1}NodeReport.{child.name}"]:
         return False
     elements = list(container)
     if not _child_ok(elements, child, keep):

@@ -14,9 +14,8 @@ from collections.abc import Iterable
 from clusterwatch.coordinator.job_requests import MAX_JOB_CHARS, node_problem
 from clusterwatch.errors import InvalidRequestError
 from clusterwatch.v1 import cluster_pb2
+from clusterwatch.wire_limits import MAX_ID_CHARS
 
-# Ids: incidents ("hang-1f2e..."), actions, idempotency keys, node ids.
-MAX_ID_CHARS = 256
 # ListEvents / ListIncidents / ListActions: at most this many per call (0 means 1000).
 MAX_LIST_LIMIT = 10_000
 MAX_WATCH_INTERVAL_S = 3600.0

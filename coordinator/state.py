@@ -19,10 +19,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from clusterwatch.coordinator.report_checks import MAX_SEQUENCE_JUMP
 from clusterwatch.errors import InvalidReportError
 from clusterwatch.topology import Wiring
 from clusterwatch.v1 import agent_pb2, cluster_pb2, node_pb2
+from clusterwatch.wire_limits import MAX_SEQUENCE_JUMP
 
 NodeState = cluster_pb2.NodeState
 
