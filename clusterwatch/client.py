@@ -12,6 +12,7 @@ import grpc
 from clusterwatch.config import ClientSettings
 from clusterwatch.errors import ConfigError
 from clusterwatch.grpc_options import CHANNEL_OPTIONS
+from clusterwatch.recovery_names import restart_action
 from clusterwatch.tls import credentials
 from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
 
@@ -112,7 +113,7 @@ class ClusterClient:
         Raises:
             grpc.RpcError: NOT_FOUND (unknown job), INVALID_ARGUMENT, UNIMPLEMENTED (no launcher).
         """
-        action = "exclude_node_and_restart" if exclude_nodes else "restart"
+        action = restart_action(exclude_nodes)
         request = cluster_pb2.ActionRequest(job=job, action=action, exclude_nodes=exclude_nodes or [])
         return self._stub.RequestAction(
             request, timeout=self.timeout_s, wait_for_ready=True, metadata=self._admin

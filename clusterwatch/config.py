@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
 from clusterwatch.errors import ConfigError
+from clusterwatch.recovery_names import LAUNCHER_KINDS, ORPHAN_ACTIONS, POLICY_ACTIONS, TORCHRUN
 
 DEFAULT_CONFIG_PATH = Path("/etc/clusterwatch/clusterwatch.toml")
 ENV_PREFIX = "CLUSTERWATCH_"
@@ -178,10 +179,6 @@ class DetectionSettings:
     )
 
 
-ACTIONS = ("alert", "checkpoint", "restart", "checkpoint_and_restart", "exclude_node_and_restart")
-ORPHAN_ACTIONS = ("alert", "stop_orphans")
-# The launcher adapters of coordinator/launchers.py (LAUNCHER_KINDS there).
-LAUNCHERS = ("torchrun", "slurm", "kubernetes")
 # A job's pods by default (launchers.DEFAULT_POD_SELECTOR); {job} is the job name.
 DEFAULT_POD_SELECTOR = "clusterwatch.io/job={job}"
 
@@ -202,18 +199,18 @@ class RecoverySettings:
     """
 
     hang_action: str = setting("restart", "on a hung job (it cannot checkpoint: resumes from the last complete one)",
-                               choices=ACTIONS)  # fmt: skip
+                               choices=POLICY_ACTIONS)  # fmt: skip
     rank_failure_action: str = setting(
         "alert",
         "on a rank that died (torchrun restarts the group itself; recovery is measured)",
-        choices=ACTIONS,
+        choices=POLICY_ACTIONS,
     )
     straggler_action: str = setting(
         "exclude_node_and_restart",
         "on a straggler that persists straggler_persist_s: checkpoint, then restart without its node when "
         "the job can run without it (elastic torchrun --nnodes MIN:MAX above MIN, or a SLURM/Kubernetes "
         "launcher that replaces nodes), else alert",
-        choices=ACTIONS,
+        choices=POLICY_ACTIONS,
     )
     straggler_persist_s: float = setting(
         300.0, "a straggler must persist this long before its action", positive=True
@@ -228,7 +225,7 @@ class RecoverySettings:
         "exclude_node_and_restart",
         "on an unreachable node, a critical XID, a lost GPU or a link down under a job: restart without "
         "that node when the job can run without it (as for straggler_action), else alert",
-        choices=ACTIONS,
+        choices=POLICY_ACTIONS,
     )
     max_restarts_per_hour: int = setting(
         3, "restarts of one job per hour before it is left to a person", minimum=0
@@ -241,10 +238,10 @@ class RecoverySettings:
     dry_run: bool = setting(False, "only record what would be done; stop nothing")
     opt_out_jobs: list[str] = setting([], "jobs the policy never acts on (comma-separated)")
     launcher: str = setting(
-        "torchrun",
+        TORCHRUN,
         "how a job is restarted: torchrun (the agents stop its workers, torchrun restarts them), "
         "slurm (scontrol requeue), kubernetes (kubectl delete of its pods)",
-        choices=LAUNCHERS,
+        choices=LAUNCHER_KINDS,
     )
     slurm_job_ids: list[str] = setting(
         [],

@@ -26,15 +26,11 @@ from clusterwatch.errors import (
     NotFoundError,
     UnimplementedError,
 )
+from clusterwatch.recovery_names import CHECKPOINT, EXCLUDE_NODE_AND_RESTART, REQUESTABLE, RESTARTS
 from clusterwatch.v1 import agent_pb2, cluster_pb2
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT = "checkpoint"
-RESTART = "restart"
-EXCLUDE_NODE_AND_RESTART = "exclude_node_and_restart"
-RESTARTS = (RESTART, EXCLUDE_NODE_AND_RESTART)
-SUPPORTED = (CHECKPOINT, *RESTARTS)
 # How often a coordinated checkpoint's completion is looked for.
 CHECKPOINT_POLL_S = 0.2
 # An unset step means "soon": this far ahead of the furthest rank, at its
@@ -107,10 +103,10 @@ class Actions:
             FailedPreconditionError: the job has no running rank on a connected node.
             UnimplementedError: an action this version does not have.
         """
-        if request.action not in SUPPORTED:
+        if request.action not in REQUESTABLE:
             if not request.action:
-                raise InvalidRequestError(f"action is empty; supported: {', '.join(SUPPORTED)}")
-            raise UnimplementedError(f"action {request.action!r} is not supported ({', '.join(SUPPORTED)})")
+                raise InvalidRequestError(f"action is empty; supported: {', '.join(REQUESTABLE)}")
+            raise UnimplementedError(f"action {request.action!r} is not supported ({', '.join(REQUESTABLE)})")
         if not request.job:
             raise InvalidRequestError("job is empty")
         if request.action in RESTARTS:

@@ -40,11 +40,11 @@ from typing import Protocol
 
 from clusterwatch.errors import ConfigError
 from clusterwatch.external_commands import CommandRun, run_command
+from clusterwatch.recovery_names import KUBERNETES, LAUNCHER_KINDS, SLURM, TORCHRUN
 from clusterwatch.v1 import agent_pb2
 
 logger = logging.getLogger(__name__)
 
-LAUNCHER_KINDS = ("torchrun", "slurm", "kubernetes")
 # Settings keys named in ConfigError (section [recovery]).
 LAUNCHER_KEY = "recovery.launcher"
 SLURM_JOB_IDS_KEY = "recovery.slurm_job_ids"
@@ -134,7 +134,7 @@ class TorchrunLauncher:
         answer_margin_s: how much longer than ``grace_s`` to wait for an agent.
     """
 
-    name: str = "torchrun"
+    name: str = TORCHRUN
     replaces_nodes: bool = False
 
     def __init__(
@@ -301,7 +301,7 @@ class SlurmLauncher:
         ConfigError: a value in ``job_ids`` is not a SLURM job id.
     """
 
-    name: str = "slurm"
+    name: str = SLURM
     replaces_nodes: bool = True
 
     def __init__(
@@ -447,7 +447,7 @@ class KubernetesLauncher:
         ConfigError: ``pod_selector`` is empty or has a placeholder other than ``{job}``.
     """
 
-    name: str = "kubernetes"
+    name: str = KUBERNETES
     replaces_nodes: bool = True
 
     def __init__(
@@ -558,16 +558,16 @@ def make_launcher(
     Raises:
         ConfigError: an unknown kind, or a bad option of the chosen one.
     """
-    if kind == "torchrun":
+    if kind == TORCHRUN:
         return TorchrunLauncher(send_stop, grace_s=stop_grace_s)
-    if kind == "slurm":
+    if kind == SLURM:
         return SlurmLauncher(
             job_ids=slurm_job_ids,
             verified_job_ids=verified_slurm_jobs,
             scontrol=scontrol,
             command_timeout_s=command_timeout_s,
         )
-    if kind == "kubernetes":
+    if kind == KUBERNETES:
         return KubernetesLauncher(
             namespace=kubernetes_namespace,
             pod_selector=kubernetes_pod_selector,

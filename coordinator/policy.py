@@ -31,14 +31,14 @@ from collections.abc import Collection
 
 from clusterwatch.config import RecoverySettings
 from clusterwatch.coordinator.incidents import Incident, Kind, Severity
+from clusterwatch.recovery_names import (
+    ALERT,
+    CHECKPOINT,
+    CHECKPOINT_AND_RESTART,
+    EXCLUDE_NODE_AND_RESTART,
+    RESTARTS,
+)
 
-ALERT = "alert"
-CHECKPOINT = "checkpoint"
-RESTART = "restart"
-CHECKPOINT_AND_RESTART = "checkpoint_and_restart"
-EXCLUDE_NODE_AND_RESTART = "exclude_node_and_restart"
-STOP_ORPHANS = "stop_orphans"
-RESTARTS = frozenset({RESTART, CHECKPOINT_AND_RESTART, EXCLUDE_NODE_AND_RESTART})
 HOUR_S = 3600.0
 # A hang or failure whose ranks called different collectives (coordinator/mismatch.py): a bug, not a fault.
 COLLECTIVE_MISMATCH = "collective_mismatch"

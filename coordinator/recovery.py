@@ -64,19 +64,16 @@ from clusterwatch.coordinator.launchers import (
     summarise_stops,
 )
 from clusterwatch.coordinator.orphans import orphan_pids
-from clusterwatch.coordinator.policy import (
+from clusterwatch.coordinator.policy import HOUR_S, Decision, Policy, checkpoints_first, exclusion_blocker
+from clusterwatch.coordinator.watchdog import Watchdog
+from clusterwatch.recovery_names import (
     ALERT,
     CHECKPOINT,
     EXCLUDE_NODE_AND_RESTART,
-    HOUR_S,
     RESTARTS,
     STOP_ORPHANS,
-    Decision,
-    Policy,
-    checkpoints_first,
-    exclusion_blocker,
+    restart_action,
 )
-from clusterwatch.coordinator.watchdog import Watchdog
 from clusterwatch.v1 import agent_pb2, cluster_pb2
 
 logger = logging.getLogger(__name__)
@@ -292,7 +289,7 @@ class Recovery:
         self, job: str, reason: str, exclude_nodes: Sequence[str] = ()
     ) -> cluster_pb2.ActionRecord:
         """An operator's restart (RequestAction): the same path as the policy's, minus its safety rules."""
-        action = "exclude_node_and_restart" if exclude_nodes else "restart"
+        action = restart_action(exclude_nodes)
         decision = Decision("", job, action, reason, exclude_nodes=tuple(exclude_nodes))
         self.policy.note_action(job, action, self._wall())
         return await self._carry_out(decision, None)
