@@ -1,7 +1,7 @@
 """Conventions shared by the hook (which measures collectives) and the coordinator
 (which exports them): bus-bandwidth factors, size buckets and duration buckets.
 
-Bus bandwidth follows nccl-tests (``doc/PERFORMANCE.md``): ``algbw = size /
+Bus bandwidth follows nccl-tests (its ``doc/PERFORMANCE.md``): ``algbw = size /
 time`` and ``busbw = algbw x factor``, where the factor makes the number
 comparable with the hardware's link speed whatever the op: 2(n-1)/n for
 all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for

@@ -7,7 +7,7 @@ without torchrun) rank; ``clusterwatch job begin|end --slurm`` reads them in
 the Prolog/Epilog, so both sides name the job alike.
 
 Nothing here raises on odd values: the hook runs inside training processes
-(STYLE.md: failure is data).
+(CONTRIBUTING.md #3: failure is data).
 """
 
 from __future__ import annotations

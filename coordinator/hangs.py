@@ -19,7 +19,7 @@ The culprits, in the order a person would check them:
    must not make them look behind;
 4. ranks whose Flight Recorder ``last_enqueued_collective`` is behind the rest
    of their process group: they never joined the collective everyone else
-   waits in (DESIGN.md, "Signals"). In a group with a mismatch, its odd ranks
+   waits in (docs/SIGNALS.md). In a group with a mismatch, its odd ranks
    and the ranks waiting in its collectives are left out: those joined, and
    the mismatch is why their collective cannot complete;
 5. ranks on a node that stopped reporting (unreachable): nothing is known of

@@ -6,7 +6,7 @@ ring of recent collectives per process group, on gloo as on NCCL. Its
 few microseconds to read without the entries (``includeCollectives=False``)
 and answers from a background thread while the training thread is blocked in
 a collective: the rank whose ``last_enqueued_collective`` is behind its
-group's is the one the others wait for (DESIGN.md, "Signals").
+group's is the one the others wait for (docs/SIGNALS.md).
 """
 
 from __future__ import annotations

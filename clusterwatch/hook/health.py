@@ -1,6 +1,6 @@
 """The hook's own failures: caught, counted, logged once per place, reported upward.
 
-The hook never raises into the training loop (STYLE.md #3). Every entry point
+The hook never raises into the training loop (CONTRIBUTING.md #3). Every entry point
 the training code calls runs its own bookkeeping inside ``guard``; a failure
 becomes a counter and a last-error string that travel up in each heartbeat.
 """

@@ -15,7 +15,7 @@ is left out (and logged), as is one whose name is longer than the agent
 takes: the agent refuses the whole heartbeat over either.
 
 The registry is private API: if it is missing or changed, the read fails, the
-failure is counted in the hook's health (STYLE.md #3) and reads as no groups.
+failure is counted in the hook's health (CONTRIBUTING.md #3) and reads as no groups.
 It runs on the heartbeat thread while the training thread may be creating a
 group: the dicts are copied first, and one that changed under the copy is
 read again at the next heartbeat. The registry rarely changes, so the

@@ -12,7 +12,7 @@ Recorder collective per step in process group "0", sequence = step number):
 So every rank's step time is about the same, the communication time of a
 rank is its wait for the slowest rank plus T (the straggler's is the
 smallest), and compute time is what tells a straggler apart: exactly what a
-real synchronous job shows (DESIGN.md, "Signals").
+real synchronous job shows (docs/SIGNALS.md).
 
 Faults change the model from their step on: slowdowns multiply c_i (or T, for
 a slow link); stopping faults make a rank never reach the all-reduce of

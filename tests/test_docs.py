@@ -1,0 +1,49 @@
+"""The documents the code cites exist in the repository, and the files they name exist."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(30)
+
+ROOT = Path(__file__).resolve().parent.parent
+# Documents that walk a newcomer through real files: every path they name must exist.
+GUIDES = ("CONTRIBUTING.md", "docs/SIGNALS.md", "docs/SECURITY.md")
+# A repository path in backticks: a folder of ours, then a file or folder name.
+_PATH = re.compile(
+    r"`((?:agent|coordinator|clusterwatch|tui|tests|bench|scripts|deploy|docs|proto|dashboards)/[\w./-]*[\w/])`"
+)
+_CITED = re.compile(r"(?<![\w/])((?:docs/)?[A-Z][A-Z_]+\.md)\b")  # not another repository's doc/X.md
+
+
+def tracked_sources() -> list[Path]:
+    listed = subprocess.run(
+        ["git", "ls-files", "*.py", "*.toml", "*.sh"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    return [ROOT / name for name in listed if not name.startswith("clusterwatch/v1/")]
+
+
+@pytest.mark.parametrize("guide", GUIDES)
+def test_every_path_a_guide_names_exists(guide: str) -> None:
+    named = set(_PATH.findall((ROOT / guide).read_text()))
+    assert named, f"{guide} names no file (the pattern is wrong?)"
+    missing = sorted(path for path in named if not (ROOT / path).exists())
+    assert missing == [], f"{guide} names files that do not exist: {missing}"
+
+
+def test_every_document_the_code_cites_is_in_the_repository() -> None:
+    cited: dict[str, set[str]] = {}
+    for source in tracked_sources():
+        for name in _CITED.findall(source.read_text(errors="replace")):
+            cited.setdefault(name, set()).add(str(source.relative_to(ROOT)))
+    missing = {
+        name: sorted(where)
+        for name, where in cited.items()
+        if not (ROOT / name).exists() and not (ROOT / "docs" / name).exists()
+    }
+    assert missing == {}, f"cited but not in the repository: {missing}"
+    assert "CONTRIBUTING.md" in cited  # the search finds citations at all
