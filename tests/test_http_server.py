@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent import futures
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from clusterwatch.http_server import MetricsHttpServer
 
@@ -50,3 +52,19 @@ def test_a_failing_render_is_500_and_logged(caplog: pytest.LogCaptureFixture) ->
     with serving(broken) as url:
         assert status_of(url)[0] == 500
     assert any("rendering /metrics failed" in r.getMessage() for r in caplog.records)
+
+
+def test_every_page_ends_with_the_processs_own_series() -> None:
+    """process_* and python_info, as every exporter serves them, after the page's own families."""
+    page = b"# HELP clusterwatch_up Up.\n# TYPE clusterwatch_up gauge\nclusterwatch_up 1\n"
+    with serving(lambda: page) as url:
+        status, body = status_of(url)
+    assert status == 200
+    assert body.startswith(page)
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    assert {"clusterwatch_up", "process_cpu_seconds", "process_resident_memory_bytes", "python_info"} <= set(
+        families
+    )
+    (rss,) = families["process_resident_memory_bytes"].samples
+    assert rss.value > 1 << 20  # this test process, a megabyte and more
+    assert families["process_start_time_seconds"].samples[0].value <= time.time()
