@@ -40,6 +40,7 @@ import grpc
 import psutil
 
 from bench.coordinator_process import start_coordinator, stop_coordinator
+from clusterwatch.coordinator.request_checks import MAX_LIST_LIMIT
 from clusterwatch.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.sim.scoring import (
     PRECISION_TARGET,
@@ -58,7 +59,8 @@ from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
 SCENARIOS_DIR = Path(__file__).parent / "scenarios"
 # After the last simulation ends: one more poll catches incidents opened at its very end.
 FINAL_POLL_DELAY_S = 2.0
-INCIDENT_LIMIT = 100_000
+# The most ListIncidents returns per call (the coordinator refuses more).
+INCIDENT_LIMIT = MAX_LIST_LIMIT
 
 
 @dataclasses.dataclass
