@@ -213,6 +213,22 @@ def test_synchronous_steps_the_straggler_waits_least() -> None:
 
 
 @pytest.mark.timeout(10)
+def test_a_step_is_reported_by_every_rank_once_the_last_node_sent_it() -> None:
+    job = _job(STRAGGLER_AND_CRASH)
+    job.advance(1001.0)
+    newest = job.last_step_done()
+    assert newest > 5
+    job.node_ranks(0, 1001.0)
+    assert job.reported_by_every_rank() == 0  # node 1 has not reported
+    assert job.reported_by_every_rank(lost_nodes={1}) == newest  # unless it is lost
+    job.node_ranks(1, 1001.0)
+    assert job.reported_by_every_rank() == newest
+    job.advance(1002.0)
+    job.node_ranks(1, 1002.0)
+    assert job.reported_by_every_rank() == newest  # node 0 is behind now
+
+
+@pytest.mark.timeout(10)
 def test_hang_leaves_the_culprit_behind_in_its_group_with_heartbeats_going_on() -> None:
     job = _job('seed = 1\n[[fault]]\nkind = "hang"\nrank = 5\nat_step = 4')
     job.advance(1002.0)
@@ -384,6 +400,11 @@ def test_simulated_job_streams_to_a_real_coordinator(cluster: Cluster, tmp_path:
     )
     assert truth["started_unix_s"] < straggler["onset_unix_s"] < crash["onset_unix_s"] < truth["ended_unix_s"]
     assert len(truth["step_ends_unix_s"]) == 39  # the job stops in step 40
+    # Every rank reported each of them, after it ended (rank 6 only up to its crash).
+    reported = truth["step_reported_unix_s"]
+    assert len(reported) == 39
+    assert reported == sorted(reported)
+    assert all(sent >= ended for sent, ended in zip(reported, truth["step_ends_unix_s"], strict=True))
     assert truth["stats"]["reports_total"] > 0
     assert not math.isnan(truth["stats"]["cpu_s"])
 

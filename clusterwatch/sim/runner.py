@@ -31,7 +31,7 @@ from clusterwatch.errors import ConfigError
 from clusterwatch.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.sim import diagnose
 from clusterwatch.sim.nodes import NodeModel, gpu_uuid
-from clusterwatch.sim.ranks import JobModel
+from clusterwatch.sim.ranks import FIRST_STEP, JobModel
 from clusterwatch.sim.scenario import (
     FaultKind,
     FaultSpec,
@@ -276,10 +276,17 @@ class Simulation:
             self._apply_onsets(now_s)
             for node in by_slot[tick % slots]:
                 self._report(node, now_s)
+            self._note_reported(now_s)
             if tick % slots == 0:
                 self.job.prune()
             self.build_s_total += time.perf_counter() - started
         self.truth.ended_unix_s = self.now_unix_s()
+
+    def _note_reported(self, now_s: float) -> None:
+        """Stamp the steps that every rank has now reported (the ground truth's step_reported_unix_s)."""
+        reported = self.truth.step_reported_unix_s
+        newest = self.job.reported_by_every_rank(self._lost)
+        reported.extend([now_s] * (newest - (FIRST_STEP - 1) - len(reported)))
 
     def _report(self, node: int, now_s: float) -> None:
         if node in self._lost:
