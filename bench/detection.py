@@ -345,7 +345,7 @@ def report_stragglers(result: dict[str, Any], args: argparse.Namespace) -> int:
         )
     cpu = doc["coordinator_cpu_ratio"]
     print(
-        f"simulators: max lag {doc['simulator_max_lag_s']} s, {doc['simulator_skipped_slots']} slots skipped, "
+        f"simulators: max lag {doc['simulator_max_lag_s']} s, {doc['simulator_late_slots']} report slots late, "
         f"{doc['reports_dropped']} reports dropped"
         + ("" if cpu is None else f"; coordinator CPU {100 * cpu:.0f} % of one core")
     )

@@ -290,7 +290,7 @@ def summary(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "false_positives": [i.to_json() for s in scores for i in s.false_positives],
         "rank_steps": rank_steps,
         "simulator_max_lag_s": max((t.stats.get("max_lag_s", 0.0) for t in truths), default=None),
-        "simulator_skipped_slots": sum(int(t.stats.get("skipped_slots", 0)) for t in truths),
+        "simulator_late_slots": sum(int(t.stats.get("late_slots", 0)) for t in truths),
         "reports_dropped": sum(int(t.stats.get("reports_dropped_total", 0)) for t in truths),
         "simulator_cpu_ratio_mean": statistics.fmean(t.stats.get("cpu_ratio", 0.0) for t in truths)
         if truths

@@ -3,6 +3,7 @@ against a real coordinator."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
@@ -15,6 +16,7 @@ from helpers import Cluster, Coordinator, Process, clusterwatch_cmd, ranks_of, r
 from clusterwatch.errors import ConfigError
 from clusterwatch.sim.noise import NoiseModel
 from clusterwatch.sim.ranks import JobModel, RankCondition
+from clusterwatch.sim.runner import Simulation, resolve_settings
 from clusterwatch.sim.scenario import (
     FaultKind,
     NoiseSettings,
@@ -25,7 +27,7 @@ from clusterwatch.sim.scenario import (
 )
 from clusterwatch.sim.scoring import IncidentHistory, SeenIncident, overall, score_scenario
 from clusterwatch.sim.truth import GroundTruth
-from clusterwatch.v1 import cluster_pb2, training_pb2
+from clusterwatch.v1 import cluster_pb2, node_pb2, training_pb2
 
 EXITED = training_pb2.RankState.RANK_STATE_EXITED
 RUNNING = training_pb2.RankState.RANK_STATE_RUNNING
@@ -226,6 +228,44 @@ def test_a_step_is_reported_by_every_rank_once_the_last_node_sent_it() -> None:
     job.advance(1002.0)
     job.node_ranks(1, 1002.0)
     assert job.reported_by_every_rank() == newest  # node 0 is behind now
+
+
+class _Outbox:
+    """Stands in for a node's stream: keeps what the loop submits."""
+
+    def __init__(self) -> None:
+        self.sent_unix_s: list[float] = []
+
+    def submit(self, report: node_pb2.NodeReport) -> None:
+        self.sent_unix_s.append(report.timestamp_unix_seconds)
+
+    def silence(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(30)
+def test_a_simulator_that_falls_behind_still_reports_every_node_each_interval() -> None:
+    # Every read of this clock costs 0.07 s, so the loop is always behind by more
+    # than a slot (0.1 s): slots are late every time. A slot left out would leave
+    # its nodes silent for intervals on end (unreachable, to the coordinator).
+    now = [0.0]
+
+    def slow_clock() -> float:
+        now[0] += 0.07
+        return now[0]
+
+    settings = resolve_settings(
+        _scenario("seed = 2\nstep_s = 0.5"), coordinator="127.0.0.1:1", nodes=20, gpus_per_node=2,
+        interval_s=1.0, duration_s=30.0,
+    )  # fmt: skip
+    simulation = Simulation(settings, clock=slow_clock, wall_clock=lambda: 1000.0)
+    outboxes = [_Outbox() for _ in range(settings.nodes)]
+    simulation.streams = outboxes  # type: ignore[assignment]
+    asyncio.run(simulation._loop(asyncio.Event()))
+    assert simulation.late_slots > 0
+    for outbox in outboxes:
+        gaps = [b - a for a, b in itertools.pairwise([1000.0, *outbox.sent_unix_s])]
+        assert max(gaps) < 1.5, gaps  # one interval, plus a slot or two of lag
 
 
 @pytest.mark.timeout(10)
