@@ -324,6 +324,21 @@ def _incident(
 
 
 @pytest.mark.timeout(10)
+def test_the_ground_truth_keeps_step_ends_exact(tmp_path: Path) -> None:
+    # A straggler's onset is its own end of the step before, here 10 us after
+    # the first rank's: the steps done by then must still count that step.
+    truth = GroundTruth(
+        scenario="s", job="j", nodes=["n0"], gpus_per_node=8, world_size=8, step_s=0.5, interval_s=1.0,
+        compute_cv=0.03, seed=1, started_unix_s=1000.0, faults=[],
+        step_ends_unix_s=[1000.50006], step_reported_unix_s=[1001.00006],
+    )  # fmt: skip
+    truth.write(tmp_path / "truth.json")
+    read = GroundTruth.read(tmp_path / "truth.json")
+    assert read.steps_done_by(1000.50007) == 1
+    assert read.step_reported_unix_s == [1001.00006]
+
+
+@pytest.mark.timeout(10)
 def test_scoring_matches_incidents_to_the_ground_truth() -> None:
     truth = GroundTruth.from_json({
         "scenario": "s", "job": "j", "nodes": ["n0", "n1"], "gpus_per_node": 4, "world_size": 8, "step_s": 1.0,

@@ -106,10 +106,10 @@ class GroundTruth:
         return self.first_step - 1 + self.steps_done_by(unix_s)
 
     def to_json(self) -> dict[str, Any]:
-        doc = dataclasses.asdict(self)
-        doc["step_ends_unix_s"] = [round(t, 4) for t in self.step_ends_unix_s]
-        doc["step_reported_unix_s"] = [round(t, 4) for t in self.step_reported_unix_s]
-        return doc
+        # Times stay exact: a straggler's onset is its own end of the step before,
+        # often within microseconds of the first rank's, and rounding the step's
+        # end up past it would count the onset one step early (latency one too long).
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> GroundTruth:
