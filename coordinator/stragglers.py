@@ -94,7 +94,7 @@ sigma a step) after ~22 steps at the median, within 30 only with ~0.83, within
 45 with ~0.99 and within 60 with > 0.998. That is about what any rule can do
 at this false-positive rate: the likelihood-ratio test for exactly 1 % -> 5 %
 (a CUSUM), held to the same rate for a rank 1 % slow, needs ~36 steps at the
-95th percentile; within 28 would take ~100 times the rate. With few
+95th percentile; within 28 would take ~80 times the rate. With few
 ranks the others' median is noisier (the noise of e is 5 % larger with 16
 ranks, 10 % with 8), and detection a little slower: a 10 % straggler at 3 %
 CV is flagged within 10 steps with ~0.99 (16 ranks) or ~0.97 (8 ranks).
@@ -277,10 +277,11 @@ class _JobState:
     """One job's history, in comparable steps, with ranks at fixed positions.
 
     ``excess`` holds one array per comparable step (the newest last), each with
-    one clipped excess per position (8 bytes a value: 60 steps of an 80,000-rank
-    job are 38 MB, where lists of floats took 154); ``records`` / ``identities`` say which rank
-    instance a position is, ``since`` the comparable-step index its history
-    starts at (values before it are placeholders, 0.0), ``cusum`` its CUSUM.
+    one clipped excess per position (8 bytes a value: 60 steps of an
+    80,000-rank job are 38 MB, where lists of floats took 154);
+    ``records`` / ``identities`` say which rank instance a position is,
+    ``since`` the comparable-step index its history starts at (values before
+    it are placeholders, 0.0), ``cusum`` its CUSUM.
     """
 
     restart_count: int
