@@ -23,9 +23,10 @@ finished from the onset to the incident's opening) and its three parts,
     round     steps finished after that until the incident opened (the
               coordinator reads the report, then its next detection round).
 
-detector + reports + round = latency. The detector's part can be replayed
-offline on the same data (the simulator is seeded); the other two are the
-pipeline's. Every other incident of these jobs is a false positive.
+detector + reports + round = latency. bench/straggler_replay.py replays
+the same seeds' data to the detector without the pipeline (the simulator is
+seeded); the other two parts are the pipeline's. Every other incident of
+these jobs is a false positive.
 """
 
 from __future__ import annotations

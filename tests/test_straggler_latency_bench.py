@@ -1,4 +1,5 @@
-"""bench/straggler_latency.py: its scenarios and how it splits a latency into the detector's and the pipeline's share."""
+"""bench/straggler_latency.py and bench/straggler_replay.py: their scenarios, how a latency splits into the
+detector's and the pipeline's share, and the replay of the same data without the pipeline."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import tomllib
 import pytest
 
 from bench.straggler_latency import ONSET_STEP, latency, scenario_text, spread
+from bench.straggler_replay import replay
+from clusterwatch.coordinator.stragglers import StragglerSettings
 from clusterwatch.sim.scenario import parse_scenario
 from clusterwatch.sim.scoring import FaultScore, SeenIncident
 from clusterwatch.sim.truth import FaultTruth, GroundTruth
@@ -67,3 +70,15 @@ def test_a_missed_straggler_counts_as_slower_than_any() -> None:
     assert missed.steps is None
     assert spread([5, 9, missed.steps]) == {"p50": 9.0, "p95": float("inf"), "max": float("inf")}
     assert spread(list(range(1, 21))) == {"p50": 10.0, "p95": 19.0, "max": 20.0}
+
+
+@pytest.mark.timeout(60)
+def test_the_replay_names_both_stragglers_of_a_seed_and_no_one_else() -> None:
+    result = replay(3, 64, StragglerSettings())
+    assert result.steps_10 is not None
+    assert result.steps_10 <= 12
+    assert result.steps_5 is not None
+    assert result.steps_5 <= 100
+    assert result.false_positives == ()
+    assert result.mean_excess_5 == pytest.approx(0.05, abs=0.02)  # 30 steps of 3 % noise
+    assert result.noise_5 == pytest.approx(0.03, abs=0.006)
