@@ -3,6 +3,7 @@
 Usage:
     python -m bench.detection [--json] [--scenarios FILE ...] [--coordinator HOST:PORT]
     python -m bench.detection --healthy-steps 10000 --healthy-ranks 1024 --step-s 0.05 [--json]
+    python -m bench.detection --straggler-seeds 20 [--straggler-ranks 1024] [--parallel 2] [--per-seed]
 
 Starts a real coordinator (``clusterwatch coordinator`` on 127.0.0.1, port 0,
 a temporary state directory) unless --coordinator names a running one, then
@@ -19,13 +20,17 @@ cause were right, and the acceptance target that applies.
 8 per node, ``--step-s`` steps at ``--healthy-cv`` compute CV): every
 incident about it is a false positive. It reports how many steps the run
 reached and what the simulator and the coordinator cost.
+
+--straggler-seeds measures straggler latency end to end instead: one job of
+``--straggler-ranks`` ranks per seed with a 10 % and a 5 % straggler, and
+p50/p95/max of the latency over the seeds, split into the detector's share
+and the pipeline's (bench/straggler_latency.py has the details).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import subprocess
@@ -36,113 +41,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
 import psutil
 
+from bench import straggler_latency
 from bench.coordinator_process import start_coordinator, stop_coordinator
-from clusterwatch.grpc_options import CHANNEL_OPTIONS
+from bench.simulations import IncidentPoller, load_truths, start_simulation, wait_and_poll
 from clusterwatch.sim.scoring import (
     PRECISION_TARGET,
     RECALL_TARGET,
     FaultScore,
-    IncidentHistory,
     Overall,
     ScenarioScore,
-    SeenIncident,
     overall,
     score_scenario,
 )
 from clusterwatch.sim.truth import GroundTruth
-from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
 
 SCENARIOS_DIR = Path(__file__).parent / "scenarios"
-# After the last simulation ends: one more poll catches incidents opened at its very end.
-FINAL_POLL_DELAY_S = 2.0
-INCIDENT_LIMIT = 100_000
-
-
-@dataclasses.dataclass
-class Run:
-    """One scenario's `clusterwatch simulate` process."""
-
-    scenario: Path
-    job: str
-    truth_path: Path
-    log_path: Path
-    popen: subprocess.Popen[bytes]
-
-
-def start_simulation(coordinator: str, scenario: Path, job: str, tmp: Path, extra: Sequence[str] = ()) -> Run:
-    truth_path = tmp / f"{job}.truth.json"
-    log_path = tmp / f"{job}.log"
-    with log_path.open("wb") as log:
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "clusterwatch", "simulate", "--coordinator", coordinator,
-             "--scenario", str(scenario), "--job", job, "--ground-truth-out", str(truth_path), *extra],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    return Run(scenario, job, truth_path, log_path, popen)
-
-
-class IncidentPoller:
-    """Polls ListIncidents and keeps every version of every incident."""
-
-    def __init__(self, address: str) -> None:
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = cluster_pb2_grpc.ClusterServiceStub(self._channel)
-        self.histories: dict[str, IncidentHistory] = {}
-        self.unavailable: str | None = None
-        self.polls = 0
-
-    def poll(self) -> None:
-        request = cluster_pb2.ListIncidentsRequest(include_resolved=True, limit=INCIDENT_LIMIT)
-        try:
-            response = self._stub.ListIncidents(request, timeout=10, wait_for_ready=True)
-        except grpc.RpcError as exc:
-            code = exc.code() if isinstance(exc, grpc.Call) else None
-            if code is grpc.StatusCode.UNIMPLEMENTED:
-                self.unavailable = f"the coordinator does not implement ListIncidents yet ({exc.details()})"
-                return
-            raise
-        self.unavailable = None
-        self.polls += 1
-        now = time.time()
-        for incident in response.incidents:
-            self.histories.setdefault(incident.id, IncidentHistory()).add(
-                now, SeenIncident.from_proto(incident)
-            )
-
-    def close(self) -> None:
-        self._channel.close()
-
-
-def wait_and_poll(runs: Sequence[Run], poller: IncidentPoller, poll_s: float, timeout_s: float) -> None:
-    """Poll incidents until every run ended (killing any still running at the timeout)."""
-    deadline = time.monotonic() + timeout_s
-    while any(run.popen.poll() is None for run in runs):
-        if time.monotonic() > deadline:
-            for run in runs:
-                if run.popen.poll() is None:
-                    run.popen.terminate()
-            break
-        poller.poll()
-        time.sleep(poll_s)
-    for run in runs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            run.popen.wait(timeout=30)
-    time.sleep(FINAL_POLL_DELAY_S)
-    poller.poll()
-
-
-def load_truths(runs: Sequence[Run]) -> tuple[list[GroundTruth], list[str]]:
-    truths, failures = [], []
-    for run in runs:
-        if run.popen.returncode != 0 or not run.truth_path.exists():
-            tail = run.log_path.read_text(errors="replace")[-1500:] if run.log_path.exists() else ""
-            failures.append(f"{run.job}: simulate exited with {run.popen.returncode}\n{tail}")
-            continue
-        truths.append(GroundTruth.read(run.truth_path))
-    return truths, failures
 
 
 # --- output -------------------------------------------------------------------------------------
@@ -332,9 +247,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--healthy-ranks", type=int, default=1024, help="ranks of the long healthy job")
     parser.add_argument("--healthy-cv", type=float, default=0.03, help="compute CV of the long healthy job")
-    parser.add_argument("--step-s", type=float, default=0.05, help="step time of the long healthy job")
+    parser.add_argument(
+        "--step-s", type=float, default=None,
+        help="step time of the long healthy job (default 0.05) or of the straggler jobs (default 0.5)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=1, help="noise seed of the long healthy job")
+    parser.add_argument(
+        "--straggler-seeds", type=int, default=0,
+        help="measure straggler latency end to end over this many seeds instead (one job each)",
+    )  # fmt: skip
+    parser.add_argument("--straggler-ranks", type=int, default=1024, help="ranks of each straggler job")
+    parser.add_argument("--straggler-cv", type=float, default=0.03, help="compute CV of the straggler jobs")
+    parser.add_argument("--first-seed", type=int, default=1, help="the straggler jobs' first seed")
+    parser.add_argument("--parallel", type=int, default=2, help="straggler jobs run at once")
+    parser.add_argument(
+        "--interval-s", type=float, default=1.0, help="node report interval of the straggler jobs"
+    )
+    parser.add_argument("--per-seed", action="store_true", help="also print every straggler's latency")
     args = parser.parse_args(argv)
+    if args.step_s is None:
+        args.step_s = 0.5 if args.straggler_seeds else 0.05
 
     with contextlib.ExitStack() as stack:
         tmp = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cw-detection-")))
@@ -346,8 +278,10 @@ def main(argv: list[str] | None = None) -> int:
             started = start_coordinator(tmp / "state", log=tmp / "coordinator.log")
             coordinator_popen, coordinator = started.process, started.address
         try:
+            pid = coordinator_popen.pid if coordinator_popen else None
+            if args.straggler_seeds:
+                return report_stragglers(straggler_latency.run_seeds(args, coordinator, tmp, pid), args)
             if args.healthy_steps:
-                pid = coordinator_popen.pid if coordinator_popen else None
                 return report_healthy(run_healthy(args, coordinator, tmp, pid), args)
             return report_suite(run_suite(args, coordinator, tmp), args)
         finally:
@@ -382,6 +316,39 @@ def report_suite(result: dict[str, Any], args: argparse.Namespace) -> int:
         print(
             f"\n{len(scores)} scenarios concurrently against one coordinator, {result['wall_s']:.0f} s wall"
         )
+    return 1 if result["failures"] else 0
+
+
+def report_stragglers(result: dict[str, Any], args: argparse.Namespace) -> int:
+    doc = straggler_latency.summary(result, args)
+    if args.json_out:
+        args.json_out.write_text(json.dumps(doc, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 1 if result["failures"] else 0
+    for failure in result["failures"]:
+        print(f"simulation failed: {failure}")
+    if result["unavailable"]:
+        print(f"NOTE: {result['unavailable']}")
+    print(
+        f"straggler latency end to end: {doc['seeds']} seeds of {doc['ranks']} ranks, {doc['step_s']:g} s steps, "
+        f"compute CV {doc['compute_cv']:g}, nodes reporting every {doc['interval_s']:g} s, "
+        f"{doc['parallel']} jobs at once, {doc['wall_s']:.0f} s wall"
+    )
+    print(straggler_latency.table(doc))
+    if args.per_seed:
+        print(straggler_latency.per_seed(doc))
+    print(f"false positives: {len(doc['false_positives'])} over {doc['rank_steps']:,} rank-steps")
+    for incident in doc["false_positives"][:20]:
+        print(
+            f"  {incident['kind']}/{incident['cause']} ranks {list(incident['ranks'])[:8]}: {incident['summary'][:160]}"
+        )
+    cpu = doc["coordinator_cpu_ratio"]
+    print(
+        f"simulators: max lag {doc['simulator_max_lag_s']} s, {doc['simulator_late_slots']} report slots late, "
+        f"{doc['reports_dropped']} reports dropped"
+        + ("" if cpu is None else f"; coordinator CPU {100 * cpu:.0f} % of one core")
+    )
     return 1 if result["failures"] else 0
 
 

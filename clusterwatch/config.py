@@ -157,7 +157,7 @@ class DetectionSettings:
     straggler_threshold_ratio: float = setting(
         0.05, "a rank computing this fraction slower than the others is a straggler", positive=True
     )
-    straggler_window_steps: int = setting(30, "longest window of steps a straggler is judged over", minimum=5)
+    straggler_window_steps: int = setting(60, "longest window of steps a straggler is judged over", minimum=5)
     straggler_clear_after_steps: int = setting(
         20, "healthy steps before a straggler is cleared (hysteresis)", minimum=1
     )

@@ -41,7 +41,12 @@ slowdown above healthy_ratio, the largest fixed offset a healthy rank may
 have (GPUs differ by a percent or so; a 1 % slower rank is not a 5 %
 straggler). Scanning every window length flags a large straggler after a few
 steps (m_w is far above the bound on a short window) and one at the
-threshold after a few tens (the bound shrinks as 1 / sqrt(w)). Clipping at
+threshold after a few tens (the bound shrinks as 1 / sqrt(w)). The longest
+window is long (60) so that the evidence for a rank at the threshold keeps
+growing: over 30 steps of 3 % noise a 5 % straggler's mean is 0.05 +- 0.0055
+while (A) asks 0.0454, so with at most 30 steps one whose mean came out a
+standard error low waited for a luckier window, up to 80-90 steps; with 60
+its evidence keeps growing (numbers under "Detection" below). Clipping at
 cap bounds what one odd step (a garbage-collector pause, a checkpoint) adds
 to a mean, cap / w: with the defaults, too little for one step alone to pass
 (A) and (B) at any noise level; a straggler's steps (within 4 sigma of its
@@ -68,23 +73,28 @@ over the windows; Q is the normal upper tail)
     P <= sum over w of  min( Q(evidence_z + (healthy_ratio - mu) sqrt(w) / sigma),
                              Q((threshold_ratio - mu) sqrt(w) / sigma - margin_z) )
 
-With the defaults (threshold 0.05, healthy 0.0125, z 6 and 3, w = 5..30):
+With the defaults (threshold 0.05, healthy 0.0125, z 6 and 3, w = 5..60):
 
     CV     mu = 0      mu = 0.01 (a fixed 1 % offset)
     2 %    1.1e-13     1.2e-9
-    3 %    4.7e-12     3.4e-9
-    4 %    3.2e-11     5.6e-9
+    3 %    4.7e-12     4.2e-9
+    4 %    3.2e-11     7.7e-9
 
 so 1,024 ranks x 10,000 steps (1.0e7 rank-steps) at 3 % CV expect <= 5e-5
-false flags, and <= 0.034 even if every rank were 1 % slow. The union bound is
+false flags, and <= 0.043 even if every rank were 1 % slow (windows longer
+than 30 add nothing at mu = 0 and a fifth at mu = 0.01). The union bound is
 pessimistic (the windows overlap): run with evidence_z 3 to 3.5, so that
 flags can be counted, the simulated rates are 3 to 10 times below it for
 3 to 1,024 ranks, warm-up included.
 
 Detection, by the same model with many ranks: a 10 % straggler at 3 % CV is
 flagged within 10 steps with probability > 0.999 (after 5 at the median);
-a 5 % straggler at 2 % CV within 30 with > 0.999 (after ~10); at 3 % CV
-within 30 only with ~0.85 (30 steps of 3 % noise are just enough evidence). With few
+a 5 % straggler at 2 % CV within 30 with > 0.999 (after ~10); at 3 % CV (1.7
+sigma a step) after ~22 steps at the median, within 30 only with ~0.83, within
+45 with ~0.99 and within 60 with > 0.998. That is about what any rule can do
+at this false-positive rate: the likelihood-ratio test for exactly 1 % -> 5 %
+(a CUSUM), held to the same rate for a rank 1 % slow, needs ~36 steps at the
+95th percentile; within 28 would take ~80 times the rate. With few
 ranks the others' median is noisier (the noise of e is 5 % larger with 16
 ranks, 10 % with 8), and detection a little slower: a 10 % straggler at 3 %
 CV is flagged within 10 steps with ~0.99 (16 ranks) or ~0.97 (8 ranks).
@@ -161,7 +171,7 @@ class StragglerSettings:
     healthy_ratio: float = 0.0125
     evidence_z: float = 6.0
     margin_z: float = 3.0
-    window_steps: int = 30
+    window_steps: int = 60
     min_window_steps: int = 5
     clear_after_steps: int = 20
     min_ranks: int = 3
@@ -266,10 +276,12 @@ class _Flag:
 class _JobState:
     """One job's history, in comparable steps, with ranks at fixed positions.
 
-    ``excess`` holds one list per comparable step (the newest last), each with
-    one clipped excess per position; ``records`` / ``identities`` say which rank
-    instance a position is, ``since`` the comparable-step index its history
-    starts at (values before it are placeholders, 0.0), ``cusum`` its CUSUM.
+    ``excess`` holds one array per comparable step (the newest last), each with
+    one clipped excess per position (8 bytes a value: 60 steps of an
+    80,000-rank job are 38 MB, where lists of floats took 154);
+    ``records`` / ``identities`` say which rank instance a position is,
+    ``since`` the comparable-step index its history starts at (values before
+    it are placeholders, 0.0), ``cusum`` its CUSUM.
     """
 
     restart_count: int
@@ -278,7 +290,7 @@ class _JobState:
     # Comparable steps processed so far: the clock that histories count in.
     compared_steps: int = 0
     window: collections.deque[_StepStats] = dataclasses.field(init=False)
-    excess: collections.deque[list[float]] = dataclasses.field(init=False)
+    excess: collections.deque[array[float]] = dataclasses.field(init=False)
     # Per step, the spread across ranks: (1.4826 x MAD / median)^2.
     spread_sq: collections.deque[float] = dataclasses.field(init=False)
     # The positions the pooled variance is taken over (every one in small jobs),
@@ -411,7 +423,7 @@ class StragglerDetector:
         state.compared_steps += 1
         state.window.append(stats)
         state.spread_sq.append(spread_sq)
-        _slide(state, excess)
+        _slide(state, array("d", excess))
         cusum = state.cusum = [
             c if (c := s + x - healthy) > 0 else 0.0 for s, x in zip(state.cusum, excess, strict=True)
         ]
@@ -522,7 +534,7 @@ def _relayout(state: _JobState, ranks: list[RankRecord]) -> None:
     state.since = [state.since[old] if old >= 0 else state.compared_steps for old in mapping]
     state.cusum = [state.cusum[old] if old >= 0 else 0.0 for old in mapping]
     for index, excess in enumerate(state.excess):
-        state.excess[index] = [excess[old] if old >= 0 else 0.0 for old in mapping]
+        state.excess[index] = array("d", [excess[old] if old >= 0 else 0.0 for old in mapping])
     stride = -(-len(ranks) // VARIANCE_RANKS)
     state.sampled = list(range(0, len(ranks), stride))
     state.sums = [sum(excess[position] for excess in state.excess) for position in state.sampled]
@@ -534,7 +546,7 @@ def _relayout(state: _JobState, ranks: list[RankRecord]) -> None:
     state.positions = {record.rank: position for position, record in enumerate(ranks)}
 
 
-def _slide(state: _JobState, excess: list[float]) -> None:
+def _slide(state: _JobState, excess: array[float]) -> None:
     """Append a step's excesses to the window, and update the per-rank sums and
     the pooled variance: the median over the (sampled) ranks with a whole
     window of history of their sample variance, scaled from the median of a
@@ -578,7 +590,7 @@ def _standard_errors(variance: float, spread_sq: Sequence[float]) -> list[float]
     return errors
 
 
-def _window_mean(excess: collections.deque[list[float]], position: int, steps: int) -> float:
+def _window_mean(excess: collections.deque[array[float]], position: int, steps: int) -> float:
     """Mean excess of the rank at ``position`` over the newest ``steps`` comparable steps."""
     total = 0.0
     for w, values in enumerate(reversed(excess), 1):

@@ -3,6 +3,7 @@ against a real coordinator."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
@@ -15,6 +16,7 @@ from helpers import Cluster, Coordinator, Process, clusterwatch_cmd, ranks_of, r
 from clusterwatch.errors import ConfigError
 from clusterwatch.sim.noise import NoiseModel
 from clusterwatch.sim.ranks import JobModel, RankCondition
+from clusterwatch.sim.runner import Simulation, resolve_settings
 from clusterwatch.sim.scenario import (
     FaultKind,
     NoiseSettings,
@@ -25,7 +27,7 @@ from clusterwatch.sim.scenario import (
 )
 from clusterwatch.sim.scoring import IncidentHistory, SeenIncident, overall, score_scenario
 from clusterwatch.sim.truth import GroundTruth
-from clusterwatch.v1 import cluster_pb2, training_pb2
+from clusterwatch.v1 import cluster_pb2, node_pb2, training_pb2
 
 EXITED = training_pb2.RankState.RANK_STATE_EXITED
 RUNNING = training_pb2.RankState.RANK_STATE_RUNNING
@@ -213,6 +215,60 @@ def test_synchronous_steps_the_straggler_waits_least() -> None:
 
 
 @pytest.mark.timeout(10)
+def test_a_step_is_reported_by_every_rank_once_the_last_node_sent_it() -> None:
+    job = _job(STRAGGLER_AND_CRASH)
+    job.advance(1001.0)
+    newest = job.last_step_done()
+    assert newest > 5
+    job.node_ranks(0, 1001.0)
+    assert job.reported_by_every_rank() == 0  # node 1 has not reported
+    assert job.reported_by_every_rank(lost_nodes={1}) == newest  # unless it is lost
+    job.node_ranks(1, 1001.0)
+    assert job.reported_by_every_rank() == newest
+    job.advance(1002.0)
+    job.node_ranks(1, 1002.0)
+    assert job.reported_by_every_rank() == newest  # node 0 is behind now
+
+
+class _Outbox:
+    """Stands in for a node's stream: keeps what the loop submits."""
+
+    def __init__(self) -> None:
+        self.sent_unix_s: list[float] = []
+
+    def submit(self, report: node_pb2.NodeReport) -> None:
+        self.sent_unix_s.append(report.timestamp_unix_seconds)
+
+    def silence(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(30)
+def test_a_simulator_that_falls_behind_still_reports_every_node_each_interval() -> None:
+    # Every read of this clock costs 0.07 s, so the loop is always behind by more
+    # than a slot (0.1 s): slots are late every time. A slot left out would leave
+    # its nodes silent for intervals on end (unreachable, to the coordinator).
+    now = [0.0]
+
+    def slow_clock() -> float:
+        now[0] += 0.07
+        return now[0]
+
+    settings = resolve_settings(
+        _scenario("seed = 2\nstep_s = 0.5"), coordinator="127.0.0.1:1", nodes=20, gpus_per_node=2,
+        interval_s=1.0, duration_s=30.0,
+    )  # fmt: skip
+    simulation = Simulation(settings, clock=slow_clock, wall_clock=lambda: 1000.0)
+    outboxes = [_Outbox() for _ in range(settings.nodes)]
+    simulation.streams = outboxes  # type: ignore[assignment]
+    asyncio.run(simulation._loop(asyncio.Event()))
+    assert simulation.late_slots > 0
+    for outbox in outboxes:
+        gaps = [b - a for a, b in itertools.pairwise([1000.0, *outbox.sent_unix_s])]
+        assert max(gaps) < 1.5, gaps  # one interval, plus a slot or two of lag
+
+
+@pytest.mark.timeout(10)
 def test_hang_leaves_the_culprit_behind_in_its_group_with_heartbeats_going_on() -> None:
     job = _job('seed = 1\n[[fault]]\nkind = "hang"\nrank = 5\nat_step = 4')
     job.advance(1002.0)
@@ -265,6 +321,21 @@ def _incident(
     history = IncidentHistory()
     history.add(opened, SeenIncident(id_, kind, cause, job, ranks, nodes, opened))
     return history
+
+
+@pytest.mark.timeout(10)
+def test_the_ground_truth_keeps_step_ends_exact(tmp_path: Path) -> None:
+    # A straggler's onset is its own end of the step before, here 10 us after
+    # the first rank's: the steps done by then must still count that step.
+    truth = GroundTruth(
+        scenario="s", job="j", nodes=["n0"], gpus_per_node=8, world_size=8, step_s=0.5, interval_s=1.0,
+        compute_cv=0.03, seed=1, started_unix_s=1000.0, faults=[],
+        step_ends_unix_s=[1000.50006], step_reported_unix_s=[1001.00006],
+    )  # fmt: skip
+    truth.write(tmp_path / "truth.json")
+    read = GroundTruth.read(tmp_path / "truth.json")
+    assert read.steps_done_by(1000.50007) == 1
+    assert read.step_reported_unix_s == [1001.00006]
 
 
 @pytest.mark.timeout(10)
@@ -384,6 +455,11 @@ def test_simulated_job_streams_to_a_real_coordinator(cluster: Cluster, tmp_path:
     )
     assert truth["started_unix_s"] < straggler["onset_unix_s"] < crash["onset_unix_s"] < truth["ended_unix_s"]
     assert len(truth["step_ends_unix_s"]) == 39  # the job stops in step 40
+    # Every rank reported each of them, after it ended (rank 6 only up to its crash).
+    reported = truth["step_reported_unix_s"]
+    assert len(reported) == 39
+    assert reported == sorted(reported)
+    assert all(sent >= ended for sent, ended in zip(reported, truth["step_ends_unix_s"], strict=True))
     assert truth["stats"]["reports_total"] > 0
     assert not math.isnan(truth["stats"]["cpu_s"])
 

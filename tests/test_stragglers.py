@@ -105,6 +105,23 @@ def test_a_5_percent_straggler_is_flagged_within_30_steps_at_2_percent_cv(seed: 
     assert [f.rank for f in findings] == [5]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_evidence_keeps_growing_past_30_steps(seed: int) -> None:
+    # A straggler whose mean came out low: 4.2 % slower, steadily, among 3 %
+    # noise. Over 30 steps (A) asks 1.25 % + 6 x 3 % / sqrt(30) = 4.5 %, which
+    # no 30-step window reaches; over 40 to 60 steps it is enough.
+    def compute_s() -> Callable[[int, int], float]:
+        rng = random.Random(seed)  # noqa: S311 - seeded noise for the test
+        return lambda rank, _step: BASE_COMPUTE_S * (1.042 if rank == 5 else 1 + rng.gauss(0.0, 0.03))
+
+    capped = StragglerDetector(StragglerSettings(window_steps=30))
+    flagged_at, _ = steps_until_flagged(direct_job(64), capped, compute_s(), 120)
+    assert flagged_at > 120
+    flagged_at, findings = steps_until_flagged(direct_job(64), StragglerDetector(), compute_s(), 120)
+    assert 30 < flagged_at <= 60
+    assert [f.rank for f in findings] == [5]
+
+
 def test_no_false_positive_over_1000_healthy_steps_of_1024_ranks_at_3_percent_cv() -> None:
     # With slow drift common to all ranks and fixed per-rank offsets of up to
     # +-1 %: a 1 % slower rank is healthy. bench/straggler_accuracy.py runs 10,000 steps.

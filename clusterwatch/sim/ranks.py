@@ -37,7 +37,7 @@ import enum
 import math
 import signal
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from clusterwatch.collective_stats import (
     COLLECTIVE_DURATION_BUCKETS_S,
@@ -431,6 +431,21 @@ class JobModel:
             self._retired.add(rank)
             reports.append(report)
         return reports
+
+    def reported_by_every_rank(self, lost_nodes: Collection[int] = ()) -> int:
+        """The newest step that every rank still reporting (not exited, not on a lost node) has
+        reported (FIRST_STEP - 1 before any): the coordinator can compare ranks at it from then on."""
+        if not self._retired and not lost_nodes:
+            return min(self._reported_through)
+        g = self.gpus_per_node
+        return min(
+            (
+                through
+                for rank, through in enumerate(self._reported_through)
+                if rank not in self._retired and rank // g not in lost_nodes
+            ),
+            default=FIRST_STEP - 1,
+        )
 
     def last_step_done(self) -> int:
         """The newest step some rank finished (FIRST_STEP - 1 before any)."""

@@ -4,8 +4,11 @@ Nodes report every ``interval_s``, spread over up to ten slots per interval
 (real agents are not in phase). At each slot the job model is advanced to
 now, and the slot's nodes each get one report: their ranks (steps finished
 since the node's previous report, heartbeat, collectives, exits) and their
-telemetry. A loop that falls behind skips ahead instead of bursting, like
-the agent; ``stats`` counts how far behind it ever was.
+telemetry. A loop that falls behind does not burst: the nodes of the slots
+it missed report once, now, and it goes on from now, as a late agent reports
+once, late, and skips the intervals it missed; it never leaves a node silent
+(three silent intervals make a node unreachable). ``stats`` counts how far
+behind it ever was and how many slots reported late.
 
 When the run ends (``duration_s`` or a signal), every rank still running
 exits cleanly in one last report per node (the job is over, as when the
@@ -31,7 +34,7 @@ from clusterwatch.errors import ConfigError
 from clusterwatch.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.sim import diagnose
 from clusterwatch.sim.nodes import NodeModel, gpu_uuid
-from clusterwatch.sim.ranks import JobModel
+from clusterwatch.sim.ranks import FIRST_STEP, JobModel
 from clusterwatch.sim.scenario import (
     FaultKind,
     FaultSpec,
@@ -188,7 +191,7 @@ class Simulation:
         self.reports_total = 0
         self.build_s_total = 0.0
         self.max_lag_s = 0.0
-        self.skipped_slots = 0
+        self.late_slots = 0
 
     def now_unix_s(self) -> float:
         return self._wall0 + (self._clock() - self._mono0)
@@ -266,20 +269,30 @@ class Simulation:
                     break
             lag_s = self._clock() - due
             self.max_lag_s = max(self.max_lag_s, lag_s)
-            if lag_s > period_s:  # fell behind: skip the missed slots, do not burst
-                skipped = int(lag_s / period_s)
-                self.skipped_slots += skipped
-                tick += skipped
+            due_slots = [tick % slots]
+            if lag_s > period_s:  # fell behind: the missed slots report now, once each
+                missed = int(lag_s / period_s)
+                self.late_slots += missed
+                due_slots = [(tick + k) % slots for k in range(min(missed, slots - 1) + 1)]
+                tick += missed
             started = time.perf_counter()
             now_s = self.now_unix_s()
             self.job.advance(now_s)
             self._apply_onsets(now_s)
-            for node in by_slot[tick % slots]:
-                self._report(node, now_s)
-            if tick % slots == 0:
+            for slot in due_slots:
+                for node in by_slot[slot]:
+                    self._report(node, now_s)
+            self._note_reported(now_s)
+            if 0 in due_slots:
                 self.job.prune()
             self.build_s_total += time.perf_counter() - started
         self.truth.ended_unix_s = self.now_unix_s()
+
+    def _note_reported(self, now_s: float) -> None:
+        """Stamp the steps that every rank has now reported (the ground truth's step_reported_unix_s)."""
+        reported = self.truth.step_reported_unix_s
+        newest = self.job.reported_by_every_rank(self._lost)
+        reported.extend([now_s] * (newest - (FIRST_STEP - 1) - len(reported)))
 
     def _report(self, node: int, now_s: float) -> None:
         if node in self._lost:
@@ -358,7 +371,7 @@ class Simulation:
             "cpu_s": round(cpu_s, 3),
             "cpu_ratio": round(cpu_s / elapsed_s, 3),
             "max_lag_s": round(self.max_lag_s, 3),
-            "skipped_slots": self.skipped_slots,
+            "late_slots": self.late_slots,
             "steps_done": self.job.last_step_done(),
         }
 

@@ -72,6 +72,9 @@ class GroundTruth:
 
     Attributes:
         step_ends_unix_s: when the first rank finished each step, from ``first_step`` on.
+        step_reported_unix_s: when the last report that carried each step (from
+            ``first_step`` on) was sent: from then on every rank had reported it, so
+            the coordinator could compare ranks at it (once it read that report).
         stats: the runner's own throughput numbers (reports, lag, CPU).
     """
 
@@ -91,6 +94,7 @@ class GroundTruth:
     ended_unix_s: float | None = None
     first_step: int = 1
     step_ends_unix_s: list[float] = dataclasses.field(default_factory=list)
+    step_reported_unix_s: list[float] = dataclasses.field(default_factory=list)
     stats: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def steps_done_by(self, unix_s: float) -> int:
@@ -102,9 +106,10 @@ class GroundTruth:
         return self.first_step - 1 + self.steps_done_by(unix_s)
 
     def to_json(self) -> dict[str, Any]:
-        doc = dataclasses.asdict(self)
-        doc["step_ends_unix_s"] = [round(t, 4) for t in self.step_ends_unix_s]
-        return doc
+        # Times stay exact: a straggler's onset is its own end of the step before,
+        # often within microseconds of the first rank's, and rounding the step's
+        # end up past it would count the onset one step early (latency one too long).
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> GroundTruth:
