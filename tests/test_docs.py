@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(30)
 
 ROOT = Path(__file__).resolve().parent.parent
 # Documents that walk a newcomer through real files: every path they name must exist.
-GUIDES = ("CONTRIBUTING.md", "docs/SIGNALS.md", "docs/SECURITY.md")
+GUIDES = ("CONTRIBUTING.md", "docs/ARCHITECTURE.md", "docs/SIGNALS.md", "docs/SECURITY.md")
 # A repository path in backticks: a folder of ours, then a file or folder name.
 _PATH = re.compile(
     r"`((?:agent|coordinator|clusterwatch|tui|tests|bench|scripts|deploy|docs|proto|dashboards)/[\w./-]*[\w/])`"
