@@ -326,10 +326,7 @@ def report_stragglers(result: dict[str, Any], args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=1))
         return 1 if result["failures"] else 0
-    for failure in result["failures"]:
-        print(f"simulation failed: {failure}")
-    if result["unavailable"]:
-        print(f"NOTE: {result['unavailable']}")
+    _print_problems(result)
     print(
         f"straggler latency end to end: {doc['seeds']} seeds of {doc['ranks']} ranks, {doc['step_s']:g} s steps, "
         f"compute CV {doc['compute_cv']:g}, nodes reporting every {doc['interval_s']:g} s, "
@@ -375,10 +372,7 @@ def report_healthy(result: dict[str, Any], args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
-        for failure in result["failures"]:
-            print(f"simulation failed: {failure}")
-        if result["unavailable"]:
-            print(f"NOTE: {result['unavailable']}")
+        _print_problems(result)
         print(
             f"healthy run: {summary['ranks']} ranks, {summary['steps_reached']} of {args.healthy_steps} steps at "
             f"{args.step_s:g} s ({summary['rank_steps']} rank-steps), compute CV {args.healthy_cv:g}, "
@@ -397,6 +391,14 @@ def report_healthy(result: dict[str, Any], args: argparse.Namespace) -> int:
         if summary["coordinator_cpu_ratio"] is not None:
             print(f"coordinator CPU: {100 * summary['coordinator_cpu_ratio']:.0f} % of one core")
     return 1 if result["failures"] else 0
+
+
+def _print_problems(result: dict[str, Any]) -> None:
+    """The simulations that failed and why the run could not use something, one line each."""
+    for failure in result["failures"]:
+        print(f"simulation failed: {failure}")
+    if result["unavailable"]:
+        print(f"NOTE: {result['unavailable']}")
 
 
 if __name__ == "__main__":
