@@ -1,26 +1,46 @@
-"""Training-hook overhead: a 4-rank gloo DDP job with and without TrainingMonitor, alternating.
+"""Training-hook overhead: 4-rank gloo DDP jobs with and without TrainingMonitor, arms alternating.
 
 Usage:
-    python -m bench.hook_overhead [--rounds 5] [--steps 300] [--nproc 4] [--compute-ms 20]
+    python -m bench.hook_overhead [--rounds 6] [--workloads sleep,compute] [--before REV]
 
-Each step of tests/hook_workers/train_ddp.py runs a tiny DDP forward/backward
-(one gradient bucket), ``--compute-ms`` of simulated compute (a sleep: on a
-GPU node the CPU mostly waits for the device, and this machine has 2 cores for
-4 ranks) and one 1 MiB all-reduce: two instrumented collectives per step. With
-the monitor, a real agent and coordinator receive everything. Runs alternate
-(off, on, off, on, ...) so drift on a shared machine hits both alike; the
-result is the median over rounds of each run's median step time (the median
-over ranks), and the CPU seconds each rank spent per step.
+Two workloads of tests/hook_workers/train_ddp.py, each step timed and its CPU
+counted on every rank:
+
+- **sleep**: a tiny DDP forward/backward (one gradient bucket), 20 ms of
+  simulated compute (a sleep: on a GPU node the CPU mostly waits for the
+  device) and one 1 MiB all-reduce: two instrumented collectives per step.
+- **compute**: a compute-bound MLP (4 square layers 1024 wide, batch 32,
+  4.2 M parameters, 16.8 MB of gradients in DDP's default buckets), where the
+  forward/backward itself is the step, plus a 4-byte all-reduce (the worker's
+  stop flag). On this machine's 2 cores with 4 ranks a step takes ~70-100 ms
+  and the ranks compete for the CPU, so any CPU the hook spends shows up in
+  the step time.
+
+Arms: ``off`` (no monitor), ``on`` (this tree's monitor) and, with
+``--before REV``, ``before``: the monitor of git revision REV (its
+``clusterwatch`` package exported to a temporary directory and put first on
+the workers' PYTHONPATH; the worker script is this tree's). Monitored ranks
+report to a real agent and coordinator (heartbeat 1 s). Each round runs every
+workload once per arm; the arms' order rotates from round to round (off, on,
+before; on, before, off; ...), so drift and a neighbour's load on a shared
+machine hit every arm alike and no arm always runs first.
+
+Per job: the step time is the median over ranks of each rank's median step,
+and the CPU per step is the mean over ranks of the process CPU time (hook
+threads included) per step, both after ``--warmup-steps``. Per arm: the median
+over rounds, and each round's ratio to that round's ``off`` run (median, min
+and max over rounds).
 
 The per-collective CPU cost is measured first, on its own, by
 bench/collective_cost.py (one process, world size 1, tiny tensor, no peers to
-wait for; gloo and a do-nothing process group, sync and async).
+wait for; gloo and a do-nothing process group, sync and async); ``--calls 0``
+skips it.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import dataclasses
 import json
 import os
 import statistics
@@ -34,20 +54,53 @@ from bench.coordinator_process import start_coordinator, stop_coordinator
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "hook_workers" / "train_ddp.py"
+WORKLOADS: dict[str, list[str]] = {
+    "sleep": ["--compute-ms", "20", "--allreduce-bytes", str(1 << 20)],
+    "compute": [
+        "--compute-ms", "0", "--allreduce-bytes", "4",
+        "--mlp-width", "1024", "--mlp-depth", "4", "--batch", "32",
+    ],
+}  # fmt: skip
+DEFAULT_STEPS = {"sleep": 300, "compute": 120}
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    step_s: float
+    cpu_s_per_step: float
+    thread_cpu_s_per_step: dict[str, float]  # thread_group() -> CPU per step, mean over ranks
+
+
+def thread_group(name: str) -> str:
+    """Where a rank's thread belongs: the training thread, gloo's, the hook's link, or the rest (gRPC's)."""
+    if name in ("main", "clusterwatch-hook"):
+        return name
+    return "gloo" if name.startswith(("gloo", "pt_gloo")) else "other"
 
 
 def run_job(
-    tmp: Path, tag: str, *, socket: Path, nproc: int, steps: int, compute_ms: float, monitored: bool
-) -> dict[str, float]:
+    tmp: Path,
+    tag: str,
+    *,
+    socket: Path,
+    nproc: int,
+    steps: int,
+    warmup_steps: int,
+    workload: list[str],
+    monitored: bool,
+    tree: Path | None,
+) -> Job:
     out = tmp / tag
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        str(WORKER), "--out-dir", str(out), "--job", "bench", "--steps", str(steps),
-        "--compute-ms", str(compute_ms), "--allreduce-bytes", str(1 << 20), "--heartbeat-s", "1",
+        str(WORKER), "--out-dir", str(out), "--job", "bench", "--steps", str(steps + warmup_steps),
+        "--warmup-steps", str(warmup_steps), "--heartbeat-s", "1", *workload,
     ]  # fmt: skip
     if not monitored:
         argv.append("--no-monitor")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CLUSTERWATCH_AGENT_SOCKET": str(socket)}
+    if tree is not None:  # the workers import clusterwatch from there (their sys.path[0] is the script's dir)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
     for attempt in range(2):  # torchrun's standalone rendezvous now and then fails on a loaded machine
         result = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
         if result.returncode == 0:
@@ -58,10 +111,31 @@ def run_job(
     else:
         raise SystemExit(f"{tag}: torchrun failed twice")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
-    return {
-        "step_s": statistics.median(r["step_time_median_s"] for r in ranks),
-        "cpu_s_per_step": statistics.mean(r["cpu_s"] / r["steps_timed"] for r in ranks),
-    }
+    expected_dir = (tree if tree is not None else ROOT) / "clusterwatch"
+    if monitored and {Path(r["clusterwatch_dir"]) for r in ranks} != {expected_dir}:
+        raise SystemExit(f"{tag}: the hook came from {ranks[0]['clusterwatch_dir']}, not {expected_dir}")
+    if monitored and not all(r["connected"] for r in ranks):
+        raise SystemExit(f"{tag}: not every rank was connected to the agent at the end")
+    threads: dict[str, float] = {}
+    for r in ranks:
+        for name, cpu_s in r["thread_cpu_s"].items():
+            group = thread_group(name)
+            threads[group] = threads.get(group, 0.0) + cpu_s / r["steps_timed"] / len(ranks)
+    return Job(
+        step_s=statistics.median(r["step_time_median_s"] for r in ranks),
+        cpu_s_per_step=statistics.mean(r["cpu_s"] / r["steps_timed"] for r in ranks),
+        thread_cpu_s_per_step=threads,
+    )
+
+
+def export_tree(revision: str, into: Path) -> Path:
+    """``git archive`` of ``revision``'s clusterwatch package (the hook and what it imports) into ``into``."""
+    into.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "archive", revision, "clusterwatch"], cwd=ROOT, check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
 
 
 def collective_cost(calls: int, repeats: int) -> str:
@@ -71,57 +145,93 @@ def collective_cost(calls: int, repeats: int) -> str:
     return subprocess.run(argv, check=True, capture_output=True, text=True, env=env, cwd=ROOT).stdout
 
 
+def spread(values: list[float]) -> str:
+    return f"median {statistics.median(values):+.2f} % ({min(values):+.2f} … {max(values):+.2f} %)"
+
+
+def report(workload: str, results: dict[str, list[Job]]) -> None:
+    off = results["off"]
+    step_off = statistics.median(j.step_s for j in off)
+    cpu_off = statistics.median(j.cpu_s_per_step for j in off)
+    print(f"\n{workload}: off {step_off * 1e3:.3f} ms per step, {cpu_off * 1e3:.3f} ms CPU per step per rank")
+    for arm, jobs in results.items():
+        if arm == "off":
+            continue
+        step = statistics.median(j.step_s for j in jobs)
+        cpu = statistics.median(j.cpu_s_per_step for j in jobs)
+        step_pairs = [(b.step_s / a.step_s - 1) * 100 for a, b in zip(off, jobs, strict=True)]
+        cpu_pairs = [(b.cpu_s_per_step / a.cpu_s_per_step - 1) * 100 for a, b in zip(off, jobs, strict=True)]
+        print(f"  {arm:6} step {step * 1e3:8.3f} ms: {(step / step_off - 1) * 100:+.2f} % of the medians; "
+              f"per-round pairs {spread(step_pairs)}")  # fmt: skip
+        print(f"  {arm:6} CPU  {cpu * 1e3:8.3f} ms: {(cpu - cpu_off) * 1e6:+.0f} us per step per rank, "
+              f"{(cpu / cpu_off - 1) * 100:+.2f} % of the medians; per-round pairs {spread(cpu_pairs)}")  # fmt: skip
+    print("  CPU per step per rank by thread, median over rounds (us):")
+    groups = sorted({g for jobs in results.values() for j in jobs for g in j.thread_cpu_s_per_step})
+    for arm, jobs in results.items():
+        by_group = {g: statistics.median(j.thread_cpu_s_per_step.get(g, 0.0) for j in jobs) for g in groups}
+        print(f"  {arm:6} " + ", ".join(f"{g} {v * 1e6:.0f}" for g, v in by_group.items()))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--workloads", default="sleep,compute", help="comma-separated: sleep, compute")
+    parser.add_argument("--steps", type=int, help="timed steps per job (default: 300 sleep, 120 compute)")
+    parser.add_argument("--warmup-steps", type=int, default=10, help="untimed steps first in every job")
     parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--compute-ms", type=float, default=20.0)
-    parser.add_argument("--calls", type=int, default=10_000)
+    parser.add_argument("--before", metavar="REV", help="add a 'before' arm: the monitor of git revision REV")
+    parser.add_argument("--calls", type=int, default=10_000, help="bench.collective_cost calls (0: skip)")
     args = parser.parse_args()
+    workloads = args.workloads.split(",")
+    if unknown := set(workloads) - WORKLOADS.keys():
+        parser.error(f"unknown workloads {sorted(unknown)}")
 
-    print(collective_cost(args.calls, repeats=5), flush=True)
+    print(f"{os.cpu_count()} CPUs; load average at start {os.getloadavg()}", flush=True)
+    if args.calls:
+        print(collective_cost(args.calls, repeats=5), flush=True)
 
     cw = [sys.executable, "-m", "clusterwatch"]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
+        trees: dict[str, Path | None] = {"off": None, "on": None}
+        if args.before:
+            trees["before"] = export_tree(args.before, tmp / "before-tree")
+        arms = list(trees)
         socket = tmp / "agent.sock"
         coordinator = start_coordinator(tmp, metrics=False)
         agent = None
+        results = {w: {arm: list[Job]() for arm in arms} for w in workloads}
         try:
             deadline = time.monotonic() + 30
             agent = subprocess.Popen([*cw, "agent", "--insecure", "--coordinator", coordinator.address, "--node-id", "bench",
-                                      "--socket", str(socket), "--gpu-backend", "none", "--log-level", "warning"])  # fmt: skip
+                                      "--socket", str(socket), "--gpu-backend", "none", "--log-level", "error"])  # fmt: skip
             while not socket.exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
-            job = functools.partial(
-                run_job, tmp, socket=socket, nproc=args.nproc, steps=args.steps, compute_ms=args.compute_ms
-            )
-            off: list[dict[str, float]] = []
-            on: list[dict[str, float]] = []
             for i in range(args.rounds):
-                off.append(job(f"off{i}", monitored=False))
-                on.append(job(f"on{i}", monitored=True))
-                print(
-                    f"round {i}: step {off[-1]['step_s'] * 1e3:.3f} ms off, {on[-1]['step_s'] * 1e3:.3f} ms on"
-                )
+                order = arms[i % len(arms) :] + arms[: i % len(arms)]
+                for workload in workloads:
+                    line = []
+                    for arm in order:
+                        job = run_job(
+                            tmp, f"{workload}-{arm}{i}", socket=socket, nproc=args.nproc,
+                            steps=args.steps or DEFAULT_STEPS[workload], warmup_steps=args.warmup_steps,
+                            workload=WORKLOADS[workload], monitored=arm != "off", tree=trees[arm],
+                        )  # fmt: skip
+                        results[workload][arm].append(job)
+                        line.append(
+                            f"{arm} {job.step_s * 1e3:.3f} ms / {job.cpu_s_per_step * 1e3:.3f} ms CPU"
+                        )
+                    print(f"round {i} {workload}: " + ", ".join(line), flush=True)
         finally:
             if agent is not None:
                 agent.terminate()
                 agent.wait(timeout=10)
             stop_coordinator(coordinator.process, 10)
-    step_off = statistics.median(r["step_s"] for r in off)
-    step_on = statistics.median(r["step_s"] for r in on)
-    cpu_off = statistics.median(r["cpu_s_per_step"] for r in off)
-    cpu_on = statistics.median(r["cpu_s_per_step"] for r in on)
-    ratios = [b["step_s"] / a["step_s"] - 1 for a, b in zip(off, on, strict=True)]
-    print(f"step time: {step_off * 1e3:.3f} ms without, {step_on * 1e3:.3f} ms with the monitor "
-          f"-> overhead {(step_on / step_off - 1) * 100:+.2f} % (per-round pairs: "
-          f"{', '.join(f'{r * 100:+.2f}' for r in ratios)} %)")  # fmt: skip
-    print(f"CPU per step per rank: {cpu_off * 1e6:.0f} us without, {cpu_on * 1e6:.0f} us with "
-          f"-> {(cpu_on - cpu_off) * 1e6:+.0f} us per step (2 instrumented collectives, heartbeats, sending)")  # fmt: skip
+    for workload in workloads:
+        report(workload, results[workload])
+    print(f"\nload average at end {os.getloadavg()}")
     return 0
 
 

@@ -1,8 +1,11 @@
 """A small DDP training job on gloo, for tests and benchmarks, run under torchrun.
 
-Each step: a forward/backward through a tiny DDP model (gradient buckets),
+Each step: a forward/backward through a DDP model (gradient buckets),
 ``--compute-ms`` of simulated compute, and one explicit all-reduce of
-``--allreduce-bytes``. Each rank writes ``{out_dir}/rank{N}.json`` at the end.
+``--allreduce-bytes``. The model is a tiny one (one bucket) unless
+``--mlp-width`` asks for a compute-bound MLP: ``--mlp-depth`` square layers of
+that width on batches of ``--batch``, real forward/backward work and buckets of
+DDP's default size. Each rank writes ``{out_dir}/rank{N}.json`` at the end.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import contextlib
 import json
 import os
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+import clusterwatch
 from clusterwatch.hook import TrainingMonitor
 
 
@@ -34,6 +39,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--compute-ms", type=float, default=5.0)
     parser.add_argument("--allreduce-bytes", type=int, default=1 << 20)
+    parser.add_argument("--mlp-width", type=int, default=0, help="a compute-bound MLP this wide (0: tiny)")
+    parser.add_argument("--mlp-depth", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument(
+        "--warmup-steps", type=int, default=0, help="left out of the step times and CPU written at the end"
+    )
     parser.add_argument("--slow-rank", type=int, default=-1, help="this rank's compute takes longer")
     parser.add_argument(
         "--slow-local-rank",
@@ -61,6 +72,25 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds of each of this process's threads so far, by name (Linux /proc; empty elsewhere).
+
+    Python threads go by their ``threading`` name, the main thread as "main",
+    others (gloo's, gRPC's) by the kernel's thread name. The kernel's schedstat
+    counts nanoseconds on the CPU.
+    """
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    names[threading.main_thread().native_id or -1] = "main"
+    cpu: dict[str, float] = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                task = Path("/proc/self/task", tid)
+                name = names.get(int(tid)) or (task / "comm").read_text().strip()
+                cpu[name] = cpu.get(name, 0.0) + int((task / "schedstat").read_text().split()[0]) / 1e9
+    return cpu
+
+
 def main() -> None:
     args = parse_args()
     monitor = (
@@ -69,7 +99,11 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)))
+    width = args.mlp_width or 64
+    layers: list[torch.nn.Module] = [torch.nn.Linear(width, width)]
+    for _ in range(args.mlp_depth - 1 if args.mlp_width else 0):
+        layers += [torch.nn.ReLU(), torch.nn.Linear(width, width)]
+    model = DistributedDataParallel(torch.nn.Sequential(*layers, torch.nn.Linear(width, 8)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     payload = torch.ones(args.allreduce_bytes // 4, dtype=torch.float32)
     saved: list[int] = []
@@ -108,7 +142,7 @@ def main() -> None:
         the same step: a rank that left the loop alone would leave its peers
         waiting in a collective it never joins.
         """
-        loss = model(torch.randn(32, 64)).square().mean()
+        loss = model(torch.randn(args.batch, width)).square().mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -128,15 +162,21 @@ def main() -> None:
     step = start
     step_times_s: list[float] = []
     cpu_started_s = time.process_time()
+    threads_started_s = thread_cpu_s()
     stop = False
     while not stop:
+        if step == start + args.warmup_steps:
+            step_times_s.clear()
+            cpu_started_s = time.process_time()
+            threads_started_s = thread_cpu_s()
         started_s = time.perf_counter()
-        with monitor.step(step, samples=32) if monitor is not None else contextlib.nullcontext():
+        with monitor.step(step, samples=args.batch) if monitor is not None else contextlib.nullcontext():
             stop = train_step(step)
         step_times_s.append(time.perf_counter() - started_s)
         step += 1
         stop = stop or (args.until_file is None and step >= start + args.steps)
     cpu_s = time.process_time() - cpu_started_s
+    threads_s = {name: cpu - threads_started_s.get(name, 0.0) for name, cpu in thread_cpu_s().items()}
 
     dist.barrier()
     result = {
@@ -150,6 +190,8 @@ def main() -> None:
         "step_time_median_s": statistics.median(step_times_s) if step_times_s else 0.0,
         "steps_timed": len(step_times_s),
         "cpu_s": cpu_s,
+        "thread_cpu_s": threads_s,
+        "clusterwatch_dir": os.path.dirname(clusterwatch.__file__),  # which tree the hook came from
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"rank{rank}.json").write_text(json.dumps(result))
