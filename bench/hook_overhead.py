@@ -60,8 +60,12 @@ WORKLOADS: dict[str, list[str]] = {
         "--compute-ms", "0", "--allreduce-bytes", "4",
         "--mlp-width", "1024", "--mlp-depth", "4", "--batch", "32",
     ],
+    "gpu": [
+        "--device", "cuda", "--compute-ms", "0", "--allreduce-bytes", "4",
+        "--mlp-width", "4096", "--mlp-depth", "8", "--batch", "512",
+    ],
 }  # fmt: skip
-DEFAULT_STEPS = {"sleep": 300, "compute": 120}
+DEFAULT_STEPS = {"sleep": 300, "compute": 120, "gpu": 300}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +181,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--workloads", default="sleep,compute", help="comma-separated: sleep, compute")
+    parser.add_argument("--workloads", default="sleep,compute", help="comma-separated: sleep, compute, gpu")
     parser.add_argument("--steps", type=int, help="timed steps per job (default: 300 sleep, 120 compute)")
     parser.add_argument("--warmup-steps", type=int, default=10, help="untimed steps first in every job")
     parser.add_argument("--nproc", type=int, default=4)

@@ -1,4 +1,4 @@
-"""A small DDP training job on gloo, for tests and benchmarks, run under torchrun.
+"""A small DDP training job on gloo (NCCL with ``--device cuda``), for tests and benchmarks, under torchrun.
 
 Each step: a forward/backward through a DDP model (gradient buckets),
 ``--compute-ms`` of simulated compute, and one explicit all-reduce of
@@ -69,6 +69,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", type=Path)
     parser.add_argument("--no-monitor", action="store_true")
     parser.add_argument("--heartbeat-s", type=float, default=0.2, help="short, so tests see beats soon")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per local rank"
+    )
     return parser.parse_args()
 
 
@@ -96,16 +99,21 @@ def main() -> None:
     monitor = (
         None if args.no_monitor else TrainingMonitor(job=args.job, heartbeat_interval_s=args.heartbeat_s)
     )
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     width = args.mlp_width or 64
     layers: list[torch.nn.Module] = [torch.nn.Linear(width, width)]
     for _ in range(args.mlp_depth - 1 if args.mlp_width else 0):
         layers += [torch.nn.ReLU(), torch.nn.Linear(width, width)]
-    model = DistributedDataParallel(torch.nn.Sequential(*layers, torch.nn.Linear(width, 8)))
+    model = DistributedDataParallel(torch.nn.Sequential(*layers, torch.nn.Linear(width, 8)).to(device))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    payload = torch.ones(args.allreduce_bytes // 4, dtype=torch.float32)
+    payload = torch.ones(args.allreduce_bytes // 4, dtype=torch.float32, device=device)
     saved: list[int] = []
     start = 0
     if monitor is not None:
@@ -142,7 +150,7 @@ def main() -> None:
         the same step: a rank that left the loop alone would leave its peers
         waiting in a collective it never joins.
         """
-        loss = model(torch.randn(args.batch, width)).square().mean()
+        loss = model(torch.randn(args.batch, width, device=device)).square().mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
