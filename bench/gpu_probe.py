@@ -4,8 +4,9 @@ Usage (on a machine with an NVIDIA GPU and driver; prints, writes nothing):
     python -m bench.gpu_probe [--load-s 2]
 
 1. ``NvmlBackend``: the driver version, one ``GpuSample`` per GPU (as sent to
-   the coordinator), the time a ``sample()`` takes (median of 20), the
-   topology it reads, and the query errors it counted (calls the GPU refused).
+   the coordinator), the time a ``sample()`` takes (median of 20) and which
+   NVML calls that time goes to, the topology it reads, and the query errors
+   it counted (calls the GPU refused).
 2. GPM (``nvmlGpmMetricsGet``, Hopper and later): whether the GPU supports it,
    and the metrics ML engineers read (SM activity and occupancy, tensor-core
    activity, DRAM bandwidth, PCIe/NVLink traffic) over ``--load-s`` seconds
@@ -17,9 +18,11 @@ Usage (on a machine with an NVIDIA GPU and driver; prints, writes nothing):
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pynvml
@@ -42,14 +45,42 @@ GPM_METRICS = {
 }
 
 
+class TimedNvml:
+    """pynvml, with the wall time of every ``nvml*`` call added up by function name."""
+
+    def __init__(self) -> None:
+        self.seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(pynvml, name)
+        if not (name.startswith("nvml") and callable(value)):
+            return value
+        return self._timed(name, value)
+
+    def _timed(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - started
+                self.calls[name] += 1
+
+        return timed
+
+
 def probe_backend() -> None:
-    backend = NvmlBackend()
+    nvml = TimedNvml()
+    backend = NvmlBackend(nvml=nvml)  # type: ignore[arg-type]  # a stand-in with pynvml's API
     try:
         print(f"driver {backend.driver_version()}")
         samples = backend.sample()
         for sample in samples:
             print(f"--- GpuSample {sample.index}\n{sample}")
         took_ms = []
+        nvml.seconds.clear()
+        nvml.calls.clear()
         for _ in range(20):
             started = time.perf_counter()
             backend.sample()
