@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import re
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
@@ -38,22 +37,14 @@ from typing import Any
 from cryptography import x509
 from cryptography.x509 import verification
 
+from clusterwatch.cert_terms import SCHEME, Role
 from clusterwatch.errors import ConfigError, PermissionDeniedError
 
-SCHEME = "clusterwatch"
 # Node ids and user names as certs.py allows them.
 _ROLE_URI = re.compile(r"clusterwatch://([a-z]+)/([A-Za-z0-9][A-Za-z0-9._-]{0,252})")
 PEM_CERT_PROPERTY = "x509_pem_cert"
 # Verified peers remembered (a verification costs ~0.1 ms; streams and calls repeat peers).
 VERIFIED_CACHE_SIZE = 4096
-
-
-class Role(enum.StrEnum):
-    """What a certificate's holder is; the value is the URI's host part."""
-
-    NODE = "node"
-    USER = "user"
-    COORDINATOR = "coordinator"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,11 +56,6 @@ class PeerIdentity:
 
     def __str__(self) -> str:
         return f"{self.role.value} {self.name!r}"
-
-
-def role_uri(role: Role, name: str) -> str:
-    """The URI SAN that makes a certificate ``role`` ``name``."""
-    return f"{SCHEME}://{role.value}/{name}"
 
 
 def identity_of(cert: x509.Certificate) -> PeerIdentity:

@@ -30,8 +30,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from clusterwatch.cert_terms import Role
 from clusterwatch.errors import ConfigError, PermissionDeniedError, UnauthenticatedError
-from clusterwatch.peer_identity import PeerIdentity, PeerVerifier, Role
+from clusterwatch.peer_identity import PeerIdentity, PeerVerifier
 
 logger = logging.getLogger(__name__)
 

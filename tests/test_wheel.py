@@ -1,17 +1,28 @@
-"""The built wheel installs into a fresh virtualenv and every module imports from it."""
+"""The built wheel installs into fresh virtualenvs: with every extra, every module imports from it;
+without extras (a training image's install) only grpcio and protobuf come, and a hooked torchrun
+job still reports to a real agent."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import subprocess
 import sys
+import tomllib
 import venv
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+from helpers import Cluster, ranks_of, start_node, wait_for
+
+from clusterwatch.cli import OPTIONAL_MODULES, PROCESS_EXTRAS
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "tests" / "hook_workers" / "train_ddp.py"
 
 # The framework callbacks need their framework (an extra); every other module,
 # the hook's included, imports without torch.
@@ -33,17 +44,22 @@ print("\\n".join(names))
 """
 
 
-def test_wheel_installs_in_a_fresh_venv_and_imports_every_module(tmp_path: Path) -> None:
-    dist = tmp_path / "dist"
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dist = tmp_path_factory.mktemp("dist")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(ROOT)],
-        check=True, cwd=tmp_path,
+        check=True, cwd=dist,
     )  # fmt: skip
-    (wheel,) = dist.glob("clusterwatch-*.whl")
+    (built,) = dist.glob("clusterwatch-*.whl")
+    return built
+
+
+def test_wheel_installs_in_a_fresh_venv_and_imports_every_module(tmp_path: Path, wheel: Path) -> None:
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
-    subprocess.run([python, "-m", "pip", "install", "-q", str(wheel)], check=True, cwd=tmp_path)
+    subprocess.run([python, "-m", "pip", "install", "-q", f"{wheel}[all]"], check=True, cwd=tmp_path)
     result = subprocess.run(
         [python, "-c", IMPORT_EVERYTHING], capture_output=True, text=True, check=True, cwd=tmp_path
     )
@@ -79,3 +95,66 @@ def _module_name(path: Path) -> str:
     if parts[0] != "clusterwatch":
         parts.insert(0, "clusterwatch")
     return ".".join(parts)
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503
+
+
+def _requirement_names(requirements: list[str]) -> set[str]:
+    return {_normalized(re.split(r"[\[<>=!~; ]", r, maxsplit=1)[0]) for r in requirements}
+
+
+def test_every_optional_module_comes_with_an_extra_and_not_with_the_hook() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = _requirement_names(project["dependencies"])
+    extras = {name: _requirement_names(reqs) for name, reqs in project["optional-dependencies"].items()}
+    assert extras.keys() >= PROCESS_EXTRAS
+    assert extras["all"] == {"clusterwatch"}  # clusterwatch[agent,coordinator,top]
+    in_process_extras = set().union(*(extras[name] for name in PROCESS_EXTRAS))
+    distributions = metadata.packages_distributions()
+    for module in OPTIONAL_MODULES:
+        (distribution,) = {_normalized(d) for d in distributions[module]}
+        assert distribution in in_process_extras, module
+        assert distribution not in base, module
+    assert base == {"grpcio", "protobuf"}  # the training hook's install
+
+
+def test_the_hook_alone_installs_without_the_daemons_dependencies_and_reports(
+    tmp_path: Path, wheel: Path, cluster: Cluster
+) -> None:
+    env_dir = tmp_path / "slim"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    pip = [python, "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "torch==2.13.0"], check=True, cwd=tmp_path)  # the image's own torch
+    subprocess.run([*pip, str(wheel)], check=True, cwd=tmp_path)
+    installed = subprocess.run(
+        [python, "-m", "pip", "list", "--format=json"], capture_output=True, text=True, check=True
+    ).stdout
+    names = {package["name"].lower() for package in json.loads(installed)}
+    for absent in ("textual", "cryptography", "py-spy", "psutil", "nvidia-ml-py", "prometheus-client"):
+        assert absent not in names
+    missing = subprocess.run(
+        [env_dir / "bin" / "clusterwatch", "agent", "--insecure", "--coordinator", "127.0.0.1:1"],
+        capture_output=True, text=True, check=False, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode == 1
+    assert "pip install 'clusterwatch[agent]'" in missing.stderr
+
+    coordinator, socket = start_node(cluster)  # from this checkout's environment
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CLUSTERWATCH_AGENT_SOCKET": str(socket)}
+    env.pop("PYTHONPATH", None)
+    job = subprocess.run(
+        [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TRAIN),
+         "--out-dir", str(out), "--job", "slim", "--steps", "30", "--compute-ms", "20"],
+        capture_output=True, text=True, check=False, timeout=300, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    for rank in (0, 1):
+        result = json.loads((out / f"rank{rank}.json").read_text())
+        assert result["clusterwatch_dir"].startswith(str(env_dir))  # the slim install's hook
+        assert result["connected"]
+        assert result["hook_errors_total"] == 0
+    wait_for(lambda: len(ranks_of(coordinator, "slim")) == 2 or None, 30, "both ranks at the coordinator")

@@ -24,6 +24,15 @@ from clusterwatch.cli import (
 from clusterwatch.errors import ConfigError
 
 EXIT_CONFIG_ERROR = 2
+EXIT_NOT_INSTALLED = 1
+
+OPTIONAL_MODULES = frozenset(
+    {"cryptography", "grpc_health", "grpc_reflection", "prometheus_client", "psutil", "pynvml", "textual"}
+)
+"""What only the daemons and ``top`` import. ``pip install clusterwatch`` alone is the training
+hook's install (grpcio and protobuf); pyproject.toml's extras add these: ``agent``,
+``coordinator``, ``top``, or ``all`` (tests/test_wheel.py checks the two agree)."""
+PROCESS_EXTRAS = frozenset({"agent", "coordinator", "top"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Watch multi-node PyTorch training: GPUs, hosts, fabric and ranks, live.",
     )
     parser.add_argument("--version", action="version", version=f"clusterwatch {__version__}")
-    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command", required=True)
     for module in (
         agent_cmd,
         coordinator_cmd,
@@ -59,3 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"clusterwatch: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except ModuleNotFoundError as exc:
+        module = (exc.name or "").partition(".")[0]
+        if module not in OPTIONAL_MODULES:
+            raise
+        extra = args.command if args.command in PROCESS_EXTRAS else "all"
+        print(
+            f"clusterwatch {args.command}: needs {module}, which this install does not have (plain "
+            f"`pip install clusterwatch` is the training hook's): pip install 'clusterwatch[{extra}]'",
+            file=sys.stderr,
+        )
+        return EXIT_NOT_INSTALLED

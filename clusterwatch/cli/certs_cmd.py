@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from clusterwatch import certs
-from clusterwatch.peer_identity import Role
+from clusterwatch.cert_terms import CA_DAYS, LEAF_DAYS, Role
+
+if TYPE_CHECKING:
+    from clusterwatch.certs import WrittenFiles
 
 DEFAULT_DIR = Path("clusterwatch-certs")
 PKI_REMINDER = (
@@ -43,9 +46,7 @@ def _add_init(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "nodes: whoever holds it can mint certificates the coordinator trusts.",
     )
     _add_dir(parser)
-    parser.add_argument(
-        "--days", type=int, default=certs.CA_DAYS, help=f"days the CA is valid (default {certs.CA_DAYS})"
-    )
+    parser.add_argument("--days", type=int, default=CA_DAYS, help=f"days the CA is valid (default {CA_DAYS})")
     parser.add_argument(
         "--force",
         action="store_true",
@@ -82,8 +83,8 @@ def _add_issue(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     parser.add_argument(
         "--days",
         type=int,
-        default=certs.LEAF_DAYS,
-        help=f"days the certificate is valid, at most as long as the CA (default {certs.LEAF_DAYS})",
+        default=LEAF_DAYS,
+        help=f"days the certificate is valid, at most as long as the CA (default {LEAF_DAYS})",
     )
     parser.add_argument("--force", action="store_true", help="replace an existing NAME.crt and NAME.key")
     parser.set_defaults(run=run_issue)
@@ -99,6 +100,8 @@ def _add_dir(parser: argparse.ArgumentParser) -> None:
 
 
 def run_init(args: argparse.Namespace) -> int:
+    from clusterwatch import certs  # needs cryptography (the coordinator extra)
+
     written = certs.create_ca(args.dir, days=args.days, force=args.force)
     print(f"wrote {written.cert_path} (CA certificate, valid until {_date(written)})")
     print(f"wrote {written.key_path} (CA private key, mode 0600: keep it off the nodes)")
@@ -110,6 +113,8 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def run_issue(args: argparse.Namespace) -> int:
+    from clusterwatch import certs  # needs cryptography (the coordinator extra)
+
     written = certs.issue(
         args.dir, args.name, role=Role(args.role), extra_sans=args.san, days=args.days, force=args.force
     )
@@ -122,5 +127,5 @@ def run_issue(args: argparse.Namespace) -> int:
     return 0
 
 
-def _date(written: certs.WrittenFiles) -> str:
+def _date(written: WrittenFiles) -> str:
     return written.not_after.strftime("%Y-%m-%d %H:%M UTC")
