@@ -72,6 +72,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per local rank"
     )
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="profile this many steps after the warm-up (torch.profiler); rank 0 writes the table to "
+        "{out_dir}/profile.txt",
+    )
     return parser.parse_args()
 
 
@@ -172,7 +179,21 @@ def main() -> None:
     cpu_started_s = time.process_time()
     threads_started_s = thread_cpu_s()
     stop = False
+    profiler = None
     while not stop:
+        if args.profile_steps and step == start + args.warmup_steps:
+            profiler = torch.profiler.profile(record_shapes=False)
+            profiler.__enter__()
+        if profiler is not None and step == start + args.warmup_steps + args.profile_steps:
+            profiler.__exit__(None, None, None)
+            if rank == 0:
+                sort_keys = ["self_cpu_time_total"] + (
+                    ["self_device_time_total"] if device.type == "cuda" else []
+                )
+                tables = [profiler.key_averages().table(sort_by=key, row_limit=25) for key in sort_keys]
+                args.out_dir.mkdir(parents=True, exist_ok=True)
+                (args.out_dir / "profile.txt").write_text(f"{args.profile_steps} steps\n" + "\n".join(tables))
+            profiler = None
         if step == start + args.warmup_steps:
             step_times_s.clear()
             cpu_started_s = time.process_time()
