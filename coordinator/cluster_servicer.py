@@ -21,6 +21,7 @@ from clusterwatch.coordinator.job_views import job_status, job_view, training_vi
 from clusterwatch.coordinator.state import Event, EventKind
 from clusterwatch.coordinator.topology_views import cluster_topology
 from clusterwatch.coordinator.views import node_status, node_views
+from clusterwatch.coordinator.watchdog import Watchdog
 from clusterwatch.errors import ClusterwatchError, InvalidRequestError
 from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
 
@@ -39,9 +40,14 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
     """Reads are open; actions need an admin credential (see coordinator/access.py) and are recorded."""
 
     def __init__(
-        self, coordinator: Coordinator, actions: Actions, access: AccessPolicy | None = None
+        self,
+        coordinator: Coordinator,
+        watchdog: Watchdog,
+        actions: Actions,
+        access: AccessPolicy | None = None,
     ) -> None:
         self._core = coordinator
+        self._watchdog = watchdog
         self._actions = actions
         self._access = access or AccessPolicy({}, ())
 
@@ -63,14 +69,14 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         """Nodes and jobs now; jobs are small, so summaries keep them whole."""
         core = self._core
         training = training_view(
-            core.jobs, core.checkpoints, core.now()[0], core.watchdog.detection.slowdown_ratios
+            core.jobs, core.checkpoints, core.now()[0], self._watchdog.detection.slowdown_ratios
         )
         return cluster_pb2.ClusterSnapshot(
             timestamp_unix_seconds=time.time(),
             coordinator_version=__version__,
             nodes=[node_status(v, summary_only) for v in node_views(core.state)],
             jobs=[job_status(job) for job in training.jobs],
-            incidents=[i.to_proto() for i in core.watchdog.book.live()],
+            incidents=[i.to_proto() for i in self._watchdog.book.live()],
         )
 
     async def GetSnapshot(  # noqa: N802 - gRPC method name
@@ -115,7 +121,7 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         if request.include_resolved:  # history lives in the database
             incidents = self._core.event_log.incidents(True, request.job, limit)
         else:
-            live = self._core.watchdog.book.live()
+            live = self._watchdog.book.live()
             incidents = [i for i in live if not request.job or i.job == request.job][-limit:]
         return cluster_pb2.ListIncidentsResponse(incidents=[i.to_proto() for i in incidents])
 
@@ -132,12 +138,12 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         self._authorize(
             context, f"incident {request.id} -> {cluster_pb2.IncidentState.Name(request.state).lower()}"
         )
-        return self._core.watchdog.move(request.id, IncidentState.from_proto(request.state)).to_proto()
+        return self._watchdog.move(request.id, IncidentState.from_proto(request.state)).to_proto()
 
     async def GetDetectionSettings(  # noqa: N802
         self, request: cluster_pb2.GetDetectionSettingsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.DetectionSettings:
-        return cluster_pb2.DetectionSettings(values=config.as_strings(self._core.watchdog.settings))
+        return cluster_pb2.DetectionSettings(values=config.as_strings(self._watchdog.settings))
 
     async def UpdateDetectionSettings(  # noqa: N802
         self, request: cluster_pb2.UpdateDetectionSettingsRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -147,7 +153,7 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         self._authorize(
             context, "detection settings " + ", ".join(f"{k}={v}" for k, v in sorted(changes.items()))
         )
-        settings = self._core.watchdog.update_settings(changes)
+        settings = self._watchdog.update_settings(changes)
         return cluster_pb2.DetectionSettings(values=config.as_strings(settings))
 
     async def ListActions(  # noqa: N802
@@ -174,7 +180,7 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         core = self._core
         core.begin_job(request.job, request.labels, request.nodes)
         view = job_view(
-            core.jobs, core.checkpoints, request.job, core.now()[0], core.watchdog.detection.slowdown_ratios
+            core.jobs, core.checkpoints, request.job, core.now()[0], self._watchdog.detection.slowdown_ratios
         )
         assert view is not None  # noqa: S101 - registered just now, on this thread
         return job_status(view)

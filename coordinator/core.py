@@ -1,7 +1,9 @@
 """The coordinator's domain object: state, jobs, checkpoints, history, sessions and liveness together.
 
 Servicers call into it; it owns no network code. Every method runs on the
-event loop's thread.
+event loop's thread. It builds no detector: the composition root
+(coordinator/wiring.py) hands it the watchdog, which it only tells when a job
+ends or is dropped, so ingest and state sit below detection.
 """
 
 from __future__ import annotations
@@ -9,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import NamedTuple
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple, Protocol
 
-from clusterwatch.config import DetectionSettings
 from clusterwatch.coordinator.admission import Admission
 from clusterwatch.coordinator.checkpoints import CheckpointTracker, CompletedCheckpoint
 from clusterwatch.coordinator.event_log import EventLog
+from clusterwatch.coordinator.incidents import Incident
 from clusterwatch.coordinator.jobs import JobRecord, JobStore, Rejection
 from clusterwatch.coordinator.rank_reports import RejectReason
 from clusterwatch.coordinator.report_checks import (
@@ -26,7 +28,6 @@ from clusterwatch.coordinator.report_checks import (
 )
 from clusterwatch.coordinator.sessions import ACK_INTERVAL_S, AgentSession
 from clusterwatch.coordinator.state import ClusterState, Event, EventKind
-from clusterwatch.coordinator.watchdog import Watchdog
 from clusterwatch.errors import ResourceExhaustedError
 from clusterwatch.v1 import agent_pb2, node_pb2, training_pb2
 
@@ -43,6 +44,21 @@ RATE_LIMITED = "rate_limited"
 # something this many intervals ago or less is a second agent with the same
 # node id (a restarted agent's old stream ends when its process does).
 DUPLICATE_WINDOW_INTERVALS = 2.0
+
+SendCommand = Callable[[str, agent_pb2.Command, float], Awaitable[agent_pb2.CommandResult]]
+"""Coordinator.send_command: a command to a connected agent, and its result."""
+
+
+class JobWatch(Protocol):
+    """What the coordinator needs of the watchdog (coordinator/watchdog.py): to hear of jobs that go."""
+
+    def end_job(self, job: str, note: str) -> Sequence[Incident]:
+        """Resolve the job's incidents with ``note``; return those resolved."""
+        ...
+
+    def forget(self, job: str) -> None:
+        """Drop what is kept about a job the store dropped."""
+        ...
 
 
 class JobEnd(NamedTuple):
@@ -66,8 +82,9 @@ class Coordinator:
         event_log: where events and the node registry persist.
         unreachable_after_intervals: missed intervals before a node is unreachable.
         clock / wall_clock: injectable monotonic and wall clocks.
+        watchdog: builds the watchdog from this coordinator's ``send_command``
+            (coordinator/wiring.py); it is told when a job ends or is dropped.
         jobs: the job store (defaults to JobStore()).
-        detection: detection thresholds (defaults to DetectionSettings()).
     """
 
     def __init__(
@@ -77,8 +94,8 @@ class Coordinator:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        watchdog: Callable[[SendCommand], JobWatch],
         jobs: JobStore | None = None,
-        detection: DetectionSettings | None = None,
     ) -> None:
         self.state = ClusterState(unreachable_after_intervals)
         self.event_log = event_log
@@ -90,9 +107,7 @@ class Coordinator:
         self.checkpoints = CheckpointTracker(
             event_log.latest_checkpoints(self.started_unix_s - CHECKPOINT_RETENTION_S)
         )
-        self.watchdog = Watchdog(
-            detection or DetectionSettings(), event_log, self.send_command, clock, wall_clock
-        )
+        self.watchdog = watchdog(self.send_command)
         # (node, reason) pairs already logged at warning level: one line each, then debug.
         self._rejections_logged: set[tuple[str, str]] = set()
         # Penalties after invalid input and each node's report rate (see coordinator/admission.py).
@@ -324,13 +339,6 @@ class Coordinator:
             self.watchdog.forget(job)
             logger.info("job %s dropped: finished or silent", job)
         return dropped
-
-    async def watch_incidents(self) -> None:
-        """Detection rounds forever (cancel to stop); see Watchdog."""
-        try:
-            await self.watchdog.run(lambda: self.jobs.jobs, self.state.nodes)
-        finally:
-            await self.watchdog.close()
 
     async def tick_acks(self, period_s: float = ACK_INTERVAL_S) -> None:
         """Wake every stream with an ack due, forever (cancel to stop).

@@ -17,6 +17,7 @@ from clusterwatch.coordinator.job_views import job_status, job_view, training_vi
 from clusterwatch.coordinator.jobs import JobStore
 from clusterwatch.coordinator.rank_reports import RejectReason
 from clusterwatch.coordinator.training_metrics import write_training
+from clusterwatch.coordinator.wiring import build_core
 from clusterwatch.promtext import Exposition
 from clusterwatch.v1 import agent_pb2, cluster_pb2, node_pb2, training_pb2
 
@@ -42,7 +43,9 @@ def clock() -> Clock:
 
 @pytest.fixture
 def core(tmp_path: Path, clock: Clock) -> Iterator[Coordinator]:
-    coordinator = Coordinator(EventLog(tmp_path), clock=lambda: clock.mono_s, wall_clock=clock.wall)
+    coordinator = build_core(
+        EventLog(tmp_path), clock=lambda: clock.mono_s, wall_clock=clock.wall
+    ).coordinator
     yield coordinator
     coordinator.event_log.close()
 
