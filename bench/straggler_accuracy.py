@@ -37,8 +37,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from clusterwatch.coordinator.jobs import RUNNING, JobRecord, RankRecord
-from clusterwatch.coordinator.step_ring import StepColumns, StepRing
+from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord, RankRecord
+from clusterwatch.coordinator.model.step_ring import StepColumns, StepRing
 from clusterwatch.coordinator.stragglers import StragglerDetector, StragglerSettings
 from clusterwatch.v1 import training_pb2
 

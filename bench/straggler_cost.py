@@ -24,8 +24,8 @@ import statistics
 import sys
 import time
 
-from clusterwatch.coordinator.jobs import RUNNING, JobRecord, RankRecord
-from clusterwatch.coordinator.step_ring import StepColumns, StepRing
+from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord, RankRecord
+from clusterwatch.coordinator.model.step_ring import StepColumns, StepRing
 from clusterwatch.coordinator.stragglers import StragglerDetector
 from clusterwatch.v1 import training_pb2
 

@@ -30,8 +30,8 @@ import sys
 import tomllib
 
 from bench.straggler_latency import ONSET_STEP, percentile, scenario_text
-from clusterwatch.coordinator.jobs import RUNNING, JobRecord, RankRecord
-from clusterwatch.coordinator.step_ring import StepColumns, StepRing
+from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord, RankRecord
+from clusterwatch.coordinator.model.step_ring import StepColumns, StepRing
 from clusterwatch.coordinator.stragglers import StragglerDetector, StragglerSettings
 from clusterwatch.sim.ranks import JobModel, Step
 from clusterwatch.sim.scenario import parse_scenario

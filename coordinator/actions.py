@@ -3,7 +3,7 @@
 A checkpoint request picks the step every rank should save at and relays
 ``CheckpointCommand(job, step)`` to every node hosting a running rank of the
 job; each agent passes it on to its local ranks, whose results come back in
-later node reports (see coordinator/checkpoints.py). The answer says which
+later node reports (see coordinator/model/checkpoints.py). The answer says which
 nodes relayed it, not whether the ranks saved: that shows up as the job's
 latest complete checkpoint.
 """
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from clusterwatch.coordinator.core import Coordinator
-from clusterwatch.coordinator.jobs import JobRecord
+from clusterwatch.coordinator.model.jobs import JobRecord
 from clusterwatch.errors import (
     FailedPreconditionError,
     InvalidRequestError,

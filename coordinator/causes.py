@@ -46,7 +46,7 @@ whole.
 Missing data is normal (an unset optional field, a CPU rank, a node without a
 previous report or without InfiniBand): the rule that needs it is skipped.
 Counter rates come from ``NodeRecord.previous`` -> ``NodeRecord.report`` by
-the one per-device rule (coordinator/rates.py).
+the one per-device rule (coordinator/model/rates.py).
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ import statistics
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Literal, NamedTuple, TypeVar
 
-from clusterwatch.coordinator.jobs import JobRecord, RankRecord
-from clusterwatch.coordinator.rates import counter_rate, nic_key, port_key
-from clusterwatch.coordinator.state import NodeRecord
+from clusterwatch.coordinator.model.jobs import JobRecord, RankRecord
+from clusterwatch.coordinator.model.rates import counter_rate, nic_key, port_key
+from clusterwatch.coordinator.model.state import NodeRecord
 from clusterwatch.coordinator.topology_advice import Placement, place
 from clusterwatch.errors import ConfigError
 from clusterwatch.gpu_reasons import CLOCK_EVENT_REASONS

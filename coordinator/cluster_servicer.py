@@ -15,10 +15,10 @@ from clusterwatch.coordinator import request_checks
 from clusterwatch.coordinator.access import AccessPolicy
 from clusterwatch.coordinator.actions import Actions
 from clusterwatch.coordinator.core import Coordinator
-from clusterwatch.coordinator.incidents import IncidentState
 from clusterwatch.coordinator.job_requests import check_begin, check_end
 from clusterwatch.coordinator.job_views import job_status, job_view, training_view
-from clusterwatch.coordinator.state import Event, EventKind
+from clusterwatch.coordinator.model.incidents import IncidentState
+from clusterwatch.coordinator.model.state import Event, EventKind
 from clusterwatch.coordinator.topology_views import cluster_topology
 from clusterwatch.coordinator.views import node_status, node_views
 from clusterwatch.coordinator.watchdog import Watchdog

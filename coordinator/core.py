@@ -15,11 +15,12 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 from clusterwatch.coordinator.admission import Admission
-from clusterwatch.coordinator.checkpoints import CheckpointTracker, CompletedCheckpoint
-from clusterwatch.coordinator.event_log import EventLog
-from clusterwatch.coordinator.incidents import Incident
-from clusterwatch.coordinator.jobs import JobRecord, JobStore, Rejection
-from clusterwatch.coordinator.rank_reports import RejectReason
+from clusterwatch.coordinator.model.checkpoints import CheckpointTracker, CompletedCheckpoint
+from clusterwatch.coordinator.model.event_log import EventLog
+from clusterwatch.coordinator.model.incidents import Incident
+from clusterwatch.coordinator.model.jobs import JobRecord, JobStore, Rejection
+from clusterwatch.coordinator.model.rank_reports import RejectReason
+from clusterwatch.coordinator.model.state import ClusterState, Event, EventKind
 from clusterwatch.coordinator.report_checks import (
     ReportCheckError,
     ReportProblem,
@@ -27,7 +28,6 @@ from clusterwatch.coordinator.report_checks import (
     check_report,
 )
 from clusterwatch.coordinator.sessions import ACK_INTERVAL_S, AgentSession
-from clusterwatch.coordinator.state import ClusterState, Event, EventKind
 from clusterwatch.errors import ResourceExhaustedError
 from clusterwatch.v1 import agent_pb2, node_pb2, training_pb2
 

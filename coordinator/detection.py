@@ -24,11 +24,11 @@ from clusterwatch.config import DetectionSettings
 from clusterwatch.coordinator.causes import Cause, network_cause, straggler_cause
 from clusterwatch.coordinator.failures import NodeFailureDetector, rank_failure
 from clusterwatch.coordinator.hangs import HangFinding, HangSettings, detect_hang
-from clusterwatch.coordinator.incidents import Finding, Kind, Severity
-from clusterwatch.coordinator.jobs import RUNNING, JobRecord
+from clusterwatch.coordinator.model.incidents import Finding, Kind, Severity
+from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord
+from clusterwatch.coordinator.model.state import NodeRecord, NodeState
 from clusterwatch.coordinator.orphans import orphaned_ranks
 from clusterwatch.coordinator.slowdowns import SlowdownDetector, SlowdownFinding, SlowdownSettings
-from clusterwatch.coordinator.state import NodeRecord, NodeState
 from clusterwatch.coordinator.stragglers import StragglerDetector, StragglerFinding, StragglerSettings
 
 

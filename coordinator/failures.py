@@ -2,7 +2,7 @@
 
 Pure domain code over the job store and the cluster state; the detection
 round (coordinator/detection.py) calls it and the incident book de-duplicates
-(coordinator/incidents.py). Conditions (a node unreachable, a GPU missing, a
+(coordinator/model/incidents.py). Conditions (a node unreachable, a GPU missing, a
 port down) are findings while they hold; events (an XID, an error-counter
 jump) are latched findings whose ``latch_value`` is the counter.
 
@@ -23,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 import signal
 
-from clusterwatch.coordinator.incidents import Finding, Kind, Severity
-from clusterwatch.coordinator.jobs import EXITED, RUNNING, JobRecord, RankRecord
 from clusterwatch.coordinator.mismatch import find_mismatches, position
-from clusterwatch.coordinator.state import NodeRecord, NodeState
+from clusterwatch.coordinator.model.incidents import Finding, Kind, Severity
+from clusterwatch.coordinator.model.jobs import EXITED, RUNNING, JobRecord, RankRecord
+from clusterwatch.coordinator.model.state import NodeRecord, NodeState
 from clusterwatch.v1 import node_pb2
 
 # Signals a launcher uses to tear a worker group down after one worker failed:

@@ -50,8 +50,8 @@ import enum
 import math
 from collections.abc import Collection
 
-from clusterwatch.coordinator.jobs import JobRecord, RankRecord
 from clusterwatch.coordinator.mismatch import Mismatch, find_mismatches, group_sizes, position
+from clusterwatch.coordinator.model.jobs import JobRecord, RankRecord
 from clusterwatch.v1 import training_pb2
 
 # Ranks whose step times the p99 is taken over (see timeout_s).

@@ -7,8 +7,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 
 from clusterwatch.coordinator.causes import CauseName
-from clusterwatch.coordinator.incidents import Incident, Kind, Severity
-from clusterwatch.coordinator.jobs import JobRecord
+from clusterwatch.coordinator.model.incidents import Incident, Kind, Severity
+from clusterwatch.coordinator.model.jobs import JobRecord
 from clusterwatch.coordinator.watchdog import DetectedCounts, Watchdog
 from clusterwatch.promtext import Exposition, counter, escape, gauge
 

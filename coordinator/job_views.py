@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
-from clusterwatch.coordinator.checkpoints import CheckpointTracker, LatestCheckpoint
-from clusterwatch.coordinator.jobs import EXITED, CollectiveTotals, JobRecord, JobStore, RankRecord
-from clusterwatch.coordinator.rank_reports import LastStep
+from clusterwatch.coordinator.model.checkpoints import CheckpointTracker, LatestCheckpoint
+from clusterwatch.coordinator.model.jobs import EXITED, CollectiveTotals, JobRecord, JobStore, RankRecord
+from clusterwatch.coordinator.model.rank_reports import LastStep
 from clusterwatch.v1 import cluster_pb2, training_pb2
 
 
@@ -46,7 +46,7 @@ class JobView:
             rank's save time, where known).
         checkpoint_results_total: per-rank results received per outcome ("ok", "failed").
         checkpoints_total: checkpoints (steps) per outcome ("complete", "failed",
-            "incomplete"; see coordinator/checkpoints.py); outcomes not seen yet are absent.
+            "incomplete"; see coordinator/model/checkpoints.py); outcomes not seen yet are absent.
         labels: registration's and the ranks' (JobRecord.labels).
         nodes: registered nodes and nodes hosting its ranks, sorted.
         phase: starting (no rank yet), running, finished (every rank exited).

@@ -6,9 +6,9 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from clusterwatch import __version__
-from clusterwatch.coordinator.event_log import StateHealth
 from clusterwatch.coordinator.incident_metrics import IncidentView, write_incidents
 from clusterwatch.coordinator.job_views import TrainingView
+from clusterwatch.coordinator.model.event_log import StateHealth
 from clusterwatch.coordinator.recovery_metrics import RecoveryView, write_recovery
 from clusterwatch.coordinator.training_metrics import write_training
 from clusterwatch.coordinator.views import NodeView

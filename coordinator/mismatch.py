@@ -51,7 +51,7 @@ import collections
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
-from clusterwatch.coordinator.jobs import RUNNING, RankRecord
+from clusterwatch.coordinator.model.jobs import RUNNING, RankRecord
 from clusterwatch.humanize import collective as describe
 from clusterwatch.v1 import training_pb2
 

@@ -11,8 +11,8 @@ how it ended. Pure: a function of one job's records.
 
 from __future__ import annotations
 
-from clusterwatch.coordinator.incidents import Finding, Kind, Severity
-from clusterwatch.coordinator.jobs import EXITED, JobRecord, RankRecord
+from clusterwatch.coordinator.model.incidents import Finding, Kind, Severity
+from clusterwatch.coordinator.model.jobs import EXITED, JobRecord, RankRecord
 
 
 def orphaned_ranks(job: JobRecord) -> Finding | None:

@@ -30,7 +30,7 @@ import dataclasses
 from collections.abc import Collection
 
 from clusterwatch.config import RecoverySettings
-from clusterwatch.coordinator.incidents import Incident, Kind, Severity
+from clusterwatch.coordinator.model.incidents import Incident, Kind, Severity
 from clusterwatch.recovery_names import (
     ALERT,
     CHECKPOINT,

@@ -53,9 +53,6 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from clusterwatch import config
 from clusterwatch.config import RecoverySettings
 from clusterwatch.coordinator.background import BackgroundTasks, every
-from clusterwatch.coordinator.event_log import EventLog
-from clusterwatch.coordinator.incidents import Incident, IncidentState, Kind
-from clusterwatch.coordinator.jobs import RUNNING, JobRecord, RankConflict
 from clusterwatch.coordinator.launchers import (
     STOP_ANSWER_MARGIN_S,
     Launcher,
@@ -63,6 +60,9 @@ from clusterwatch.coordinator.launchers import (
     stop_on_node,
     summarise_stops,
 )
+from clusterwatch.coordinator.model.event_log import EventLog
+from clusterwatch.coordinator.model.incidents import Incident, IncidentState, Kind
+from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord, RankConflict
 from clusterwatch.coordinator.orphans import orphan_pids
 from clusterwatch.coordinator.policy import HOUR_S, Decision, Policy, checkpoints_first, exclusion_blocker
 from clusterwatch.coordinator.watchdog import Watchdog

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from clusterwatch.coordinator.incidents import Kind
+from clusterwatch.coordinator.model.incidents import Kind
 from clusterwatch.coordinator.recovery import REQUESTED, RecoveryCounts
 from clusterwatch.promtext import Exposition, counter, escape, gauge
 

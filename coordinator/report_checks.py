@@ -18,7 +18,7 @@ Rules, worked out once per message type from its descriptor (a *plan*):
 * a rank names its job and instance and ``rank < world_size``.
 
 A RankReport's steps and collectives are counted here but not read: the job
-store validates them as it reads them (coordinator/rank_reports.py), and a bad
+store validates them as it reads them (coordinator/model/rank_reports.py), and a bad
 one costs that rank's report only, not the node's. Rank timestamps come from
 the training host's clock and only order that rank's own events, so they are
 only required to be finite and >= 0, not near the coordinator's clock.

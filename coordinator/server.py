@@ -28,7 +28,6 @@ from clusterwatch.coordinator.actions import Actions
 from clusterwatch.coordinator.agent_servicer import AgentServicer
 from clusterwatch.coordinator.cluster_servicer import ClusterServicer
 from clusterwatch.coordinator.errors_interceptor import ErrorMappingInterceptor
-from clusterwatch.coordinator.event_log import EventLog, StateHealth
 from clusterwatch.coordinator.incident_metrics import IncidentView, incident_view
 from clusterwatch.coordinator.job_views import TrainingView, training_view
 from clusterwatch.coordinator.launchers import (
@@ -39,6 +38,7 @@ from clusterwatch.coordinator.launchers import (
     parse_slurm_job_ids,
 )
 from clusterwatch.coordinator.metrics import render
+from clusterwatch.coordinator.model.event_log import EventLog, StateHealth
 from clusterwatch.coordinator.recovery import Recovery
 from clusterwatch.coordinator.recovery_metrics import RecoveryView, recovery_view
 from clusterwatch.coordinator.views import NodeView, node_views

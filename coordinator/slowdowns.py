@@ -68,8 +68,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
-from clusterwatch.coordinator.jobs import RUNNING, JobRecord
-from clusterwatch.coordinator.step_ring import StepRing
+from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord
+from clusterwatch.coordinator.model.step_ring import StepRing
 from clusterwatch.errors import ConfigError
 
 Bound = Literal["compute", "communication"]

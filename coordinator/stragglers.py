@@ -123,8 +123,8 @@ import math
 from array import array
 from collections.abc import Sequence
 
-from clusterwatch.coordinator.jobs import RUNNING, JobRecord, RankRecord
-from clusterwatch.coordinator.step_ring import StepRing
+from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord, RankRecord
+from clusterwatch.coordinator.model.step_ring import StepRing
 from clusterwatch.errors import ConfigError
 from clusterwatch.v1 import training_pb2
 

@@ -30,8 +30,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 
 from clusterwatch import topology
-from clusterwatch.coordinator.jobs import JobRecord, RankRecord
-from clusterwatch.coordinator.state import NodeRecord
+from clusterwatch.coordinator.model.jobs import JobRecord, RankRecord
+from clusterwatch.coordinator.model.state import NodeRecord
 from clusterwatch.humanize import bandwidth
 from clusterwatch.v1 import cluster_pb2, node_pb2, training_pb2
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from clusterwatch.coordinator.rates import infiniband_rates, network_rates
-from clusterwatch.coordinator.state import ClusterState, NodeRecord
+from clusterwatch.coordinator.model.rates import infiniband_rates, network_rates
+from clusterwatch.coordinator.model.state import ClusterState, NodeRecord
 from clusterwatch.topology import Wiring
 from clusterwatch.v1 import cluster_pb2, node_pb2
 

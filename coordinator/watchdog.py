@@ -2,7 +2,7 @@
 
 Each round (every ``period_s``): the detectors turn the job store and the
 cluster state into findings (coordinator/detection.py), the incident book
-opens, updates and resolves incidents (coordinator/incidents.py), changed
+opens, updates and resolves incidents (coordinator/model/incidents.py), changed
 incidents are persisted, counted for /metrics and logged, and a hang with
 new culprits sends the agents a diagnose command (coordinator/diagnosis.py)
 whose answer is attached to the incident when it arrives. Each round also
@@ -25,10 +25,10 @@ from clusterwatch.config import DetectionSettings
 from clusterwatch.coordinator.background import BackgroundTasks, every
 from clusterwatch.coordinator.detection import Detection
 from clusterwatch.coordinator.diagnosis import SAID_OF_STATE, SendCommand, cause_from, diagnose
-from clusterwatch.coordinator.event_log import EventLog
-from clusterwatch.coordinator.incidents import Change, Incident, IncidentBook, IncidentState, Kind
-from clusterwatch.coordinator.jobs import EXITED, RUNNING, JobRecord
-from clusterwatch.coordinator.state import NodeRecord
+from clusterwatch.coordinator.model.event_log import EventLog
+from clusterwatch.coordinator.model.incidents import Change, Incident, IncidentBook, IncidentState, Kind
+from clusterwatch.coordinator.model.jobs import EXITED, RUNNING, JobRecord
+from clusterwatch.coordinator.model.state import NodeRecord
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 from clusterwatch.config import DetectionSettings
 from clusterwatch.coordinator.core import Coordinator, SendCommand
-from clusterwatch.coordinator.event_log import EventLog
-from clusterwatch.coordinator.jobs import JobStore
+from clusterwatch.coordinator.model.event_log import EventLog
+from clusterwatch.coordinator.model.jobs import JobStore
 from clusterwatch.coordinator.watchdog import Watchdog
 
 

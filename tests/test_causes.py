@@ -15,8 +15,8 @@ from clusterwatch.coordinator.causes import (
     network_cause,
     straggler_cause,
 )
-from clusterwatch.coordinator.jobs import JobRecord, JobStore
-from clusterwatch.coordinator.state import ClusterState, NodeRecord
+from clusterwatch.coordinator.model.jobs import JobRecord, JobStore
+from clusterwatch.coordinator.model.state import ClusterState, NodeRecord
 from clusterwatch.errors import ConfigError
 from clusterwatch.v1 import agent_pb2, node_pb2
 

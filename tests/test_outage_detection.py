@@ -10,9 +10,9 @@ from training_builders import rank_report, step
 from clusterwatch.config import DetectionSettings
 from clusterwatch.coordinator.detection import Detection
 from clusterwatch.coordinator.hangs import CulpritReason, HangSettings, detect_hang
-from clusterwatch.coordinator.incidents import Finding, Kind, Severity
-from clusterwatch.coordinator.jobs import JobStore
-from clusterwatch.coordinator.state import NodeRecord, NodeState
+from clusterwatch.coordinator.model.incidents import Finding, Kind, Severity
+from clusterwatch.coordinator.model.jobs import JobStore
+from clusterwatch.coordinator.model.state import NodeRecord, NodeState
 from clusterwatch.v1 import training_pb2
 
 pytestmark = pytest.mark.timeout(30)

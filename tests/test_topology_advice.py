@@ -11,8 +11,8 @@ from training_builders import T0, rank_report
 
 from bench.synthetic import hgx_topology
 from clusterwatch.coordinator.causes import CauseName, straggler_cause
-from clusterwatch.coordinator.jobs import JobRecord, JobStore
-from clusterwatch.coordinator.state import NodeRecord
+from clusterwatch.coordinator.model.jobs import JobRecord, JobStore
+from clusterwatch.coordinator.model.state import NodeRecord
 from clusterwatch.coordinator.topology_advice import GroupRole, group_role, job_findings, job_placements
 from clusterwatch.v1 import node_pb2, training_pb2
 

@@ -59,7 +59,7 @@ import operator
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from clusterwatch.coordinator.rank_reports import (
+from clusterwatch.coordinator.model.rank_reports import (
     DURATION_BUCKETS,
     CollectiveBatch,
     LastStep,
@@ -68,7 +68,7 @@ from clusterwatch.coordinator.rank_reports import (
     RejectReason,
     parse_rank_report,
 )
-from clusterwatch.coordinator.step_ring import StepRing
+from clusterwatch.coordinator.model.step_ring import StepRing
 from clusterwatch.job_labels import labels_problem
 from clusterwatch.v1 import training_pb2
 

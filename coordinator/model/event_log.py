@@ -31,12 +31,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
-from clusterwatch.coordinator.checkpoints import CompletedCheckpoint, LatestCheckpoint
-from clusterwatch.coordinator.incidents import Incident, IncidentState, Kind, Severity
-from clusterwatch.coordinator.state import Event
+from clusterwatch.coordinator.model.checkpoints import CompletedCheckpoint, LatestCheckpoint
+from clusterwatch.coordinator.model.incidents import Incident, IncidentState, Kind, Severity
+from clusterwatch.coordinator.model.state import Event
 from clusterwatch.v1 import cluster_pb2
 
-logger = logging.getLogger(__name__)
+# The name it had before the coordinator had rooms: tests and operators filter on it.
+logger = logging.getLogger("clusterwatch.coordinator.event_log")
 
 # 2: checkpoints table; 3: incidents table; 4: actions table. Older databases
 # gain them on open (CREATE IF NOT EXISTS).

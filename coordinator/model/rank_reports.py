@@ -27,7 +27,7 @@ from operator import attrgetter
 from typing import NamedTuple
 
 from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S, bus_factor
-from clusterwatch.coordinator.step_ring import StepColumns
+from clusterwatch.coordinator.model.step_ring import StepColumns
 from clusterwatch.errors import InvalidReportError
 from clusterwatch.v1 import training_pb2
 

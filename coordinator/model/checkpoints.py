@@ -2,7 +2,7 @@
 
 Pure state. Each rank reports a CheckpointResult per save it attempted; a
 checkpoint (job, step) is complete once ranks 0..world_size-1 all reported
-ok for that step. The caller persists completions (coordinator/event_log.py)
+ok for that step. The caller persists completions (coordinator/model/event_log.py)
 and tells the agents the newest complete step of every job
 (``JobCheckpoints``), which is where a restarted job resumes from.
 
