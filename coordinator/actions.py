@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Protocol
 
-from clusterwatch.coordinator.core import Coordinator
+from clusterwatch.coordinator.ingest.core import Coordinator
 from clusterwatch.coordinator.model.jobs import JobRecord
 from clusterwatch.errors import (
     FailedPreconditionError,

@@ -11,8 +11,8 @@ from typing import Any
 import grpc
 
 from clusterwatch.coordinator.access import AccessPolicy
-from clusterwatch.coordinator.core import Coordinator
-from clusterwatch.coordinator.sessions import AgentSession
+from clusterwatch.coordinator.ingest.core import Coordinator
+from clusterwatch.coordinator.ingest.sessions import AgentSession
 from clusterwatch.errors import AbortedError, InvalidReportError
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc
 

@@ -14,7 +14,7 @@ from clusterwatch import __version__, config
 from clusterwatch.coordinator import request_checks
 from clusterwatch.coordinator.access import AccessPolicy
 from clusterwatch.coordinator.actions import Actions
-from clusterwatch.coordinator.core import Coordinator
+from clusterwatch.coordinator.ingest.core import Coordinator
 from clusterwatch.coordinator.job_requests import check_begin, check_end
 from clusterwatch.coordinator.job_views import job_status, job_view, training_view
 from clusterwatch.coordinator.model.incidents import IncidentState

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from training_builders import EXITED, RUNNING, T0, rank_report, step
 
-from clusterwatch.coordinator.core import Coordinator
+from clusterwatch.coordinator.ingest.core import Coordinator
 from clusterwatch.coordinator.job_views import job_status, job_view, training_view
 from clusterwatch.coordinator.model.event_log import EventLog
 from clusterwatch.coordinator.model.incidents import IncidentState, Kind

@@ -14,24 +14,25 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
-from clusterwatch.coordinator.admission import Admission
+from clusterwatch.coordinator.ingest.admission import Admission
+from clusterwatch.coordinator.ingest.report_checks import (
+    ReportCheckError,
+    ReportProblem,
+    check_hello,
+    check_report,
+)
+from clusterwatch.coordinator.ingest.sessions import ACK_INTERVAL_S, AgentSession
 from clusterwatch.coordinator.model.checkpoints import CheckpointTracker, CompletedCheckpoint
 from clusterwatch.coordinator.model.event_log import EventLog
 from clusterwatch.coordinator.model.incidents import Incident
 from clusterwatch.coordinator.model.jobs import JobRecord, JobStore, Rejection
 from clusterwatch.coordinator.model.rank_reports import RejectReason
 from clusterwatch.coordinator.model.state import ClusterState, Event, EventKind
-from clusterwatch.coordinator.report_checks import (
-    ReportCheckError,
-    ReportProblem,
-    check_hello,
-    check_report,
-)
-from clusterwatch.coordinator.sessions import ACK_INTERVAL_S, AgentSession
 from clusterwatch.errors import ResourceExhaustedError
 from clusterwatch.v1 import agent_pb2, node_pb2, training_pb2
 
-logger = logging.getLogger(__name__)
+# The name it had before the coordinator had rooms: deploy/systemd/README.md shows its lines.
+logger = logging.getLogger("clusterwatch.coordinator.core")
 
 # Jobs whose newest complete checkpoint is older than this are not loaded at
 # start (they stay in the database), so the set announced to agents stays bounded.
@@ -110,7 +111,7 @@ class Coordinator:
         self.watchdog = watchdog(self.send_command)
         # (node, reason) pairs already logged at warning level: one line each, then debug.
         self._rejections_logged: set[tuple[str, str]] = set()
-        # Penalties after invalid input and each node's report rate (see coordinator/admission.py).
+        # Penalties after invalid input and each node's report rate (see coordinator/ingest/admission.py).
         self.admission = Admission()
         # (node, reason) -> node reports refused (clusterwatch_reports_rejected_total).
         self.reports_rejected_total: dict[tuple[str, str], int] = {}
@@ -131,7 +132,7 @@ class Coordinator:
 
         Raises:
             ReportCheckError: a malformed hello, or a node id another live agent uses.
-            ResourceExhaustedError: the node serves a penalty (coordinator/admission.py).
+            ResourceExhaustedError: the node serves a penalty (coordinator/ingest/admission.py).
         """
         now_mono = self._clock()
         check_hello(hello)
@@ -171,7 +172,7 @@ class Coordinator:
     def ingest(self, session: AgentSession, report: node_pb2.NodeReport) -> None:
         """Apply one node report: node state, then its ranks (unless it is a replay).
 
-        A new report is checked whole first (coordinator/report_checks.py). A bad
+        A new report is checked whole first (coordinator/ingest/report_checks.py). A bad
         one is refused but consumed: its sequence counts as received, so the
         agent's replay after it reconnects skips it instead of failing again.
 

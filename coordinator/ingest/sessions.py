@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 
-from clusterwatch.coordinator.report_checks import check_command_result
+from clusterwatch.coordinator.ingest.report_checks import check_command_result
 from clusterwatch.v1 import agent_pb2
 
 ACK_INTERVAL_S = 2.0
