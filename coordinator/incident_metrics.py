@@ -6,10 +6,10 @@ import collections
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-from clusterwatch.coordinator.causes import CauseName
+from clusterwatch.coordinator.detection.causes import CauseName
+from clusterwatch.coordinator.detection.watchdog import DetectedCounts, Watchdog
 from clusterwatch.coordinator.model.incidents import Incident, Kind, Severity
 from clusterwatch.coordinator.model.jobs import JobRecord
-from clusterwatch.coordinator.watchdog import DetectedCounts, Watchdog
 from clusterwatch.promtext import Exposition, counter, escape, gauge
 
 INCIDENTS_OPEN = gauge(

@@ -40,7 +40,7 @@ from clusterwatch.recovery_names import (
 )
 
 HOUR_S = 3600.0
-# A hang or failure whose ranks called different collectives (coordinator/mismatch.py): a bug, not a fault.
+# A hang or failure whose ranks called different collectives (coordinator/detection/mismatch.py): a bug, not a fault.
 COLLECTIVE_MISMATCH = "collective_mismatch"
 NODE_KINDS = frozenset({Kind.NODE_UNREACHABLE, Kind.GPU_XID, Kind.GPU_LOST, Kind.INFINIBAND})
 # Kinds whose job still makes progress, so it can checkpoint before a restart

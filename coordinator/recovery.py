@@ -53,6 +53,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from clusterwatch import config
 from clusterwatch.config import RecoverySettings
 from clusterwatch.coordinator.background import BackgroundTasks, every
+from clusterwatch.coordinator.detection.orphans import orphan_pids
+from clusterwatch.coordinator.detection.watchdog import Watchdog
 from clusterwatch.coordinator.launchers import (
     STOP_ANSWER_MARGIN_S,
     Launcher,
@@ -63,9 +65,7 @@ from clusterwatch.coordinator.launchers import (
 from clusterwatch.coordinator.model.event_log import EventLog
 from clusterwatch.coordinator.model.incidents import Incident, IncidentState, Kind
 from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord, RankConflict
-from clusterwatch.coordinator.orphans import orphan_pids
 from clusterwatch.coordinator.policy import HOUR_S, Decision, Policy, checkpoints_first, exclusion_blocker
-from clusterwatch.coordinator.watchdog import Watchdog
 from clusterwatch.recovery_names import (
     ALERT,
     CHECKPOINT,

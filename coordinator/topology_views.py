@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from clusterwatch.coordinator.detection.topology_advice import job_findings, job_placements
 from clusterwatch.coordinator.model.jobs import JobRecord, JobStore
 from clusterwatch.coordinator.model.state import ClusterState, NodeRecord
-from clusterwatch.coordinator.topology_advice import job_findings, job_placements
 from clusterwatch.errors import NotFoundError
 from clusterwatch.v1 import cluster_pb2, node_pb2
 

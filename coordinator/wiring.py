@@ -1,7 +1,7 @@
 """Builds the coordinator's core and its watchdog, and ties them together (for server.py and tests).
 
 The core (coordinator/ingest/core.py) ingests reports and keeps state; the watchdog
-(coordinator/watchdog.py) runs detection over that state and sends agents
+(coordinator/detection/watchdog.py) runs detection over that state and sends agents
 diagnose commands through the core's streams. Built here, the core needs
 nothing of detection but the two calls of ``JobWatch``.
 """
@@ -13,10 +13,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from clusterwatch.config import DetectionSettings
+from clusterwatch.coordinator.detection.watchdog import Watchdog
 from clusterwatch.coordinator.ingest.core import Coordinator, SendCommand
 from clusterwatch.coordinator.model.event_log import EventLog
 from clusterwatch.coordinator.model.jobs import JobStore
-from clusterwatch.coordinator.watchdog import Watchdog
 
 
 class Core(NamedTuple):

@@ -1,4 +1,4 @@
-"""Cause attribution (coordinator/causes.py): jobs through the real JobStore, nodes through
+"""Cause attribution (coordinator/detection/causes.py): jobs through the real JobStore, nodes through
 the real ClusterState, node reports as the agent's protobufs."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Collection, Mapping
 import pytest
 from training_builders import T0, collective, rank_report, step
 
-from clusterwatch.coordinator.causes import (
+from clusterwatch.coordinator.detection.causes import (
     Cause,
     CauseName,
     CauseSettings,

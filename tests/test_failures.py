@@ -7,7 +7,7 @@ import signal
 import pytest
 from training_builders import EXITED, rank_report, step
 
-from clusterwatch.coordinator.failures import NodeFailureDetector, rank_failure
+from clusterwatch.coordinator.detection.failures import NodeFailureDetector, rank_failure
 from clusterwatch.coordinator.model.incidents import Kind, Severity
 from clusterwatch.coordinator.model.jobs import JobRecord, JobStore
 from clusterwatch.coordinator.model.state import NodeRecord, NodeState

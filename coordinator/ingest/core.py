@@ -51,7 +51,7 @@ SendCommand = Callable[[str, agent_pb2.Command, float], Awaitable[agent_pb2.Comm
 
 
 class JobWatch(Protocol):
-    """What the coordinator needs of the watchdog (coordinator/watchdog.py): to hear of jobs that go."""
+    """What the coordinator needs of the watchdog (coordinator/detection/watchdog.py): to hear of jobs that go."""
 
     def end_job(self, job: str, note: str) -> Sequence[Incident]:
         """Resolve the job's incidents with ``note``; return those resolved."""

@@ -136,7 +136,7 @@ class RankRecord:
             collectives (sum of bytes x bus factor / sum of durations).
         last_collectives: the collectives of that report, as the agent merged them.
         slurm_job_id: the SLURM job whose cgroup holds the process, as its agent read it ("" if none).
-        launcher_exit: set while the rank runs on after its launcher ended (coordinator/orphans.py).
+        launcher_exit: set while the rank runs on after its launcher ended (coordinator/detection/orphans.py).
     """
 
     identity: training_pb2.RankIdentity

@@ -14,7 +14,7 @@ The culprits, in the order a person would check them:
 3. ranks in another collective than the rest of their process group at the
    same point (another op, size or dtype at the same sequence, or a sequence
    ahead or behind while the whole group waits): a collective mismatch
-   (coordinator/mismatch.py), a bug in the program that no waiting resolves;
+   (coordinator/detection/mismatch.py), a bug in the program that no waiting resolves;
    it comes before 4 because a rank that went past the others' collective
    must not make them look behind;
 4. ranks whose Flight Recorder ``last_enqueued_collective`` is behind the rest
@@ -50,7 +50,7 @@ import enum
 import math
 from collections.abc import Collection
 
-from clusterwatch.coordinator.mismatch import Mismatch, find_mismatches, group_sizes, position
+from clusterwatch.coordinator.detection.mismatch import Mismatch, find_mismatches, group_sizes, position
 from clusterwatch.coordinator.model.jobs import JobRecord, RankRecord
 from clusterwatch.v1 import training_pb2
 

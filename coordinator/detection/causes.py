@@ -58,10 +58,10 @@ import statistics
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Literal, NamedTuple, TypeVar
 
+from clusterwatch.coordinator.detection.topology_advice import Placement, place
 from clusterwatch.coordinator.model.jobs import JobRecord, RankRecord
 from clusterwatch.coordinator.model.rates import counter_rate, nic_key, port_key
 from clusterwatch.coordinator.model.state import NodeRecord
-from clusterwatch.coordinator.topology_advice import Placement, place
 from clusterwatch.errors import ConfigError
 from clusterwatch.gpu_reasons import CLOCK_EVENT_REASONS
 from clusterwatch.topology import link_name

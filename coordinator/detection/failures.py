@@ -1,14 +1,14 @@
 """Failure findings: ranks that died, nodes that went silent, GPUs and fabric that broke.
 
 Pure domain code over the job store and the cluster state; the detection
-round (coordinator/detection.py) calls it and the incident book de-duplicates
+round (coordinator/detection/round.py) calls it and the incident book de-duplicates
 (coordinator/model/incidents.py). Conditions (a node unreachable, a GPU missing, a
 port down) are findings while they hold; events (an XID, an error-counter
 jump) are latched findings whose ``latch_value`` is the counter.
 
 A rank failure names the first rank that exited uncleanly (and those after it
 that the launcher did not tear down). When the ranks' last heartbeats show a
-collective mismatch (coordinator/mismatch.py: ranks at the same collective
+collective mismatch (coordinator/detection/mismatch.py: ranks at the same collective
 number of a group with another op, size or dtype, from the collective each
 failed in or was waiting in), the finding names the odd ranks too, with cause
 ``collective_mismatch``: on gloo a size mismatch aborts the rank that
@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 
-from clusterwatch.coordinator.mismatch import find_mismatches, position
+from clusterwatch.coordinator.detection.mismatch import find_mismatches, position
 from clusterwatch.coordinator.model.incidents import Finding, Kind, Severity
 from clusterwatch.coordinator.model.jobs import EXITED, RUNNING, JobRecord, RankRecord
 from clusterwatch.coordinator.model.state import NodeRecord, NodeState

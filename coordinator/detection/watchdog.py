@@ -1,10 +1,10 @@
 """Runs detection rounds and keeps the incidents: the coordinator's eyes.
 
 Each round (every ``period_s``): the detectors turn the job store and the
-cluster state into findings (coordinator/detection.py), the incident book
+cluster state into findings (coordinator/detection/round.py), the incident book
 opens, updates and resolves incidents (coordinator/model/incidents.py), changed
 incidents are persisted, counted for /metrics and logged, and a hang with
-new culprits sends the agents a diagnose command (coordinator/diagnosis.py)
+new culprits sends the agents a diagnose command (coordinator/detection/diagnosis.py)
 whose answer is attached to the incident when it arrives. Each round also
 gives the event log its chance to write what it queued while the database
 could not be written (EventLog.retry_pending): the loop that keeps running
@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping
 from clusterwatch import config
 from clusterwatch.config import DetectionSettings
 from clusterwatch.coordinator.background import BackgroundTasks, every
-from clusterwatch.coordinator.detection import Detection
-from clusterwatch.coordinator.diagnosis import SAID_OF_STATE, SendCommand, cause_from, diagnose
+from clusterwatch.coordinator.detection.diagnosis import SAID_OF_STATE, SendCommand, cause_from, diagnose
+from clusterwatch.coordinator.detection.round import Detection
 from clusterwatch.coordinator.model.event_log import EventLog
 from clusterwatch.coordinator.model.incidents import Change, Incident, IncidentBook, IncidentState, Kind
 from clusterwatch.coordinator.model.jobs import EXITED, RUNNING, JobRecord

@@ -2,7 +2,7 @@
 
 Pure (no I/O, the clock is an argument); the detectors keep only the state
 their rules need (streaks, baselines, GPUs seen). The watchdog
-(coordinator/watchdog.py) runs a round every ``period_s`` and hands the
+(coordinator/detection/watchdog.py) runs a round every ``period_s`` and hands the
 findings to the incident book.
 
 An unreachable node is judged with what the other nodes say (``judge_unreachable``):
@@ -11,7 +11,7 @@ could not have missed, its ranks are alive and only its link to the
 coordinator is down (a partition), so the finding is a warning, which the
 recovery policy leaves alone (it acts on critical node findings), instead of
 a restart of a job that is training. Hangs are judged the same way
-(coordinator/hangs.py).
+(coordinator/detection/hangs.py).
 """
 
 from __future__ import annotations
@@ -21,15 +21,19 @@ import statistics
 from collections.abc import Collection, Iterable, Mapping
 
 from clusterwatch.config import DetectionSettings
-from clusterwatch.coordinator.causes import Cause, network_cause, straggler_cause
-from clusterwatch.coordinator.failures import NodeFailureDetector, rank_failure
-from clusterwatch.coordinator.hangs import HangFinding, HangSettings, detect_hang
+from clusterwatch.coordinator.detection.causes import Cause, network_cause, straggler_cause
+from clusterwatch.coordinator.detection.failures import NodeFailureDetector, rank_failure
+from clusterwatch.coordinator.detection.hangs import HangFinding, HangSettings, detect_hang
+from clusterwatch.coordinator.detection.orphans import orphaned_ranks
+from clusterwatch.coordinator.detection.slowdowns import SlowdownDetector, SlowdownFinding, SlowdownSettings
+from clusterwatch.coordinator.detection.stragglers import (
+    StragglerDetector,
+    StragglerFinding,
+    StragglerSettings,
+)
 from clusterwatch.coordinator.model.incidents import Finding, Kind, Severity
 from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord
 from clusterwatch.coordinator.model.state import NodeRecord, NodeState
-from clusterwatch.coordinator.orphans import orphaned_ranks
-from clusterwatch.coordinator.slowdowns import SlowdownDetector, SlowdownFinding, SlowdownSettings
-from clusterwatch.coordinator.stragglers import StragglerDetector, StragglerFinding, StragglerSettings
 
 
 def straggler_settings(settings: DetectionSettings) -> StragglerSettings:

@@ -1,6 +1,6 @@
 """Job slowdown detection: a whole job stepping slower than its own recent baseline.
 
-Pure domain code, like coordinator/stragglers.py: reads JobRecords, keeps only
+Pure domain code, like coordinator/detection/stragglers.py: reads JobRecords, keeps only
 a baseline and streaks per job, never does I/O or reads a clock, so the same
 reports always give the same findings.
 

@@ -25,7 +25,7 @@ collective mismatch. Who is the odd one out, in order:
 2. otherwise, the ranks sorted by what they are in (sequence, op, size,
    dtype): those outside the kind most ranks are in. Sequences are only
    compared when every member waits in the group (else a member that never
-   joined explains the rest, coordinator/hangs.py ``behind_in_group``, and a
+   joined explains the rest, coordinator/detection/hangs.py ``behind_in_group``, and a
    root may legitimately finish before its receivers): a rank at another
    sequence then went past the collective the others wait in, or they went
    past its. At equal sequences, a rank in a later step made fewer
