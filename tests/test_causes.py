@@ -1,4 +1,4 @@
-"""Cause attribution (coordinator/detection/causes.py): jobs through the real JobStore, nodes through
+"""Cause attribution (coordinator/detection/causes/): jobs through the real JobStore, nodes through
 the real ClusterState, node reports as the agent's protobufs."""
 
 from __future__ import annotations

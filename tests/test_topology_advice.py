@@ -1,5 +1,5 @@
 """Placements and advice (coordinator/detection/topology_advice.py) and the nearest-NIC network cause
-(coordinator/detection/causes.py): jobs through the real JobStore, node topologies written out here."""
+(coordinator/detection/causes/): jobs through the real JobStore, node topologies written out here."""
 
 from __future__ import annotations
 
