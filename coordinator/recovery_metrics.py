@@ -6,7 +6,7 @@ import collections
 import dataclasses
 
 from clusterwatch.coordinator.model.incidents import Kind
-from clusterwatch.coordinator.recovery import REQUESTED, RecoveryCounts
+from clusterwatch.coordinator.recovery.executor import REQUESTED, RecoveryCounts
 from clusterwatch.promtext import Exposition, counter, escape, gauge
 
 RESTARTS = counter(

@@ -97,7 +97,7 @@ def check_update_detection_settings(request: cluster_pb2.UpdateDetectionSettings
 
 
 def check_action(request: cluster_pb2.ActionRequest) -> None:
-    """Sizes and node ids; what the action means is Actions' (coordinator/actions.py).
+    """Sizes and node ids; what the action means is Actions' (coordinator/recovery/actions.py).
 
     Raises:
         InvalidRequestError: naming ``job``, ``action``, ``idempotency_key`` or ``exclude_nodes[i]``.

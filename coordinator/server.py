@@ -24,22 +24,22 @@ from grpc_reflection.v1alpha import reflection
 from clusterwatch import sd_notify
 from clusterwatch.config import CoordinatorSettings, DetectionSettings, RecoverySettings
 from clusterwatch.coordinator.access import AccessPolicy, read_tokens
-from clusterwatch.coordinator.actions import Actions
 from clusterwatch.coordinator.agent_servicer import AgentServicer
 from clusterwatch.coordinator.cluster_servicer import ClusterServicer
 from clusterwatch.coordinator.errors_interceptor import ErrorMappingInterceptor
 from clusterwatch.coordinator.incident_metrics import IncidentView, incident_view
 from clusterwatch.coordinator.job_views import TrainingView, training_view
-from clusterwatch.coordinator.launchers import (
+from clusterwatch.coordinator.metrics import render
+from clusterwatch.coordinator.model.event_log import EventLog, StateHealth
+from clusterwatch.coordinator.recovery.actions import Actions
+from clusterwatch.coordinator.recovery.executor import Recovery
+from clusterwatch.coordinator.recovery.launchers import (
     Launcher,
     SendStop,
     VerifiedSlurmJobs,
     make_launcher,
     parse_slurm_job_ids,
 )
-from clusterwatch.coordinator.metrics import render
-from clusterwatch.coordinator.model.event_log import EventLog, StateHealth
-from clusterwatch.coordinator.recovery import Recovery
 from clusterwatch.coordinator.recovery_metrics import RecoveryView, recovery_view
 from clusterwatch.coordinator.views import NodeView, node_views
 from clusterwatch.coordinator.wiring import build_core

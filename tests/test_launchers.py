@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from helpers import wait_for
 
-from clusterwatch.coordinator.launchers import (
+from clusterwatch.coordinator.recovery.launchers import (
     KubernetesLauncher,
     SlurmLauncher,
     TorchrunLauncher,

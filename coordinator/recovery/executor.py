@@ -1,7 +1,7 @@
 """Carries out the recovery policy's decisions and tracks each restarted job back to health.
 
 Every 0.5 s: live incidents the policy has not decided get a decision
-(coordinator/policy.py); each decision becomes an ActionRecord (SQLite, the
+(coordinator/recovery/policy.py); each decision becomes an ActionRecord (SQLite, the
 ListActions API) and, unless skipped or in dry-run mode, an action:
 
 - ``checkpoint``: the coordinated checkpoint of RequestAction;
@@ -55,17 +55,23 @@ from clusterwatch.config import RecoverySettings
 from clusterwatch.coordinator.background import BackgroundTasks, every
 from clusterwatch.coordinator.detection.orphans import orphan_pids
 from clusterwatch.coordinator.detection.watchdog import Watchdog
-from clusterwatch.coordinator.launchers import (
+from clusterwatch.coordinator.model.event_log import EventLog
+from clusterwatch.coordinator.model.incidents import Incident, IncidentState, Kind
+from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord, RankConflict
+from clusterwatch.coordinator.recovery.launchers import (
     STOP_ANSWER_MARGIN_S,
     Launcher,
     SendStop,
     stop_on_node,
     summarise_stops,
 )
-from clusterwatch.coordinator.model.event_log import EventLog
-from clusterwatch.coordinator.model.incidents import Incident, IncidentState, Kind
-from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord, RankConflict
-from clusterwatch.coordinator.policy import HOUR_S, Decision, Policy, checkpoints_first, exclusion_blocker
+from clusterwatch.coordinator.recovery.policy import (
+    HOUR_S,
+    Decision,
+    Policy,
+    checkpoints_first,
+    exclusion_blocker,
+)
 from clusterwatch.recovery_names import (
     ALERT,
     CHECKPOINT,

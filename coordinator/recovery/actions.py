@@ -49,7 +49,7 @@ Status = agent_pb2.CommandResult.Status
 
 
 class RestartRequests(Protocol):
-    """What restart actions need from recovery (coordinator/recovery.py)."""
+    """What restart actions need from recovery (coordinator/recovery/executor.py)."""
 
     async def restart(
         self, job: str, reason: str, exclude_nodes: Sequence[str] = ()

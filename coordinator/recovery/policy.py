@@ -2,7 +2,7 @@
 
 Pure: decisions are a function of the incident, the settings and the job's
 recent actions (kept here), with the clock as an argument. The recovery
-executor (coordinator/recovery.py) carries decisions out and records them.
+executor (coordinator/recovery/executor.py) carries decisions out and records them.
 
 Safety, in the order it is checked:
 
