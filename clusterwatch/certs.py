@@ -50,7 +50,7 @@ CA_STEM = "ca"
 CERT_MODE = 0o644
 KEY_MODE = 0o600
 
-# Like coordinator/recovery/launchers.py's node names: starting with a letter or digit
+# Like coordinator/recovery/launchers/protocol.py's node names: starting with a letter or digit
 # keeps the name from reading as a flag or a hidden file.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 

@@ -58,10 +58,9 @@ from clusterwatch.coordinator.detection.watchdog import Watchdog
 from clusterwatch.coordinator.model.event_log import EventLog
 from clusterwatch.coordinator.model.incidents import Incident, IncidentState, Kind
 from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord, RankConflict
-from clusterwatch.coordinator.recovery.launchers import (
+from clusterwatch.coordinator.recovery.launchers.protocol import Launcher, SendStop
+from clusterwatch.coordinator.recovery.launchers.torchrun import (
     STOP_ANSWER_MARGIN_S,
-    Launcher,
-    SendStop,
     stop_on_node,
     summarise_stops,
 )
