@@ -16,12 +16,12 @@ from clusterwatch.coordinator.access import AccessPolicy
 from clusterwatch.coordinator.detection.watchdog import Watchdog
 from clusterwatch.coordinator.ingest.core import Coordinator
 from clusterwatch.coordinator.job_requests import check_begin, check_end
-from clusterwatch.coordinator.job_views import job_status, job_view, training_view
 from clusterwatch.coordinator.model.incidents import IncidentState
 from clusterwatch.coordinator.model.state import Event, EventKind
 from clusterwatch.coordinator.recovery.actions import Actions
-from clusterwatch.coordinator.topology_views import cluster_topology
-from clusterwatch.coordinator.views import node_status, node_views
+from clusterwatch.coordinator.views.jobs import job_status, job_view, training_view
+from clusterwatch.coordinator.views.nodes import node_status, node_views
+from clusterwatch.coordinator.views.topology import cluster_topology
 from clusterwatch.errors import ClusterwatchError, InvalidRequestError
 from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
 

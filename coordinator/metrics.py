@@ -7,11 +7,11 @@ from collections.abc import Mapping, Sequence
 
 from clusterwatch import __version__
 from clusterwatch.coordinator.incident_metrics import IncidentView, write_incidents
-from clusterwatch.coordinator.job_views import TrainingView
 from clusterwatch.coordinator.model.event_log import StateHealth
 from clusterwatch.coordinator.recovery_metrics import RecoveryView, write_recovery
 from clusterwatch.coordinator.training_metrics import write_training
-from clusterwatch.coordinator.views import NodeView
+from clusterwatch.coordinator.views.jobs import TrainingView
+from clusterwatch.coordinator.views.nodes import NodeView
 from clusterwatch.humanize import node_state
 from clusterwatch.node_metrics import (
     NODE_UP,

@@ -28,7 +28,6 @@ from clusterwatch.coordinator.agent_servicer import AgentServicer
 from clusterwatch.coordinator.cluster_servicer import ClusterServicer
 from clusterwatch.coordinator.errors_interceptor import ErrorMappingInterceptor
 from clusterwatch.coordinator.incident_metrics import IncidentView, incident_view
-from clusterwatch.coordinator.job_views import TrainingView, training_view
 from clusterwatch.coordinator.metrics import render
 from clusterwatch.coordinator.model.event_log import EventLog, StateHealth
 from clusterwatch.coordinator.recovery.actions import Actions
@@ -41,7 +40,8 @@ from clusterwatch.coordinator.recovery.launchers import (
     parse_slurm_job_ids,
 )
 from clusterwatch.coordinator.recovery_metrics import RecoveryView, recovery_view
-from clusterwatch.coordinator.views import NodeView, node_views
+from clusterwatch.coordinator.views.jobs import TrainingView, training_view
+from clusterwatch.coordinator.views.nodes import NodeView, node_views
 from clusterwatch.coordinator.wiring import build_core
 from clusterwatch.grpc_options import SERVER_OPTIONS
 from clusterwatch.http_server import MetricsHttpServer

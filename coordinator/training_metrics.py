@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import Counter
 
 from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S
-from clusterwatch.coordinator.job_views import JobView, RankView, TrainingView
 from clusterwatch.coordinator.model.checkpoints import CHECKPOINT_OUTCOMES
+from clusterwatch.coordinator.views.jobs import JobView, RankView, TrainingView
 from clusterwatch.promtext import Exposition, Family, counter, escape, gauge, histogram
 from clusterwatch.v1 import training_pb2
 

@@ -27,7 +27,7 @@ from clusterwatch.config import AgentSettings, CoordinatorSettings
 from clusterwatch.coordinator.ingest.admission import Admission
 from clusterwatch.coordinator.metrics import render
 from clusterwatch.coordinator.server import CoordinatorServer
-from clusterwatch.coordinator.views import node_views
+from clusterwatch.coordinator.views.nodes import node_views
 from clusterwatch.hook.transport import fetch_credential_nonce
 from clusterwatch.v1 import (
     agent_pb2,
