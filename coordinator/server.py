@@ -27,8 +27,9 @@ from clusterwatch.coordinator.access import AccessPolicy, read_tokens
 from clusterwatch.coordinator.agent_servicer import AgentServicer
 from clusterwatch.coordinator.cluster_servicer import ClusterServicer
 from clusterwatch.coordinator.errors_interceptor import ErrorMappingInterceptor
-from clusterwatch.coordinator.incident_metrics import IncidentView, incident_view
-from clusterwatch.coordinator.metrics import render
+from clusterwatch.coordinator.metrics.incidents import IncidentView, incident_view
+from clusterwatch.coordinator.metrics.page import render
+from clusterwatch.coordinator.metrics.recovery import RecoveryView, recovery_view
 from clusterwatch.coordinator.model.event_log import EventLog, StateHealth
 from clusterwatch.coordinator.recovery.actions import Actions
 from clusterwatch.coordinator.recovery.executor import Recovery
@@ -39,7 +40,6 @@ from clusterwatch.coordinator.recovery.launchers import (
     make_launcher,
     parse_slurm_job_ids,
 )
-from clusterwatch.coordinator.recovery_metrics import RecoveryView, recovery_view
 from clusterwatch.coordinator.views.jobs import TrainingView, training_view
 from clusterwatch.coordinator.views.nodes import NodeView, node_views
 from clusterwatch.coordinator.wiring import build_core

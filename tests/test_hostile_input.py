@@ -25,7 +25,7 @@ from bench.synthetic import node_report
 from clusterwatch.agent.runtime import Agent
 from clusterwatch.config import AgentSettings, CoordinatorSettings
 from clusterwatch.coordinator.ingest.admission import Admission
-from clusterwatch.coordinator.metrics import render
+from clusterwatch.coordinator.metrics.page import render
 from clusterwatch.coordinator.server import CoordinatorServer
 from clusterwatch.coordinator.views.nodes import node_views
 from clusterwatch.hook.transport import fetch_credential_nonce

@@ -11,11 +11,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from training_builders import EXITED, RUNNING, T0, rank_report, step
 
 from clusterwatch.coordinator.ingest.core import Coordinator
+from clusterwatch.coordinator.metrics.training import write_training
 from clusterwatch.coordinator.model.event_log import EventLog
 from clusterwatch.coordinator.model.incidents import IncidentState, Kind
 from clusterwatch.coordinator.model.jobs import JobStore
 from clusterwatch.coordinator.model.rank_reports import RejectReason
-from clusterwatch.coordinator.training_metrics import write_training
 from clusterwatch.coordinator.views.jobs import job_status, job_view, training_view
 from clusterwatch.coordinator.wiring import build_core
 from clusterwatch.promtext import Exposition

@@ -6,10 +6,10 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from clusterwatch import __version__
-from clusterwatch.coordinator.incident_metrics import IncidentView, write_incidents
+from clusterwatch.coordinator.metrics.incidents import IncidentView, write_incidents
+from clusterwatch.coordinator.metrics.recovery import RecoveryView, write_recovery
+from clusterwatch.coordinator.metrics.training import write_training
 from clusterwatch.coordinator.model.event_log import StateHealth
-from clusterwatch.coordinator.recovery_metrics import RecoveryView, write_recovery
-from clusterwatch.coordinator.training_metrics import write_training
 from clusterwatch.coordinator.views.jobs import TrainingView
 from clusterwatch.coordinator.views.nodes import NodeView
 from clusterwatch.humanize import node_state
