@@ -43,7 +43,7 @@ from clusterwatch.peer_identity import Role, role_uri
 CA_DAYS = 3650
 LEAF_DAYS = 397  # the longest a public CA may issue for; short enough to notice rotation
 MAX_DAYS = 36500
-MAX_NAME_CHARS = 253  # a DNS name, as coordinator/job_requests.py allows for node ids
+MAX_NAME_CHARS = 253  # a DNS name, as coordinator/api/job_requests.py allows for node ids
 MAX_COMMON_NAME_CHARS = 64  # RFC 5280's upper bound; longer names live only in the SAN
 CLOCK_SKEW = timedelta(minutes=5)  # valid a little before now, for nodes whose clocks lag
 CA_STEM = "ca"

@@ -2,7 +2,7 @@
 
 The agent checks what hooks send (agent/hook_validation.py) with the same
 limits the coordinator checks node reports (coordinator/ingest/report_checks.py) and
-API requests (coordinator/request_checks.py) with: whatever the agent forwards
+API requests (coordinator/api/request_checks.py) with: whatever the agent forwards
 must pass the coordinator, or it refuses a whole rank's report. A limit lives
 here once; each checker reads it.
 

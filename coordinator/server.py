@@ -23,10 +23,10 @@ from grpc_reflection.v1alpha import reflection
 
 from clusterwatch import sd_notify
 from clusterwatch.config import CoordinatorSettings, DetectionSettings, RecoverySettings
-from clusterwatch.coordinator.access import AccessPolicy, read_tokens
-from clusterwatch.coordinator.agent_servicer import AgentServicer
-from clusterwatch.coordinator.cluster_servicer import ClusterServicer
-from clusterwatch.coordinator.errors_interceptor import ErrorMappingInterceptor
+from clusterwatch.coordinator.api.access import AccessPolicy, read_tokens
+from clusterwatch.coordinator.api.agent_servicer import AgentServicer
+from clusterwatch.coordinator.api.cluster_servicer import ClusterServicer
+from clusterwatch.coordinator.api.errors_interceptor import ErrorMappingInterceptor
 from clusterwatch.coordinator.metrics.incidents import IncidentView, incident_view
 from clusterwatch.coordinator.metrics.page import render
 from clusterwatch.coordinator.metrics.recovery import RecoveryView, recovery_view

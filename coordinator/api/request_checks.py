@@ -1,4 +1,4 @@
-"""Checks on ClusterService requests other than BeginJob/EndJob (coordinator/job_requests.py).
+"""Checks on ClusterService requests other than BeginJob/EndJob (coordinator/api/job_requests.py).
 
 Each ``check_*`` refuses a request no client of ours sends, naming the field,
 before anything reads it: sizes (so a 10 MB job name never reaches a log
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from clusterwatch.coordinator.job_requests import MAX_JOB_CHARS, node_problem
+from clusterwatch.coordinator.api.job_requests import MAX_JOB_CHARS, node_problem
 from clusterwatch.errors import InvalidRequestError
 from clusterwatch.v1 import cluster_pb2
 from clusterwatch.wire_limits import MAX_ID_CHARS

@@ -11,11 +11,11 @@ from typing import Any
 import grpc
 
 from clusterwatch import __version__, config
-from clusterwatch.coordinator import request_checks
-from clusterwatch.coordinator.access import AccessPolicy
+from clusterwatch.coordinator.api import request_checks
+from clusterwatch.coordinator.api.access import AccessPolicy
+from clusterwatch.coordinator.api.job_requests import check_begin, check_end
 from clusterwatch.coordinator.detection.watchdog import Watchdog
 from clusterwatch.coordinator.ingest.core import Coordinator
-from clusterwatch.coordinator.job_requests import check_begin, check_end
 from clusterwatch.coordinator.model.incidents import IncidentState
 from clusterwatch.coordinator.model.state import Event, EventKind
 from clusterwatch.coordinator.recovery.actions import Actions
@@ -37,7 +37,7 @@ _SETTABLE_STATES = (
 
 
 class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
-    """Reads are open; actions need an admin credential (see coordinator/access.py) and are recorded."""
+    """Reads are open; actions need an admin credential (see coordinator/api/access.py) and are recorded."""
 
     def __init__(
         self,

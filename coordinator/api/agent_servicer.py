@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from clusterwatch.coordinator.access import AccessPolicy
+from clusterwatch.coordinator.api.access import AccessPolicy
 from clusterwatch.coordinator.ingest.core import Coordinator
 from clusterwatch.coordinator.ingest.sessions import AgentSession
 from clusterwatch.errors import AbortedError, InvalidReportError

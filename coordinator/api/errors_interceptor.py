@@ -1,6 +1,6 @@
 """Maps clusterwatch exceptions to gRPC status codes (clusterwatch/grpc_status.py's table), for every RPC.
 
-It also runs the access gate (coordinator/access.py) before every RPC, inside
+It also runs the access gate (coordinator/api/access.py) before every RPC, inside
 the same mapping, so a refused peer gets PERMISSION_DENIED with the reason.
 """
 
