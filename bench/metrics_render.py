@@ -4,7 +4,7 @@ Usage:
     python -m bench.metrics_render [--nodes 1000] [--repeat 5]
 
 Builds coordinator state for N nodes of 8 simulated GPUs (18 NVLinks each),
-4 NICs and 2 InfiniBand ports, then times coordinator.metrics.render() (the
+4 NICs and 2 InfiniBand ports, then times coordinator.metrics.page.render() (the
 exact code behind GET /metrics) and the gzip a scraper asks for.
 """
 
