@@ -1,5 +1,9 @@
 """Straggler detection: the ranks of a job that compute persistently slower than the others.
 
+One module of about 660 lines: the rule, its per-job state and the column
+arithmetic that keeps a round cheap at 80,000 ranks are one algorithm, each
+part written for the others' layout.
+
 Pure domain code: reads JobRecords, keeps only the per-rank history the rule
 needs, and never does I/O or reads a clock, so the same reports always give
 the same findings. The caller (the coordinator) decides when to run it and

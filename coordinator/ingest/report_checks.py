@@ -1,5 +1,10 @@
 """Checks on what an agent sends the coordinator: its Hello, each NodeReport, each CommandResult.
 
+One module of about 700 lines: the plans derived from the descriptors and the
+fast and slow paths that read them must agree field by field
+(tests/test_hostile_input.py checks that they do); a split would publish the
+plans' internals.
+
 Rules, worked out once per message type from its descriptor (a *plan*):
 
 * every ``double`` is finite and >= 0 (a temperature, a clock, a load, a

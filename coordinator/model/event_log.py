@@ -1,5 +1,9 @@
 """Durable history: node events, the node registry, complete checkpoints, incidents and actions, in SQLite (WAL).
 
+One module of about 480 lines: every table shares one connection, one
+transaction per batch and one queue of the writes an outage held back, so a
+split by table would have to share the queue's internals.
+
 Writes are small and rare (state transitions and checkpoint completions, not
 reports), so they run synchronously on the caller's thread in one
 transaction per batch.

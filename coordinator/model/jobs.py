@@ -1,5 +1,9 @@
 """Training jobs and their ranks, as the agents report them.
 
+One module of about 630 lines: the records and the one store that replaces
+them follow one instance table (below), which a split would tear apart;
+parsing (rank_reports.py) and the step ring (step_ring.py) already live apart.
+
 Pure state, like ClusterState: methods take the current time and return what
 happened; the caller logs, counts and persists. Runs on the event loop.
 

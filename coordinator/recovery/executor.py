@@ -1,5 +1,9 @@
 """Carries out the recovery policy's decisions and tracks each restarted job back to health.
 
+One module of about 550 lines: deciding, acting and tracking a restart back to
+health share the per-job records (``_Restarted``) and the counts; the pure
+parts already live apart (policy.py, launchers/).
+
 Every 0.5 s: live incidents the policy has not decided get a decision
 (coordinator/recovery/policy.py); each decision becomes an ActionRecord (SQLite, the
 ListActions API) and, unless skipped or in dry-run mode, an action:
