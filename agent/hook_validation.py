@@ -1,7 +1,7 @@
 """Checks on what training hooks send, so bad data is refused by field name before it is stored.
 
 What the agent forwards must pass the coordinator's checks too
-(coordinator/report_checks.py and rank_reports.py), or the coordinator
+(coordinator/ingest/report_checks.py and rank_reports.py), or the coordinator
 refuses a whole rank's report; so both read one table
 (clusterwatch/wire_limits.py): ids at most MAX_ID_CHARS characters, free text
 MAX_TEXT_CHARS, counted repeated fields,

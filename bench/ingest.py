@@ -47,7 +47,7 @@ async def synthetic_agent(
     # Raw bytes both ways: the generator must cost far less than the coordinator.
     call = channel.stream_stream(CONNECT, request_serializer=lambda b: b, response_deserializer=lambda b: b)()  # type: ignore[call-arg]
     # A saturating agent declares the shortest interval the coordinator accepts: its rate limit
-    # (coordinator/admission.py) allows 5x that, 100 reports/s per agent.
+    # (coordinator/ingest/admission.py) allows 5x that, 100 reports/s per agent.
     declared_s = interval_s or MIN_INTERVAL_S
     await call.write(agent_pb2.AgentMessage(hello=hello(node_id, interval_s=declared_s)).SerializeToString())
     acked = 0

@@ -4,7 +4,7 @@ Usage:
     python -m bench.metrics_render [--nodes 1000] [--repeat 5]
 
 Builds coordinator state for N nodes of 8 simulated GPUs (18 NVLinks each),
-4 NICs and 2 InfiniBand ports, then times coordinator.metrics.render() (the
+4 NICs and 2 InfiniBand ports, then times coordinator.metrics.page.render() (the
 exact code behind GET /metrics) and the gzip a scraper asks for.
 """
 
@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 
 from bench.synthetic import node_report
-from clusterwatch.coordinator.metrics import render
-from clusterwatch.coordinator.views import NodeView
+from clusterwatch.coordinator.metrics.page import render
+from clusterwatch.coordinator.views.nodes import NodeView
 from clusterwatch.http_server import GZIP_LEVEL
 from clusterwatch.v1 import cluster_pb2
 

@@ -41,7 +41,7 @@ from clusterwatch.agent.commands import CommandHandler
 from clusterwatch.agent.report_buffer import ReportBuffer
 from clusterwatch.agent.uplink import Uplink
 from clusterwatch.client import ClusterClient
-from clusterwatch.coordinator.request_checks import MAX_LIST_LIMIT
+from clusterwatch.coordinator.api.request_checks import MAX_LIST_LIMIT
 from clusterwatch.v1 import agent_pb2, cluster_pb2, node_pb2
 
 BACK_TIMEOUT_S = 120.0

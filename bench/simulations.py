@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from clusterwatch.coordinator.request_checks import MAX_LIST_LIMIT
+from clusterwatch.coordinator.api.request_checks import MAX_LIST_LIMIT
 from clusterwatch.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.sim.scoring import IncidentHistory, SeenIncident
 from clusterwatch.sim.truth import GroundTruth

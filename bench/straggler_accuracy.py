@@ -37,9 +37,9 @@ import sys
 import time
 from collections.abc import Callable
 
-from clusterwatch.coordinator.jobs import RUNNING, JobRecord, RankRecord
-from clusterwatch.coordinator.step_ring import StepColumns, StepRing
-from clusterwatch.coordinator.stragglers import StragglerDetector, StragglerSettings
+from clusterwatch.coordinator.detection.stragglers import StragglerDetector, StragglerSettings
+from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord, RankRecord
+from clusterwatch.coordinator.model.step_ring import StepColumns, StepRing
 from clusterwatch.v1 import training_pb2
 
 BASE_COMPUTE_S = 0.4

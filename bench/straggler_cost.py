@@ -24,9 +24,9 @@ import statistics
 import sys
 import time
 
-from clusterwatch.coordinator.jobs import RUNNING, JobRecord, RankRecord
-from clusterwatch.coordinator.step_ring import StepColumns, StepRing
-from clusterwatch.coordinator.stragglers import StragglerDetector
+from clusterwatch.coordinator.detection.stragglers import StragglerDetector
+from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord, RankRecord
+from clusterwatch.coordinator.model.step_ring import StepColumns, StepRing
 from clusterwatch.v1 import training_pb2
 
 BASE_COMPUTE_S = 0.4

@@ -30,9 +30,9 @@ import sys
 import tomllib
 
 from bench.straggler_latency import ONSET_STEP, percentile, scenario_text
-from clusterwatch.coordinator.jobs import RUNNING, JobRecord, RankRecord
-from clusterwatch.coordinator.step_ring import StepColumns, StepRing
-from clusterwatch.coordinator.stragglers import StragglerDetector, StragglerSettings
+from clusterwatch.coordinator.detection.stragglers import StragglerDetector, StragglerSettings
+from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord, RankRecord
+from clusterwatch.coordinator.model.step_ring import StepColumns, StepRing
 from clusterwatch.sim.ranks import JobModel, Step
 from clusterwatch.sim.scenario import parse_scenario
 from clusterwatch.v1 import training_pb2

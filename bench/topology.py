@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 
 from bench.synthetic import GPUS_PER_NODE, hgx_topology, rank_reports
-from clusterwatch.coordinator.jobs import JobStore
-from clusterwatch.coordinator.state import ClusterState, NodeRecord
-from clusterwatch.coordinator.topology_advice import job_findings
-from clusterwatch.coordinator.topology_views import cluster_topology
+from clusterwatch.coordinator.detection.topology_advice import job_findings
+from clusterwatch.coordinator.model.jobs import JobStore
+from clusterwatch.coordinator.model.state import ClusterState, NodeRecord
+from clusterwatch.coordinator.views.topology import cluster_topology
 from clusterwatch.v1 import cluster_pb2, training_pb2
 
 PIPELINE_STAGES = 4

@@ -40,14 +40,14 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from clusterwatch.cert_terms import CA_DAYS, LEAF_DAYS, MAX_DAYS, Role, role_uri
 from clusterwatch.errors import ConfigError
 
-MAX_NAME_CHARS = 253  # a DNS name, as coordinator/job_requests.py allows for node ids
+MAX_NAME_CHARS = 253  # a DNS name, as coordinator/api/job_requests.py allows for node ids
 MAX_COMMON_NAME_CHARS = 64  # RFC 5280's upper bound; longer names live only in the SAN
 CLOCK_SKEW = timedelta(minutes=5)  # valid a little before now, for nodes whose clocks lag
 CA_STEM = "ca"
 CERT_MODE = 0o644
 KEY_MODE = 0o600
 
-# Like coordinator/launchers.py's node names: starting with a letter or digit
+# Like coordinator/recovery/launchers/protocol.py's node names: starting with a letter or digit
 # keeps the name from reading as a flag or a hidden file.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 

@@ -24,7 +24,7 @@ RESTARTS = frozenset({RESTART, CHECKPOINT_AND_RESTART, EXCLUDE_NODE_AND_RESTART}
 # What an operator may ask for (RequestAction): the policy's decisions are its own.
 REQUESTABLE = (CHECKPOINT, RESTART, EXCLUDE_NODE_AND_RESTART)
 
-# The launcher adapters of coordinator/launchers.py.
+# The launcher adapters of coordinator/recovery/launchers/ (registry.py builds each kind).
 TORCHRUN, SLURM, KUBERNETES = "torchrun", "slurm", "kubernetes"
 LAUNCHER_KINDS = (TORCHRUN, SLURM, KUBERNETES)
 

@@ -1,8 +1,8 @@
 """What a wire message may hold, in one table for every side that checks one.
 
 The agent checks what hooks send (agent/hook_validation.py) with the same
-limits the coordinator checks node reports (coordinator/report_checks.py) and
-API requests (coordinator/request_checks.py) with: whatever the agent forwards
+limits the coordinator checks node reports (coordinator/ingest/report_checks.py) and
+API requests (coordinator/api/request_checks.py) with: whatever the agent forwards
 must pass the coordinator, or it refuses a whole rank's report. A limit lives
 here once; each checker reads it.
 
@@ -28,7 +28,7 @@ DUMP_FIELDS = frozenset({"stack_dump"})
 # A node with NTP is within milliseconds; a day leaves room for a broken clock
 # while refusing what is plainly not a time (0 stays allowed: unset).
 MAX_CLOCK_SKEW_S = 86_400.0
-# Declared report intervals: the token bucket (coordinator/admission.py) paces a
+# Declared report intervals: the token bucket (coordinator/ingest/admission.py) paces a
 # node by its interval, so the shortest one bounds what one node may send.
 MIN_INTERVAL_S = 0.05
 MAX_INTERVAL_S = 3600.0

@@ -1,1 +1,1 @@
-"""The coordinator: cluster state, event history, the gRPC API and /metrics."""
+"""The coordinator: one room per stage (model, ingest, detection, recovery, views, metrics, api), wired by server.py."""

@@ -1,4 +1,8 @@
-"""Runs the coordinator: gRPC API, health, reflection, /metrics, liveness."""
+"""Runs the coordinator: gRPC API, health, reflection, /metrics, liveness.
+
+The composition root: it builds the core and the watchdog (coordinator/wiring.py),
+the recovery executor, the actions and the servicers, and wires them together.
+"""
 
 from __future__ import annotations
 
@@ -19,26 +23,26 @@ from grpc_reflection.v1alpha import reflection
 
 from clusterwatch import sd_notify
 from clusterwatch.config import CoordinatorSettings, DetectionSettings, RecoverySettings
-from clusterwatch.coordinator.access import AccessPolicy, read_tokens
-from clusterwatch.coordinator.actions import Actions
-from clusterwatch.coordinator.agent_servicer import AgentServicer
-from clusterwatch.coordinator.cluster_servicer import ClusterServicer
-from clusterwatch.coordinator.core import Coordinator
-from clusterwatch.coordinator.errors_interceptor import ErrorMappingInterceptor
-from clusterwatch.coordinator.event_log import EventLog, StateHealth
-from clusterwatch.coordinator.incident_metrics import IncidentView, incident_view
-from clusterwatch.coordinator.job_views import TrainingView, training_view
-from clusterwatch.coordinator.launchers import (
+from clusterwatch.coordinator.api.access import AccessPolicy, read_tokens
+from clusterwatch.coordinator.api.agent_servicer import AgentServicer
+from clusterwatch.coordinator.api.cluster_servicer import ClusterServicer
+from clusterwatch.coordinator.api.errors_interceptor import ErrorMappingInterceptor
+from clusterwatch.coordinator.metrics.incidents import IncidentView, incident_view
+from clusterwatch.coordinator.metrics.page import render
+from clusterwatch.coordinator.metrics.recovery import RecoveryView, recovery_view
+from clusterwatch.coordinator.model.event_log import EventLog, StateHealth
+from clusterwatch.coordinator.recovery.actions import Actions
+from clusterwatch.coordinator.recovery.executor import Recovery
+from clusterwatch.coordinator.recovery.launchers import (
     Launcher,
     SendStop,
     VerifiedSlurmJobs,
     make_launcher,
     parse_slurm_job_ids,
 )
-from clusterwatch.coordinator.metrics import render
-from clusterwatch.coordinator.recovery import Recovery
-from clusterwatch.coordinator.recovery_metrics import RecoveryView, recovery_view
-from clusterwatch.coordinator.views import NodeView, node_views
+from clusterwatch.coordinator.views.jobs import TrainingView, training_view
+from clusterwatch.coordinator.views.nodes import NodeView, node_views
+from clusterwatch.coordinator.wiring import build_core
 from clusterwatch.grpc_options import SERVER_OPTIONS
 from clusterwatch.http_server import MetricsHttpServer
 from clusterwatch.peer_identity import PeerVerifier
@@ -128,13 +132,13 @@ class CoordinatorServer:
         recovery = recovery or RecoverySettings()
         # Before anything is opened: it may raise. (self.core exists by the time a job's labels are asked for.)
         launcher = launcher_from(recovery, self._send_stop, self._verified_slurm_jobs)
-        self.core = Coordinator(
+        self.core, self.watchdog = build_core(
             EventLog(settings.state_dir), settings.unreachable_after_intervals, detection=detection
         )
         self.actions = Actions(self.core)
         self.recovery = Recovery(
             recovery,
-            watchdog=self.core.watchdog,
+            watchdog=self.watchdog,
             event_log=self.core.event_log,
             jobs=lambda: self.core.jobs.jobs,
             latest_checkpoint=self.core.checkpoints.latest_step,
@@ -200,7 +204,7 @@ class CoordinatorServer:
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(self.core, self.access), self._server)
         cluster_pb2_grpc.add_ClusterServiceServicer_to_server(
-            ClusterServicer(self.core, self.actions, self.access), self._server
+            ClusterServicer(self.core, self.watchdog, self.actions, self.access), self._server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         services = (
@@ -233,11 +237,18 @@ class CoordinatorServer:
         self._tasks = [
             asyncio.create_task(self.core.watch_liveness(), name="liveness"),
             asyncio.create_task(self.core.tick_acks(), name="acks"),
-            asyncio.create_task(self.core.watch_incidents(), name="detection"),
+            asyncio.create_task(self._watch_incidents(), name="detection"),
             asyncio.create_task(self.recovery.run(), name="recovery"),
         ]
         if self.settings.ready_file:
             self._write_ready_file(Path(self.settings.ready_file))
+
+    async def _watch_incidents(self) -> None:
+        """Detection rounds forever (cancel to stop); see Watchdog."""
+        try:
+            await self.watchdog.run(lambda: self.core.jobs.jobs, self.core.state.nodes)
+        finally:
+            await self.watchdog.close()
 
     def render_metrics(self) -> bytes:
         """Called from the HTTP thread: copy state on the loop, render here."""
@@ -257,7 +268,7 @@ class CoordinatorServer:
         return MetricsPage(
             nodes=node_views(core.state),
             training=training_view(core.jobs, core.checkpoints, core.now()[0]),
-            incidents=incident_view(core.watchdog, core.jobs.jobs),
+            incidents=incident_view(self.watchdog, core.jobs.jobs),
             recovery=recovery_view(self.recovery.counts, time.time()),
             reports_rejected=dict(core.reports_rejected_total),
             state=core.event_log.health(),

@@ -39,7 +39,7 @@ from clusterwatch.agent.hook_socket import HookSocketError, SocketClaim
 from clusterwatch.agent.proc_exit import ProcessExitWatcher
 from clusterwatch.agent.runtime import Agent
 from clusterwatch.config import AgentSettings, CoordinatorSettings
-from clusterwatch.coordinator.report_checks import check_report
+from clusterwatch.coordinator.ingest.report_checks import check_report
 from clusterwatch.coordinator.server import CoordinatorServer
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, hook_pb2, training_pb2
 

@@ -1,4 +1,4 @@
-"""Cause attribution (coordinator/causes.py): jobs through the real JobStore, nodes through
+"""Cause attribution (coordinator/detection/causes/): jobs through the real JobStore, nodes through
 the real ClusterState, node reports as the agent's protobufs."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ from collections.abc import Collection, Mapping
 import pytest
 from training_builders import T0, collective, rank_report, step
 
-from clusterwatch.coordinator.causes import (
+from clusterwatch.coordinator.detection.causes import (
     Cause,
     CauseName,
     CauseSettings,
     network_cause,
     straggler_cause,
 )
-from clusterwatch.coordinator.jobs import JobRecord, JobStore
-from clusterwatch.coordinator.state import ClusterState, NodeRecord
+from clusterwatch.coordinator.model.jobs import JobRecord, JobStore
+from clusterwatch.coordinator.model.state import ClusterState, NodeRecord
 from clusterwatch.errors import ConfigError
 from clusterwatch.v1 import agent_pb2, node_pb2
 

@@ -9,7 +9,7 @@ from helpers import run_cli
 
 from clusterwatch import config
 from clusterwatch.config import AgentSettings, CoordinatorSettings, RecoverySettings
-from clusterwatch.coordinator import launchers
+from clusterwatch.coordinator.recovery import launchers
 from clusterwatch.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)

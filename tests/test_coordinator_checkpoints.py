@@ -10,8 +10,12 @@ import pytest
 from helpers import Cluster, Coordinator, samples_named, scrape
 from training_builders import AgentStream, checkpoint_ok, poll_until, rank_report, step
 
-from clusterwatch.coordinator.checkpoints import CheckpointTracker, CompletedCheckpoint, LatestCheckpoint
-from clusterwatch.coordinator.event_log import EventLog
+from clusterwatch.coordinator.model.checkpoints import (
+    CheckpointTracker,
+    CompletedCheckpoint,
+    LatestCheckpoint,
+)
+from clusterwatch.coordinator.model.event_log import EventLog
 from clusterwatch.v1 import agent_pb2, training_pb2
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""The job store (coordinator/jobs.py) and its parts, fed with RankReport protos."""
+"""The job store (coordinator/model/jobs.py) and its parts, fed with RankReport protos."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 from training_builders import DISCONNECTED, EXITED, RUNNING, T0, collective, rank_report, step
 
 from clusterwatch.collective_stats import bus_factor, duration_bucket_index
-from clusterwatch.coordinator.core import Coordinator
-from clusterwatch.coordinator.event_log import EventLog
-from clusterwatch.coordinator.jobs import CONFLICT_HOLD_S, OTHER_OP, JobStore
-from clusterwatch.coordinator.rank_reports import RankReportError, RejectReason, parse_rank_report
-from clusterwatch.coordinator.step_ring import StepColumns, StepRing, StepSample
+from clusterwatch.coordinator.model.event_log import EventLog
+from clusterwatch.coordinator.model.jobs import CONFLICT_HOLD_S, OTHER_OP, JobStore
+from clusterwatch.coordinator.model.rank_reports import RankReportError, RejectReason, parse_rank_report
+from clusterwatch.coordinator.model.step_ring import StepColumns, StepRing, StepSample
+from clusterwatch.coordinator.wiring import build_core
 from clusterwatch.v1 import agent_pb2, node_pb2, training_pb2
 
 pytestmark = pytest.mark.timeout(10)
@@ -296,7 +296,7 @@ def test_heartbeat_health_is_kept() -> None:
 
 def test_the_coordinator_applies_ranks_once_and_stores_reports_without_them(tmp_path: Path) -> None:
     now = [100.0]
-    core = Coordinator(EventLog(tmp_path), clock=lambda: now[0], wall_clock=lambda: T0 + now[0])
+    core = build_core(EventLog(tmp_path), clock=lambda: now[0], wall_clock=lambda: T0 + now[0]).coordinator
     try:
         session = core.open_stream(agent_pb2.Hello(node_id="n", instance_id="i", interval_seconds=1.0))
         report = node_pb2.NodeReport(sequence=1, ranks=[rank_report(0, world_size=1, steps=[step(1)])])

@@ -8,8 +8,8 @@ import pytest
 from test_causes import build_job, cluster
 
 from clusterwatch.config import DetectionSettings
-from clusterwatch.coordinator.detection import Detection
-from clusterwatch.coordinator.incidents import Kind
+from clusterwatch.coordinator.detection.round import Detection
+from clusterwatch.coordinator.model.incidents import Kind
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -7,10 +7,10 @@ import signal
 import pytest
 from training_builders import EXITED, rank_report, step
 
-from clusterwatch.coordinator.failures import NodeFailureDetector, rank_failure
-from clusterwatch.coordinator.incidents import Kind, Severity
-from clusterwatch.coordinator.jobs import JobRecord, JobStore
-from clusterwatch.coordinator.state import NodeRecord, NodeState
+from clusterwatch.coordinator.detection.failures import NodeFailureDetector, rank_failure
+from clusterwatch.coordinator.model.incidents import Kind, Severity
+from clusterwatch.coordinator.model.jobs import JobRecord, JobStore
+from clusterwatch.coordinator.model.state import NodeRecord, NodeState
 from clusterwatch.v1 import node_pb2, training_pb2
 
 pytestmark = pytest.mark.timeout(30)

@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 from training_builders import EXITED, rank_report, step
 
-from clusterwatch.coordinator.hangs import CulpritReason, HangFinding, HangSettings, detect_hang, timeout_s
-from clusterwatch.coordinator.jobs import JobStore
+from clusterwatch.coordinator.detection.hangs import (
+    CulpritReason,
+    HangFinding,
+    HangSettings,
+    detect_hang,
+    timeout_s,
+)
+from clusterwatch.coordinator.model.jobs import JobStore
 from clusterwatch.v1 import training_pb2
 
 pytestmark = pytest.mark.timeout(30)

@@ -24,10 +24,10 @@ from training_builders import rank_report, step
 from bench.synthetic import node_report
 from clusterwatch.agent.runtime import Agent
 from clusterwatch.config import AgentSettings, CoordinatorSettings
-from clusterwatch.coordinator.admission import Admission
-from clusterwatch.coordinator.metrics import render
+from clusterwatch.coordinator.ingest.admission import Admission
+from clusterwatch.coordinator.metrics.page import render
 from clusterwatch.coordinator.server import CoordinatorServer
-from clusterwatch.coordinator.views import node_views
+from clusterwatch.coordinator.views.nodes import node_views
 from clusterwatch.hook.transport import fetch_credential_nonce
 from clusterwatch.v1 import (
     agent_pb2,
@@ -849,7 +849,7 @@ def violations(descriptor: Any, path: str = "", at: Callable[[Any], Any] = lambd
     the fast column checks missed would let its mutation through, and fail the test below.
     ``at`` finds (creating it) the message at ``path`` in a report.
     """
-    from clusterwatch.coordinator import report_checks as rc
+    from clusterwatch.coordinator.ingest import report_checks as rc
 
     found: list[Violation] = []
     for fd in descriptor.fields:
@@ -901,7 +901,7 @@ def violations(descriptor: Any, path: str = "", at: Callable[[Any], Any] = lambd
 
 
 def test_every_field_check_report_reads_is_checked_by_its_fast_path_too() -> None:
-    from clusterwatch.coordinator.report_checks import ReportCheckError, check_report
+    from clusterwatch.coordinator.ingest.report_checks import ReportCheckError, check_report
 
     base = honest_report(7)
     assert check_report(base, time.time()) is not None

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from clusterwatch.coordinator.event_log import EventLog
-from clusterwatch.coordinator.incidents import Finding, IncidentBook, IncidentState, Kind, Severity
+from clusterwatch.coordinator.model.event_log import EventLog
+from clusterwatch.coordinator.model.incidents import Finding, IncidentBook, IncidentState, Kind, Severity
 from clusterwatch.errors import FailedPreconditionError, NotFoundError
 from clusterwatch.v1 import cluster_pb2, training_pb2
 

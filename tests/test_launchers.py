@@ -23,18 +23,17 @@ from typing import Any
 import pytest
 from helpers import wait_for
 
-from clusterwatch.coordinator.launchers import (
-    KubernetesLauncher,
+from clusterwatch.coordinator.recovery.launchers.kubernetes import KubernetesLauncher
+from clusterwatch.coordinator.recovery.launchers.registry import make_launcher
+from clusterwatch.coordinator.recovery.launchers.slurm import (
     SlurmLauncher,
-    TorchrunLauncher,
     current_exc_node_list,
-    make_launcher,
     merge_exc_node_list,
     parse_slurm_job_ids,
-    run_command,
-    summarise_stops,
 )
+from clusterwatch.coordinator.recovery.launchers.torchrun import TorchrunLauncher, summarise_stops
 from clusterwatch.errors import ConfigError
+from clusterwatch.external_commands import run_command
 from clusterwatch.v1 import agent_pb2
 
 pytestmark = pytest.mark.timeout(30)
@@ -578,3 +577,10 @@ def test_make_launcher() -> None:
         match=r"^recovery\.launcher: unknown launcher 'pbs' \(one of: torchrun, slurm, kubernetes\)$",
     ):
         make_launcher("pbs", _never)
+
+
+def test_the_registry_builds_every_launcher_kind_the_settings_accept() -> None:
+    from clusterwatch.coordinator.recovery.launchers.registry import BUILDERS
+    from clusterwatch.recovery_names import LAUNCHER_KINDS
+
+    assert sorted(BUILDERS) == sorted(LAUNCHER_KINDS)

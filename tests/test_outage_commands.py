@@ -21,12 +21,12 @@ from training_builders import poll_until, rank_report, step
 from clusterwatch.agent.commands import CommandHandler
 from clusterwatch.agent.process_instance import ProcessInstance
 from clusterwatch.config import DetectionSettings, RecoverySettings
-from clusterwatch.coordinator.event_log import EventLog
-from clusterwatch.coordinator.incidents import Incident, IncidentState, Kind, Severity
-from clusterwatch.coordinator.jobs import JobStore
-from clusterwatch.coordinator.launchers import LaunchOutcome
-from clusterwatch.coordinator.recovery import Recovery
-from clusterwatch.coordinator.watchdog import Watchdog
+from clusterwatch.coordinator.detection.watchdog import Watchdog
+from clusterwatch.coordinator.model.event_log import EventLog
+from clusterwatch.coordinator.model.incidents import Incident, IncidentState, Kind, Severity
+from clusterwatch.coordinator.model.jobs import JobStore
+from clusterwatch.coordinator.recovery.executor import Recovery
+from clusterwatch.coordinator.recovery.launchers import LaunchOutcome
 from clusterwatch.v1 import agent_pb2, cluster_pb2
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,5 +1,5 @@
 """A node cut off from the coordinator is judged by what its ranks' peers on other nodes report
-(coordinator/detection.py judge_unreachable, coordinator/hangs.py): pure functions of the job store
+(coordinator/detection/round.py judge_unreachable, coordinator/detection/hangs.py): pure functions of the job store
 (fed through the real JobStore) and the cluster state, with the clock as an argument."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import pytest
 from training_builders import rank_report, step
 
 from clusterwatch.config import DetectionSettings
-from clusterwatch.coordinator.detection import Detection
-from clusterwatch.coordinator.hangs import CulpritReason, HangSettings, detect_hang
-from clusterwatch.coordinator.incidents import Finding, Kind, Severity
-from clusterwatch.coordinator.jobs import JobStore
-from clusterwatch.coordinator.state import NodeRecord, NodeState
+from clusterwatch.coordinator.detection.hangs import CulpritReason, HangSettings, detect_hang
+from clusterwatch.coordinator.detection.round import Detection
+from clusterwatch.coordinator.model.incidents import Finding, Kind, Severity
+from clusterwatch.coordinator.model.jobs import JobStore
+from clusterwatch.coordinator.model.state import NodeRecord, NodeState
 from clusterwatch.v1 import training_pb2
 
 pytestmark = pytest.mark.timeout(30)

@@ -20,9 +20,9 @@ import psutil
 import pytest
 from helpers import Cluster, Coordinator, Process, clusterwatch_cmd, scrape, wait_for
 
-from clusterwatch.coordinator.event_log import EventLog
-from clusterwatch.coordinator.incidents import Incident, IncidentState, Kind, Severity
-from clusterwatch.coordinator.state import Event, EventKind
+from clusterwatch.coordinator.model.event_log import EventLog
+from clusterwatch.coordinator.model.incidents import Incident, IncidentState, Kind, Severity
+from clusterwatch.coordinator.model.state import Event, EventKind
 from clusterwatch.v1 import cluster_pb2
 
 pytestmark = pytest.mark.timeout(90)

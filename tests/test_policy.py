@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from clusterwatch.config import RecoverySettings
-from clusterwatch.coordinator.incidents import Incident, IncidentState, Kind, Severity
-from clusterwatch.coordinator.policy import Policy, checkpoints_first, exclusion_blocker
+from clusterwatch.coordinator.model.incidents import Incident, IncidentState, Kind, Severity
+from clusterwatch.coordinator.recovery.policy import Policy, checkpoints_first, exclusion_blocker
 
 pytestmark = pytest.mark.timeout(30)
 

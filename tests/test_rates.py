@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clusterwatch.coordinator.rates import infiniband_rates, network_rates
+from clusterwatch.coordinator.model.rates import infiniband_rates, network_rates
 from clusterwatch.v1 import node_pb2
 
 pytestmark = pytest.mark.timeout(10)

@@ -7,8 +7,8 @@ import collections
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clusterwatch.coordinator.recovery import RecoveryCounts
-from clusterwatch.coordinator.recovery_metrics import recovery_view, write_recovery
+from clusterwatch.coordinator.metrics.recovery import recovery_view, write_recovery
+from clusterwatch.coordinator.recovery.executor import RecoveryCounts
 from clusterwatch.promtext import Exposition
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,4 +1,4 @@
-"""The job slowdown detector (coordinator/slowdowns.py) on synchronous jobs fed through the real store."""
+"""The job slowdown detector (coordinator/detection/slowdowns.py) on synchronous jobs fed through the real store."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections.abc import Callable
 import pytest
 from training_builders import T0, rank_report, step
 
-from clusterwatch.coordinator.jobs import RUNNING, JobRecord, JobStore, RankRecord
-from clusterwatch.coordinator.slowdowns import SlowdownDetector, SlowdownFinding, SlowdownSettings
-from clusterwatch.coordinator.step_ring import StepColumns, StepRing
+from clusterwatch.coordinator.detection.slowdowns import SlowdownDetector, SlowdownFinding, SlowdownSettings
+from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord, JobStore, RankRecord
+from clusterwatch.coordinator.model.step_ring import StepColumns, StepRing
 from clusterwatch.errors import ConfigError
 from clusterwatch.v1 import training_pb2
 

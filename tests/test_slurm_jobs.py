@@ -10,13 +10,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from training_builders import EXITED, RUNNING, T0, rank_report, step
 
-from clusterwatch.coordinator.core import Coordinator
-from clusterwatch.coordinator.event_log import EventLog
-from clusterwatch.coordinator.incidents import IncidentState, Kind
-from clusterwatch.coordinator.job_views import job_status, job_view, training_view
-from clusterwatch.coordinator.jobs import JobStore
-from clusterwatch.coordinator.rank_reports import RejectReason
-from clusterwatch.coordinator.training_metrics import write_training
+from clusterwatch.coordinator.ingest.core import Coordinator
+from clusterwatch.coordinator.metrics.training import write_training
+from clusterwatch.coordinator.model.event_log import EventLog
+from clusterwatch.coordinator.model.incidents import IncidentState, Kind
+from clusterwatch.coordinator.model.jobs import JobStore
+from clusterwatch.coordinator.model.rank_reports import RejectReason
+from clusterwatch.coordinator.views.jobs import job_status, job_view, training_view
+from clusterwatch.coordinator.wiring import build_core
 from clusterwatch.promtext import Exposition
 from clusterwatch.v1 import agent_pb2, cluster_pb2, node_pb2, training_pb2
 
@@ -42,7 +43,9 @@ def clock() -> Clock:
 
 @pytest.fixture
 def core(tmp_path: Path, clock: Clock) -> Iterator[Coordinator]:
-    coordinator = Coordinator(EventLog(tmp_path), clock=lambda: clock.mono_s, wall_clock=clock.wall)
+    coordinator = build_core(
+        EventLog(tmp_path), clock=lambda: clock.mono_s, wall_clock=clock.wall
+    ).coordinator
     yield coordinator
     coordinator.event_log.close()
 

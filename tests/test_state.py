@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clusterwatch.coordinator.state import RESTORED_GRACE_S, ClusterState, EventKind
+from clusterwatch.coordinator.model.state import RESTORED_GRACE_S, ClusterState, EventKind
 from clusterwatch.errors import InvalidReportError
 from clusterwatch.v1 import agent_pb2, cluster_pb2, node_pb2
 

@@ -9,7 +9,7 @@ import pytest
 
 from bench.straggler_latency import ONSET_STEP, latency, scenario_text, spread
 from bench.straggler_replay import replay
-from clusterwatch.coordinator.stragglers import StragglerSettings
+from clusterwatch.coordinator.detection.stragglers import StragglerSettings
 from clusterwatch.sim.scenario import parse_scenario
 from clusterwatch.sim.scoring import FaultScore, SeenIncident
 from clusterwatch.sim.truth import FaultTruth, GroundTruth

@@ -1,4 +1,4 @@
-"""The straggler detector (coordinator/stragglers.py) on job records built by the real store or directly."""
+"""The straggler detector (coordinator/detection/stragglers.py) on job records built by the real store or directly."""
 
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ from collections.abc import Callable
 import pytest
 from training_builders import T0, rank_report, step
 
-from clusterwatch.coordinator.jobs import RUNNING, JobRecord, JobStore, RankRecord
-from clusterwatch.coordinator.step_ring import StepColumns, StepRing
-from clusterwatch.coordinator.stragglers import StragglerDetector, StragglerFinding, StragglerSettings
+from clusterwatch.coordinator.detection.stragglers import (
+    StragglerDetector,
+    StragglerFinding,
+    StragglerSettings,
+)
+from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord, JobStore, RankRecord
+from clusterwatch.coordinator.model.step_ring import StepColumns, StepRing
 from clusterwatch.errors import ConfigError
 from clusterwatch.v1 import training_pb2
 

@@ -1,5 +1,5 @@
-"""Placements and advice (coordinator/topology_advice.py) and the nearest-NIC network cause
-(coordinator/causes.py): jobs through the real JobStore, node topologies written out here."""
+"""Placements and advice (coordinator/detection/topology_advice.py) and the nearest-NIC network cause
+(coordinator/detection/causes/): jobs through the real JobStore, node topologies written out here."""
 
 from __future__ import annotations
 
@@ -10,10 +10,15 @@ import pytest
 from training_builders import T0, rank_report
 
 from bench.synthetic import hgx_topology
-from clusterwatch.coordinator.causes import CauseName, straggler_cause
-from clusterwatch.coordinator.jobs import JobRecord, JobStore
-from clusterwatch.coordinator.state import NodeRecord
-from clusterwatch.coordinator.topology_advice import GroupRole, group_role, job_findings, job_placements
+from clusterwatch.coordinator.detection.causes import CauseName, straggler_cause
+from clusterwatch.coordinator.detection.topology_advice import (
+    GroupRole,
+    group_role,
+    job_findings,
+    job_placements,
+)
+from clusterwatch.coordinator.model.jobs import JobRecord, JobStore
+from clusterwatch.coordinator.model.state import NodeRecord
 from clusterwatch.v1 import node_pb2, training_pb2
 
 pytestmark = pytest.mark.timeout(60)

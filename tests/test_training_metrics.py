@@ -21,10 +21,10 @@ from training_builders import (
 )
 
 from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S, bus_factor
-from clusterwatch.coordinator.checkpoints import CheckpointTracker, LatestCheckpoint
-from clusterwatch.coordinator.job_views import job_status, training_view
-from clusterwatch.coordinator.jobs import JobStore
-from clusterwatch.coordinator.training_metrics import TRAINING_FAMILIES, write_training
+from clusterwatch.coordinator.metrics.training import TRAINING_FAMILIES, write_training
+from clusterwatch.coordinator.model.checkpoints import CheckpointTracker, LatestCheckpoint
+from clusterwatch.coordinator.model.jobs import JobStore
+from clusterwatch.coordinator.views.jobs import job_status, training_view
 from clusterwatch.promtext import Exposition, histogram
 from clusterwatch.v1 import cluster_pb2, training_pb2
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from training_builders import T0, rank_report, step
 
-from clusterwatch.coordinator.checkpoints import CheckpointTracker
-from clusterwatch.coordinator.job_views import job_status, training_view
-from clusterwatch.coordinator.jobs import JobStore
-from clusterwatch.coordinator.stragglers import StragglerDetector
+from clusterwatch.coordinator.detection.stragglers import StragglerDetector
+from clusterwatch.coordinator.model.checkpoints import CheckpointTracker
+from clusterwatch.coordinator.model.jobs import JobStore
+from clusterwatch.coordinator.views.jobs import job_status, training_view
 from clusterwatch.sim.snapshot import SyntheticCluster, synthetic_snapshot
 from clusterwatch.tui.feed import Disconnected, Update
 from clusterwatch.tui.history import sparkline

@@ -62,7 +62,7 @@ def reload_settings(server: CoordinatorServer, args: argparse.Namespace) -> None
     and its options stay as they were at start (see CoordinatorServer.reload_recovery).
     """
     try:
-        server.core.watchdog.apply_settings(settings_from_args(args, DetectionSettings))
+        server.watchdog.apply_settings(settings_from_args(args, DetectionSettings))
     except ConfigError as exc:
         logger.error("SIGHUP: kept the detection settings in force; invalid configuration: %s", exc)
     try:

@@ -15,7 +15,7 @@ what the others do:
 
 (A tensor of another size does not hang on gloo: the rank that receives the
 larger part aborts at once, and torchrun tears the others down about 0.1 s
-later. coordinator/failures.py says what the last heartbeats show then.)
+later. coordinator/detection/failures.py says what the last heartbeats show then.)
 
 Just before, that rank writes the time to ``--desync-file``. The job then
 never ends: the test stops it.

@@ -12,7 +12,7 @@ from clusterwatch.v1 import cluster_pb2, training_pb2
 
 STEP_HISTORY_WIDTH = 16
 COLLECTIVE_MISMATCH = "collective_mismatch"
-"""A hang's cause when the rank is in another collective than its peers (coordinator/mismatch.py)."""
+"""A hang's cause when the rank is in another collective than its peers (coordinator/detection/mismatch.py)."""
 COLUMNS = (
     Column("RANK", 5, right=True),
     Column("NODE", 13),

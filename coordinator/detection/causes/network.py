@@ -1,0 +1,377 @@
+"""Rule 3, network, for one straggler (``rank_network_cause``), and the job-level ``network_cause``.
+
+A node's network stands out with a link down (one that was up before or is
+up on most of the job's other nodes), InfiniBand or NIC errors or link flaps,
+an outlying InfiniBand transmit wait, or its ranks' bus bandwidth clearly
+below the others'. For a straggler, with its node's topology and its GPU
+known, only the NICs nearest that GPU count. The thresholds and the rule
+order are in coordinator/detection/causes/__init__.py.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import statistics
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Literal, NamedTuple, TypeVar
+
+from clusterwatch.coordinator.detection.causes.shared import (
+    DEFAULT_SETTINGS,
+    Cause,
+    CauseName,
+    CauseSettings,
+    median,
+    put,
+    report_of,
+)
+from clusterwatch.coordinator.detection.topology_advice import Placement, place
+from clusterwatch.coordinator.model.jobs import JobRecord, RankRecord
+from clusterwatch.coordinator.model.rates import counter_rate, nic_key, port_key
+from clusterwatch.coordinator.model.state import NodeRecord
+from clusterwatch.topology import link_name
+from clusterwatch.v1 import node_pb2
+
+_IB_ACTIVE = "ACTIVE"
+
+_IbCounter = Literal[
+    "transmit_wait_total", "symbol_errors_total", "receive_errors_total", "link_downed_total"
+]
+_IB_ERRORS: tuple[_IbCounter, ...] = ("symbol_errors_total", "receive_errors_total")
+
+
+def network_cause(
+    job: JobRecord, nodes: Mapping[str, NodeRecord], *, settings: CauseSettings = DEFAULT_SETTINGS
+) -> Cause:
+    """The job's nodes whose network stands out, for a communication-bound job slowdown.
+
+    Every hosting node is compared with the job's other nodes: a link down,
+    InfiniBand/NIC errors or link flaps, an outlying InfiniBand transmit wait,
+    or its ranks' bus bandwidth clearly below the other nodes'.
+
+    Args:
+        job: the job as the store holds it (read only).
+        nodes: ``ClusterState.nodes``.
+        settings: thresholds.
+
+    Returns:
+        ``network`` with the culprit nodes (worst first; the evidence is the
+        first one's), or ``communication`` with no node when none stands out.
+    """
+    reports = {
+        node_id: (node, report)
+        for node_id in job.hosting_nodes()
+        if (node := nodes.get(node_id)) is not None and (report := node.report) is not None
+    }
+    hosting = list(reports)
+    census = _LinkCensus(nodes, hosting)
+    networks = {node_id: _node_network(node, report, census) for node_id, (node, report) in reports.items()}
+    op = _dominant_op(job)
+    busbw = _busbw_by_node(job, op) if op is not None else {}
+    waits = sorted(w for n in networks.values() if (w := n.transmit_wait_per_s) is not None)
+    bandwidths = sorted(busbw.values())
+    culprits: list[_Culprit] = []
+    for node_id in hosting:
+        net = networks[node_id]
+        # Each node against the others: the median without its own value.
+        peer_wait = _median_without(waits, net.transmit_wait_per_s)
+        peer_busbw = _median_without(bandwidths, busbw.get(node_id))
+        signals = _network_signals(net, peer_wait, busbw.get(node_id), peer_busbw, settings)
+        if signals.reasons:
+            culprits.append(_Culprit(node_id, signals))
+    if culprits:
+        culprits.sort(key=lambda c: (c.signals.level, -c.signals.magnitude, c.node_id))
+        named = "; ".join(f"{c.node_id}: {', '.join(c.signals.reasons)}" for c in culprits)
+        return Cause(
+            CauseName.NETWORK,
+            f"job {job.job} communicates slower and {len(culprits)} of its {len(hosting)} nodes "
+            f"stand out: {named}",
+            culprits[0].signals.evidence,
+            tuple(c.node_id for c in culprits),
+        )
+    evidence: dict[str, float] = {}
+    put(evidence, "bus_bandwidth_bytes_per_second", median(busbw.values()))
+    put(evidence, "ib_transmit_wait_per_second", median(n.transmit_wait_per_s for n in networks.values()))
+    return Cause(
+        CauseName.COMMUNICATION,
+        f"job {job.job} communicates slower but none of its {len(hosting)} nodes stands out "
+        "(links up, no errors, transmit wait and bus bandwidth alike): the fabric or the "
+        "job's communication as a whole",
+        evidence,
+    )
+
+
+# --- network -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _NodeNetwork:
+    """One node's network over its latest report interval (rates None when unknown)."""
+
+    transmit_wait_per_s: float | None
+    ib_errors_per_s: float | None
+    ib_link_downed_per_s: float | None
+    nic_errors_per_s: float | None
+    links_down: tuple[str, ...]
+
+
+class _NetworkSignals(NamedTuple):
+    """What makes one node's network stand out.
+
+    Attributes:
+        reasons: for people, one per signal; empty when nothing stands out.
+        level / magnitude: to sort culprits, worst first: the kind of the worst
+            signal (0 link down, 1 errors, 2 transmit wait, 3 bus bandwidth) and
+            how far out it is.
+    """
+
+    reasons: list[str]
+    evidence: dict[str, float]
+    level: int
+    magnitude: float
+
+
+class _Culprit(NamedTuple):
+    node_id: str
+    signals: _NetworkSignals
+
+
+class _LinkCensus:
+    """Which links (``mlx5_0/1``, ``eth0``) are up on the job's nodes, to tell a
+    broken link from one that is simply not cabled anywhere.
+
+    Taken on the first question only: most nodes have no link down to ask about.
+    """
+
+    def __init__(self, nodes: Mapping[str, NodeRecord], node_ids: Iterable[str]) -> None:
+        self._nodes = nodes
+        self._node_ids = node_ids
+        self._up: dict[str, set[str]] | None = None
+        self._reported: dict[str, set[str]] = {}
+
+    def mostly_up_elsewhere(self, name: str, node_id: str) -> bool:
+        if self._up is None:
+            self._up = {}
+            for other in self._node_ids:
+                report = report_of(self._nodes.get(other))
+                for link, up in _links(report) if report is not None else ():
+                    self._reported.setdefault(link, set()).add(other)
+                    if up:
+                        self._up.setdefault(link, set()).add(other)
+        reported_count = len(self._reported.get(name, set()) - {node_id})
+        up_count = len(self._up.get(name, set()) - {node_id})
+        return 2 * up_count > reported_count
+
+
+def _links(report: node_pb2.NodeReport) -> list[tuple[str, bool]]:
+    """(name, up) of every InfiniBand port with a state and every NIC with a link flag."""
+    links = [(f"{p.device}/{p.port}", p.state == _IB_ACTIVE) for p in report.ib_ports if p.state]
+    links.extend((n.device, n.up) for n in report.nics if n.device != "lo" and n.HasField("up"))
+    return links
+
+
+def _node_network(
+    node: NodeRecord, report: node_pb2.NodeReport, census: _LinkCensus, devices: frozenset[str] | None = None
+) -> _NodeNetwork:
+    """The node's network; with ``devices``, only those NICs' links and error counters."""
+    node_id = node.node_id
+    previous = node.previous
+    elapsed_s = report.timestamp_unix_seconds - previous.timestamp_unix_seconds if previous else 0.0
+    was_up = dict(_links(previous)) if previous is not None else {}
+    down = tuple(
+        name
+        for name, up in _links(report)
+        if not up
+        and (devices is None or name.partition("/")[0] in devices)
+        and (was_up.get(name, False) or census.mostly_up_elsewhere(name, node_id))
+    )
+    if previous is None or elapsed_s <= 0:
+        return _NodeNetwork(None, None, None, None, down)
+    ports_now, ports_before = _only(report.ib_ports, devices), _only(previous.ib_ports, devices)
+    ib_errors = [
+        counter_rate(ports_before, ports_now, port_key, _optional(field), elapsed_s) for field in _IB_ERRORS
+    ]
+    return _NodeNetwork(
+        transmit_wait_per_s=_transmit_wait_per_s(node),
+        ib_errors_per_s=_sum(ib_errors),
+        ib_link_downed_per_s=counter_rate(
+            ports_before, ports_now, port_key, _optional("link_downed_total"), elapsed_s
+        ),
+        nic_errors_per_s=counter_rate(
+            _only(previous.nics, devices),
+            _only(report.nics, devices),
+            nic_key,
+            lambda n: n.receive_errors_total + n.transmit_errors_total,
+            elapsed_s,
+        ),
+        links_down=down,
+    )
+
+
+_Device = TypeVar("_Device", node_pb2.IbPortSample, node_pb2.NicSample)
+
+
+def _only(samples: Iterable[_Device], devices: frozenset[str] | None) -> list[_Device]:
+    """The samples of ``devices`` (all when None)."""
+    return [s for s in samples if devices is None or s.device in devices]
+
+
+def _nearest_devices(placement: Placement) -> frozenset[str] | None:
+    """The rank's nearest NICs and their interfaces; None when its GPU or NICs are unknown."""
+    if not placement.nics:
+        return None
+    return frozenset(name for nic in placement.nics for name in (nic.device, *nic.interfaces))
+
+
+def _transmit_wait_per_s(node: NodeRecord | None) -> float | None:
+    """A node's InfiniBand transmit wait over its latest interval; None when unknown."""
+    report, previous = report_of(node), node.previous if node is not None else None
+    if report is None or previous is None:
+        return None
+    elapsed_s = report.timestamp_unix_seconds - previous.timestamp_unix_seconds
+    if elapsed_s <= 0:
+        return None
+    return counter_rate(
+        previous.ib_ports, report.ib_ports, port_key, _optional("transmit_wait_total"), elapsed_s
+    )
+
+
+def _network_signals(
+    net: _NodeNetwork,
+    peer_wait_per_s: float | None,
+    busbw: float | None,
+    peer_busbw: float | None,
+    settings: CauseSettings,
+) -> _NetworkSignals:
+    """What makes one node's network stand out (no reasons: nothing)."""
+    reasons: list[str] = []
+    severities: list[tuple[int, float]] = []
+    evidence: dict[str, float] = {}
+    if net.links_down:
+        reasons.append(f"{', '.join(net.links_down)} down")
+        severities.append((0, float(len(net.links_down))))
+        evidence["links_down"] = float(len(net.links_down))
+    for key, label, rate in (
+        ("ib_errors_per_second", "InfiniBand errors", net.ib_errors_per_s),
+        ("ib_link_downed_per_second", "InfiniBand link flaps", net.ib_link_downed_per_s),
+        ("nic_errors_per_second", "NIC errors", net.nic_errors_per_s),
+    ):
+        if rate is not None and rate >= settings.errors_min_per_s:
+            reasons.append(f"{label} at {rate:.1f}/s")
+            severities.append((1, rate))
+            evidence[key] = rate
+    wait, peer_wait = net.transmit_wait_per_s, peer_wait_per_s
+    # Transmit wait is routine under load: it only stands out against other nodes.
+    if (
+        wait is not None
+        and peer_wait is not None
+        and wait >= settings.transmit_wait_min_per_s
+        and wait >= settings.transmit_wait_above_peers_ratio * peer_wait
+    ):
+        times = f" ({wait / peer_wait:.0f}x)" if peer_wait > 0 else ""
+        reasons.append(f"InfiniBand transmit wait {wait:.3g}/s vs {peer_wait:.3g}/s on the others{times}")
+        severities.append((2, wait / peer_wait if peer_wait > 0 else wait))
+        evidence["ib_transmit_wait_per_second"] = wait
+        evidence["peer_ib_transmit_wait_per_second"] = peer_wait
+    if (
+        busbw is not None
+        and peer_busbw is not None
+        and peer_busbw > 0
+        and busbw < settings.bus_bandwidth_below_peers_ratio * peer_busbw
+    ):
+        reasons.append(
+            f"bus bandwidth {busbw / 1e9:.2f} GB/s vs {peer_busbw / 1e9:.2f} GB/s on the others "
+            f"({busbw / peer_busbw:.2f}x)"
+        )
+        severities.append((3, peer_busbw / max(busbw, 1.0)))
+        evidence["bus_bandwidth_bytes_per_second"] = busbw
+        evidence["peer_bus_bandwidth_bytes_per_second"] = peer_busbw
+    level, magnitude = min(severities, key=lambda s: (s[0], -s[1])) if severities else (4, 0.0)
+    return _NetworkSignals(reasons, evidence, level, magnitude)
+
+
+def rank_network_cause(
+    job: JobRecord,
+    record: RankRecord,
+    slow: Collection[int],
+    nodes: Mapping[str, NodeRecord],
+    settings: CauseSettings,
+) -> Cause | None:
+    """The network cause of a straggler (rule 3), or None when its node's network does not explain it."""
+    node = nodes.get(record.node_id)
+    report = report_of(node)
+    if node is None or report is None:
+        return None
+    running = job.running_ranks()
+    census = _LinkCensus(nodes, {r.node_id for r in running} | {record.node_id})
+    # With the node's topology, only the NICs next to the rank's GPU speak for it:
+    # a port down elsewhere on the node carries other GPUs' traffic.
+    placement = place(record, nodes)
+    devices = _nearest_devices(placement)
+    net = _node_network(node, report, census, devices)
+    healthy_elsewhere = [
+        r for r in running if r.node_id != record.node_id and r.rank not in slow and r.rank != record.rank
+    ]
+    peer_nodes = sorted({r.node_id for r in healthy_elsewhere})
+    peer_waits = [_transmit_wait_per_s(nodes.get(node_id)) for node_id in peer_nodes]
+    op = _dominant_op(job)
+    busbw = peer_busbw = None
+    if op is not None:
+        busbw = median(r.bus_bandwidth_bytes_per_s.get(op) for r in running if r.node_id == record.node_id)
+        peer_busbw = median(r.bus_bandwidth_bytes_per_s.get(op) for r in healthy_elsewhere)
+    signals = _network_signals(net, median(peer_waits), busbw, peer_busbw, settings)
+    if not signals.reasons:
+        return None
+    where = ""
+    if devices is not None:
+        nics = ", ".join(nic.device for nic in placement.nics)
+        where = f" on {nics}, the NIC nearest its GPU {placement.gpu} ({link_name(placement.nic_link)})"
+    return Cause(
+        CauseName.NETWORK,
+        f"{record.node_id}, where rank {record.rank} runs, has network trouble{where}: "
+        f"{'; '.join(signals.reasons)}",
+        signals.evidence,
+        (record.node_id,),
+    )
+
+
+def _dominant_op(job: JobRecord) -> str | None:
+    """The collective op that moved the most bytes in the job (ties: by name)."""
+    moved = [(totals.bytes_total, op) for op, totals in job.collectives.items() if totals.bytes_total > 0]
+    return max(moved, key=lambda m: (m[0], m[1]))[1] if moved else None
+
+
+def _busbw_by_node(job: JobRecord, op: str) -> dict[str, float]:
+    """Median bus bandwidth of each hosting node's running ranks for ``op``."""
+    by_node: dict[str, list[float]] = {}
+    for record in job.running_ranks():
+        value = record.bus_bandwidth_bytes_per_s.get(op)
+        if value is not None:
+            by_node.setdefault(record.node_id, []).append(value)
+    return {node_id: statistics.median(values) for node_id, values in by_node.items()}
+
+
+def _median_without(ordered: Sequence[float], value: float | None) -> float | None:
+    """The median of ``ordered`` (ascending) with one ``value`` taken out (none when None); O(log n)."""
+    if value is None:
+        return statistics.median(ordered) if ordered else None
+    n = len(ordered) - 1
+    if n <= 0:
+        return None
+    removed = bisect.bisect_left(ordered, value)
+
+    def at(k: int) -> float:
+        return ordered[k if k < removed else k + 1]
+
+    h = n // 2
+    return at(h) if n % 2 else (at(h - 1) + at(h)) / 2
+
+
+def _sum(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def _optional(field: _IbCounter) -> Callable[[node_pb2.IbPortSample], int | None]:
+    """Reads an optional counter of an InfiniBand port: None when unset."""
+    return lambda port: getattr(port, field) if port.HasField(field) else None
