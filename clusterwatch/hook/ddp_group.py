@@ -10,9 +10,9 @@ BENCHMARKS.md). So on CPU models ``watch_ddp`` leaves DDP's own all-reduce in
 place and swaps the reducer's process group for a ``ReducerGroup``: a Python
 ``ProcessGroup`` holding the real group's backends, whose ``allreduce`` (what
 the reducer calls for each bucket) times the call and hands it to the real
-group. Everything else the reducer may call (broadcasts when it rebuilds its
-buckets, ...) goes to the same backends through ``ProcessGroup``'s own code.
-DDP's results are bit for bit those without the hook.
+group. Every other collective (the broadcasts of the reducer's bucket rebuild,
+...) is handed to the real group untimed: see ``_FORWARDED``. DDP's results
+are bit for bit those without the hook.
 
 The bucket's completion is stamped without running Python code on the
 backend's thread: the stamp is a ``then`` callback made only of built-ins
@@ -131,6 +131,44 @@ class ReducerGroup(dist.ProcessGroup):
             return work
         self._stamped(launch, stamp, stamped)
         return timed
+
+
+# The collectives handed to the real group through its Python binding, untimed. For a collective a
+# Python ProcessGroup does not define, torch's trampoline (PyProcessGroup.hpp: WORK_OVERRIDE, and the
+# same code, new name looked up first, for the three renamed ones) calls ProcessGroup's C++
+# implementation *holding the GIL* it took to look for an override. With gloo that deadlocks:
+# ProcessGroupGloo::enqueue waits for the work queue's lock, which a gloo worker holds while it frees
+# the work it finished (runLoop), and freeing a tensor that has a Python object (as every bucket
+# allreduce() saw has) needs the GIL (TensorImpl::decref_pyobject). Seen as DDP's bucket rebuild
+# (Reducer::sync_bucket_indices -> broadcast) hanging the second step. The bindings release the GIL
+# for the C++ call, as for any collective called from Python. The reducer calls broadcast (and
+# allreduce, getSize and getRank: those two take the GIL but no lock); the others are every other
+# collective the trampoline overrides, so none can hang that way. A C++ call of a collective the
+# trampoline does not override never takes the GIL.
+_FORWARDED = (
+    "all_gather_single_coalesced",
+    "all_to_all_single",
+    "allgather",
+    "allreduce_coalesced",
+    "barrier",
+    "broadcast",
+    "recv",
+    "reduce_scatter",
+    "reduce_scatter_single_coalesced",
+    "send",
+)
+
+
+def _forwarder(name: str) -> Callable[..., Any]:
+    def forward(self: ReducerGroup, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._real, name)(*args, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = name
+    return forward
+
+
+for _name in _FORWARDED:
+    setattr(ReducerGroup, _name, _forwarder(_name))
 
 
 def stamp_completion(future: torch.futures.Future[Any]) -> tuple[dict[int, Any], torch.futures.Future[Any]]:
