@@ -15,18 +15,20 @@ Two ways, chosen per model by ``watch_ddp``:
   pass over each bucket (one kernel on a GPU) and each bucket runs Python.
 
 Either way the blocked time a backward adds is DDP's wait at its end.
-Importing this module does not import torch.
+``CLUSTERWATCH_DDP_TIMING=comm_hook`` (``DdpTimingMode``) makes CPU models use
+the comm hook too. Importing this module does not import torch.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import enum
 import functools
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from clusterwatch.hook.collective_ledger import (
@@ -49,6 +51,36 @@ logger = logging.getLogger(__name__)
 
 _DDP_HOOK_ERROR = "register_comm_hook or register_builtin_comm_hook can only be called once."
 """DDP's own error for a second comm hook."""
+
+DDP_TIMING_ENV = "CLUSTERWATCH_DDP_TIMING"
+"""How ``TrainingMonitor.watch`` times DDP buckets: a ``DdpTimingMode`` value."""
+
+
+class DdpTimingMode(enum.StrEnum):
+    """How ``watch_ddp`` times a model's buckets (see the module docstring).
+
+    ``COMM_HOOK`` is the escape hatch should swapping the reducer's process
+    group ever misbehave with a torch release: it costs a second pass over
+    every bucket and Python per bucket (BENCHMARKS.md, issue 18, item 5).
+    """
+
+    AUTO = "auto"
+    """CPU models: the reducer group (the comm hook if it cannot be swapped in); CUDA: the comm hook."""
+    COMM_HOOK = "comm_hook"
+    """Every model: the comm hook."""
+
+
+def ddp_timing_mode(environ: Mapping[str, str]) -> DdpTimingMode:
+    """``DDP_TIMING_ENV``'s mode: ``AUTO`` when unset or empty; a value it does not know is logged."""
+    value = environ.get(DDP_TIMING_ENV, "").strip().lower()
+    if not value:
+        return DdpTimingMode.AUTO
+    try:
+        return DdpTimingMode(value)
+    except ValueError:
+        modes = ", ".join(mode.value for mode in DdpTimingMode)
+        logger.warning("clusterwatch: ignoring %s=%r (one of: %s); using auto", DDP_TIMING_ENV, value, modes)
+        return DdpTimingMode.AUTO
 
 
 @dataclasses.dataclass(eq=False)
@@ -106,7 +138,7 @@ class _DdpTiming(_Ledger):
         # Models whose reducer all-reduces through a ReducerGroup (their watches, weakly).
         self._reducer_groups: weakref.WeakSet[_DdpWatch] = weakref.WeakSet()
 
-    def watch_ddp(self, model: DistributedDataParallel) -> None:
+    def watch_ddp(self, model: DistributedDataParallel, mode: DdpTimingMode = DdpTimingMode.AUTO) -> None:
         """Time ``model``'s gradient buckets as "ddp_all_reduce" (see the module docstring).
 
         Each bucket is timed from its launch to its completion. Blocked time:
@@ -130,7 +162,8 @@ class _DdpTiming(_Ledger):
         the reducer's group on a CPU model, so its buckets are timed with what
         they send; on a CUDA model it fails, as DDP makes any second hook fail.
         Compiled DDP's Python reducer is not timed. Calling it again for the
-        same model does nothing.
+        same model does nothing. ``mode`` ``COMM_HOOK`` times a CPU model with
+        the comm hook too.
         """
         try:
             if not self._bind_torch():
@@ -162,7 +195,8 @@ class _DdpTiming(_Ledger):
             )
             parameter = next(iter(model.parameters()), None)
             on_cpu = parameter is not None and self._cuda.clock(parameter.detach()) is Clock.WALL
-            if not (on_cpu and self._swap_in_reducer_group(model, watch)):
+            by_group = on_cpu and mode is DdpTimingMode.AUTO
+            if not (by_group and self._swap_in_reducer_group(model, watch)):
                 registered = len(model._comm_hooks)
                 try:
                     model.register_comm_hook(watch, self._make_ddp_hook())
