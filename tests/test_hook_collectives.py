@@ -525,6 +525,32 @@ def test_a_builtin_comm_hook_registered_after_watch_runs_untimed_on_cpu(
     assert errors == []
 
 
+@pytest.mark.parametrize(
+    ("value", "mode"),
+    [
+        (None, "auto"),
+        ("", "auto"),
+        ("auto", "auto"),
+        ("comm_hook", "comm_hook"),
+        (" Comm_Hook ", "comm_hook"),
+    ],
+)
+def test_the_ddp_timing_mode_comes_from_clusterwatch_ddp_timing(value: str | None, mode: str) -> None:
+    from clusterwatch.hook.ddp_timing import DDP_TIMING_ENV, ddp_timing_mode
+
+    environ = {} if value is None else {DDP_TIMING_ENV: value}
+    assert ddp_timing_mode(environ) == mode
+
+
+def test_an_unknown_ddp_timing_mode_is_logged_and_auto_used(caplog: pytest.LogCaptureFixture) -> None:
+    from clusterwatch.hook.ddp_timing import DdpTimingMode, ddp_timing_mode
+
+    with caplog.at_level(logging.WARNING):
+        assert ddp_timing_mode({"CLUSTERWATCH_DDP_TIMING": "hook"}) is DdpTimingMode.AUTO
+    assert "CLUSTERWATCH_DDP_TIMING='hook'" in caplog.text
+    assert "auto, comm_hook" in caplog.text
+
+
 def test_stamp_completion_stamps_the_value_and_passes_on_the_error() -> None:
     from clusterwatch.hook.ddp_group import stamp_completion, wait_for_stamps
 
