@@ -330,3 +330,30 @@ def test_a_collective_that_raises_is_in_a_heartbeat_at_once(peer: tuple[Peer, Pa
     assert (failed.op, failed.group_name, failed.sequence) == ("broadcast", "0", 2)
     assert (failed.size_bytes, failed.dtype) == (24, "float64")
     assert not beat.HasField("collective")  # it is no longer in flight
+
+
+def test_clusterwatch_ddp_timing_comm_hook_times_a_cpu_model_with_the_comm_hook(
+    peer: tuple[Peer, Path],
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    servicer, path = peer
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    environ = {**ENV, "CLUSTERWATCH_DDP_TIMING": "comm_hook"}
+    monitor = TrainingMonitor("unit", socket_path=str(path), environ=environ, heartbeat_interval_s=0.05)
+    try:
+        model = monitor.watch(torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 4)))
+        assert len(model._comm_hooks) == 1  # the comm hook, not the reducer's process group
+        for step in range(3):  # the second rebuilds the buckets
+            with monitor.step(step):
+                model(torch.ones(2, 8)).sum().backward()
+        wait_for(lambda: servicer.steps() == [0, 1, 2], 10, "the steps to reach the agent")
+    finally:
+        monitor.close()
+        dist.destroy_process_group()
+    summaries = [s for m in servicer.of_kind("steps") for s in m.steps.steps]
+    for summary in summaries:  # every step's bucket still timed, with what it carried
+        (bucket,) = summary.collectives
+        assert (bucket.op, bucket.count, bucket.bytes_total) == ("ddp_all_reduce", 1, (8 * 4 + 4) * 4)
+    assert monitor.health.errors_total == 0

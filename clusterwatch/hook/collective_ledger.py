@@ -14,6 +14,12 @@ aggregates exactly once. The monitor reads the result: ``in_flight()``,
 - **CUDA tensors**: CUDA events read later with ``query()``, never a
   synchronisation (see ``clusterwatch.hook.cuda_timing``); ``poll()`` harvests
   them.
+- **Stamped launches** (DDP buckets on CPU, ``clusterwatch.hook.ddp_group``):
+  their completion time is written into a dict by a callback that runs no
+  Python code; ``poll()`` (and so ``take_step()``) harvests them. Their
+  blocked time is counted per *round*, the buckets one backward pass launched:
+  ``max(0, last completion - last launch)``, once the round is over (a later
+  backward launched, or ``take_step()``) and all its buckets completed.
 
 Sequence numbers are the hook's own, per process group: every instrumented
 collective launched on a group takes the next one, so for an SPMD program they
@@ -105,6 +111,19 @@ class _GroupInfo:
         self.p2p_sequence = itertools.count(1)
 
 
+class _Round:
+    """The DDP buckets one backward pass launched (see ``_Ledger``): their blocked time."""
+
+    __slots__ = ("done_ns", "key", "last_launch_ns", "outstanding", "over")
+
+    def __init__(self, key: int) -> None:
+        self.key = key  # the autograd graph task that launched them
+        self.last_launch_ns = 0
+        self.done_ns = 0  # the latest completion so far
+        self.outstanding = 0  # launched, not completed
+        self.over = False  # no more launches will join
+
+
 class _Launch:
     """One instrumented collective from launch until it is counted (or dropped)."""
 
@@ -115,10 +134,13 @@ class _Launch:
         "device",
         "done",
         "dtype",
+        "future",
         "group",
         "op",
+        "round",
         "sequence",
         "size_bytes",
+        "stamp",
         "start_ns",
         "waiting",
         "work_key",
@@ -148,6 +170,11 @@ class _Launch:
         self.cuda: CudaTiming | None = None
         self.device: Any = None
         self.work_key: int | None = None
+        # Stamped launches: {completion monotonic ns: result} once complete, the future
+        # that completes after the stamp, and the round the launch belongs to.
+        self.stamp: dict[int, Any] | None = None
+        self.future: Any = None
+        self.round: _Round | None = None
 
 
 class _ThreadState(threading.local):
@@ -191,6 +218,9 @@ class _Ledger:
         # id(work) -> (work, launch) of async collectives until they complete.
         # Holding the Work keeps its id from being reused by another Work meanwhile.
         self._works: dict[int, tuple[Any, _Launch]] = {}
+        # Stamped launches not yet harvested, and rounds not yet counted.
+        self._stamped: dict[_Launch, None] = {}
+        self._rounds: list[_Round] = []
         self._blocked_ns: dict[int, int] = {}
         self._groups: dict[int, _GroupInfo] = {}
         self._dtype_names: dict[Any, str] = {}
@@ -244,7 +274,11 @@ class _Ledger:
         return self._last_failed
 
     def poll(self) -> None:
-        """Count the CUDA collectives whose events have completed (``query()`` only; never waits)."""
+        """Count the collectives that completed since: stamped ones, and CUDA ones whose events have.
+
+        Reads stamps and ``query()``s events only; never waits.
+        """
+        self._harvest_stamps()
         try:
             with self._lock:
                 pending = [
@@ -291,6 +325,8 @@ class _Ledger:
         self.poll()
         try:
             with self._lock:
+                for round_ in list(self._rounds):  # this step's backward passes are over
+                    self._end_round(round_)
                 blocked_ns = self._blocked_ns.pop(threading.get_ident(), 0)
                 blocked_ns += self._blocked_ns.pop(_DDP_BLOCKED_KEY, 0)
                 aggregates = self._aggregator.take()
@@ -298,6 +334,56 @@ class _Ledger:
         except Exception as exc:
             self._report(exc)
             return 0.0, []
+
+    # -- stamped launches ---------------------------------------------------------------
+
+    def _harvest_stamps(self) -> None:
+        """Count the stamped launches whose stamp is there; drop those whose future failed."""
+        if not self._stamped:
+            return
+        failed: list[_Launch] = []
+        try:
+            with self._lock:
+                for launch in list(self._stamped):
+                    stamp = launch.stamp
+                    if stamp:
+                        done_ns = next(iter(stamp))
+                        self._round_done(launch, done_ns)
+                        self._count(launch, (done_ns - launch.start_ns) / 1e9)
+                    elif launch.future is not None and launch.future.done():  # done, never stamped: it raised
+                        self._drop(launch)
+                        failed.append(launch)
+        except Exception as exc:
+            self._report(exc)
+        for launch in failed:
+            self._raised(launch, time.monotonic_ns())
+
+    def _round_done(self, launch: _Launch, done_ns: int | None) -> None:
+        """``launch`` is over: completed at ``done_ns``, or dropped (None). Caller holds the lock."""
+        round_ = launch.round
+        if round_ is None:
+            return
+        launch.round = None
+        round_.outstanding -= 1
+        if done_ns is not None:
+            round_.done_ns = max(round_.done_ns, done_ns)
+        if round_.over and round_.outstanding <= 0:
+            self._count_round(round_)
+
+    def _end_round(self, round_: _Round) -> None:
+        """No more launches join ``round_``; count it once its launches completed. Caller holds the lock."""
+        if round_.over:
+            return
+        round_.over = True
+        if round_.outstanding <= 0:
+            self._count_round(round_)
+
+    def _count_round(self, round_: _Round) -> None:
+        # Caller holds the lock.
+        if round_.done_ns:
+            self._add_blocked(_DDP_BLOCKED_KEY, round_.done_ns - round_.last_launch_ns)
+        if round_ in self._rounds:
+            self._rounds.remove(round_)
 
     # -- shared bookkeeping ----------------------------------------------------------
 
@@ -365,6 +451,9 @@ class _Ledger:
         # Caller holds the lock.
         launch.done = True
         self._in_flight.pop(launch, None)
+        self._stamped.pop(launch, None)
+        if launch.round is not None:
+            self._round_done(launch, None)
         if launch.work_key is not None:
             entry = self._works.get(launch.work_key)
             if entry is not None and entry[1] is launch:

@@ -7,8 +7,9 @@ whose docstring says what it sees and what it does not:
   functions of ``torch.distributed`` and ``Work.wait``, process-wide.
 - ``clusterwatch.hook.collective_calls``: times each patched call, synchronous
   or async, and the Work of an async one.
-- ``clusterwatch.hook.ddp_timing``: ``watch_ddp()`` times DDP gradient buckets
-  with a comm hook.
+- ``clusterwatch.hook.ddp_timing``: ``watch_ddp()`` times DDP gradient buckets,
+  through the reducer's process group on CPU (``clusterwatch.hook.ddp_group``)
+  and with a comm hook on CUDA.
 - ``clusterwatch.hook.collective_ledger``: launches in flight, sequence numbers,
   blocked time and aggregates; what the monitor reads (``in_flight()``,
   ``last_failed()``, ``poll()``, ``take_step()``).

@@ -1,18 +1,34 @@
-"""Times DDP gradient buckets with a comm hook.
+"""Times DDP gradient buckets, as "ddp_all_reduce".
 
-``watch_ddp`` registers a comm hook that runs torch's own ``allreduce_hook``
-(what DDP does without a hook) and times each bucket as "ddp_all_reduce"; the
-blocked time it adds is DDP's wait at the end of backward. Importing this
-module does not import torch.
+Two ways, chosen per model by ``watch_ddp``:
+
+- **CPU models** (gloo): the reducer keeps DDP's own all-reduce, which divides
+  each gradient by the world size while copying it into its bucket; only its
+  process group is swapped for a ``ReducerGroup`` that times each bucket's
+  all-reduce (``clusterwatch.hook.ddp_group`` says why and how). Per bucket
+  that costs a few microseconds of Python on the training thread and a
+  built-in callback on gloo's.
+- **CUDA models**, a model whose reducer group cannot be swapped, and a hook
+  the user registers after ``watch_ddp``: a comm hook that runs torch's
+  ``allreduce_hook`` (or the user's hook) and times each bucket from its
+  launch to the completion of its future. There the division is a separate
+  pass over each bucket (one kernel on a GPU) and each bucket runs Python.
+
+Either way the blocked time a backward adds is DDP's wait at its end.
+``CLUSTERWATCH_DDP_TIMING=comm_hook`` (``DdpTimingMode``) makes CPU models use
+the comm hook too. Importing this module does not import torch.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import enum
 import functools
 import logging
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from clusterwatch.hook.collective_ledger import (
@@ -21,55 +37,115 @@ from clusterwatch.hook.collective_ledger import (
     _GroupInfo,
     _Launch,
     _Ledger,
+    _Round,
 )
 from clusterwatch.hook.collective_ops import DDP_OP
-from clusterwatch.hook.cuda_timing import Clock, CudaTiming
+from clusterwatch.hook.cuda_timing import Clock, CudaEventSource, CudaTiming
 
 if TYPE_CHECKING:
+    import torch
     from torch._C._distributed_c10d import GradBucket
     from torch.nn.parallel import DistributedDataParallel
 
 logger = logging.getLogger(__name__)
 
+_DDP_HOOK_ERROR = "register_comm_hook or register_builtin_comm_hook can only be called once."
+"""DDP's own error for a second comm hook."""
+
+DDP_TIMING_ENV = "CLUSTERWATCH_DDP_TIMING"
+"""How ``TrainingMonitor.watch`` times DDP buckets: a ``DdpTimingMode`` value."""
+
+
+class DdpTimingMode(enum.StrEnum):
+    """How ``watch_ddp`` times a model's buckets (see the module docstring).
+
+    ``COMM_HOOK`` is the escape hatch should swapping the reducer's process
+    group ever misbehave with a torch release: it costs a second pass over
+    every bucket and Python per bucket (BENCHMARKS.md, issue 18, item 5).
+    """
+
+    AUTO = "auto"
+    """CPU models: the reducer group (the comm hook if it cannot be swapped in); CUDA: the comm hook."""
+    COMM_HOOK = "comm_hook"
+    """Every model: the comm hook."""
+
+
+def ddp_timing_mode(environ: Mapping[str, str]) -> DdpTimingMode:
+    """``DDP_TIMING_ENV``'s mode: ``AUTO`` when unset or empty; a value it does not know is logged."""
+    value = environ.get(DDP_TIMING_ENV, "").strip().lower()
+    if not value:
+        return DdpTimingMode.AUTO
+    try:
+        return DdpTimingMode(value)
+    except ValueError:
+        modes = ", ".join(mode.value for mode in DdpTimingMode)
+        logger.warning("clusterwatch: ignoring %s=%r (one of: %s); using auto", DDP_TIMING_ENV, value, modes)
+        return DdpTimingMode.AUTO
+
 
 @dataclasses.dataclass(eq=False)
 class _DdpWatch:
-    """State of the timing comm hook of one DDP model (passed to DDP as the hook's state).
+    """The timing state of one DDP model (the comm hook's state, in that mode).
 
     Attributes:
         group: The model's process group.
-        inner_hook: The hook that does the work: torch's ``allreduce_hook``, or
-            a hook the user registered after ``watch_ddp``.
+        inner_hook: The hook the timing comm hook runs: torch's ``allreduce_hook``,
+            or a hook the user registered after ``watch_ddp``.
         inner_state: Its state.
         user_hook: ``inner_hook`` is the user's (its bytes are unknown: it may compress).
-        round_last_launch_ns: Launch of this backward's last bucket (None before it).
-        round_done_ns: Latest completion among this backward's buckets.
-        round_outstanding: Buckets of this backward launched and not completed.
+        hook_registered: The timing comm hook is registered with DDP.
+        reducer_group: The ``ReducerGroup`` in the model's reducer, if any.
+        model: The model (weakly), to give its reducer its own group back.
+        round: The bucket round the reducer group is filling.
+        round_last_launch_ns: Comm hook, wall clock: launch of this backward's last bucket.
+        round_done_ns: Comm hook, wall clock: latest completion among this backward's buckets.
+        round_outstanding: Comm hook, wall clock: buckets of this backward launched and not completed.
     """
 
     group: _GroupInfo
     inner_hook: Callable[[Any, Any], Any]
     inner_state: Any
     user_hook: bool = False
+    hook_registered: bool = False
+    reducer_group: Any = None
+    model: weakref.ref[Any] | None = None
+    round: _Round | None = None
     round_last_launch_ns: int | None = None
     round_done_ns: int = 0
     round_outstanding: int = 0
 
 
+def _watch_of(model: DistributedDataParallel) -> _DdpWatch | None:
+    """The timing state of ``model`` if a tracker watches it."""
+    redirect = vars(model).get("register_comm_hook")
+    watch = getattr(redirect, "_clusterwatch_watch", None)
+    if isinstance(watch, _DdpWatch):
+        return watch
+    return next((state for _hook, state in model._comm_hooks if isinstance(state, _DdpWatch)), None)
+
+
 class _DdpTiming(_Ledger):
     """``watch_ddp()`` and the ledger's bookkeeping for DDP buckets."""
 
-    def watch_ddp(self, model: DistributedDataParallel) -> None:
-        """Time ``model``'s gradient buckets as "ddp_all_reduce" with a DDP comm hook.
+    def __init__(
+        self,
+        on_error: Callable[[BaseException], None],
+        *,
+        cuda: CudaEventSource | None = None,
+        on_failure: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(on_error, cuda=cuda, on_failure=on_failure)
+        # Models whose reducer all-reduces through a ReducerGroup (their watches, weakly).
+        self._reducer_groups: weakref.WeakSet[_DdpWatch] = weakref.WeakSet()
 
-        The hook runs torch's ``allreduce_hook`` (divide by the group size, then
-        all-reduce: DDP's result without a hook) and times each bucket from its
-        launch to the completion of its future.
+    def watch_ddp(self, model: DistributedDataParallel, mode: DdpTimingMode = DdpTimingMode.AUTO) -> None:
+        """Time ``model``'s gradient buckets as "ddp_all_reduce" (see the module docstring).
 
-        Blocked time: buckets are all-reduced while backward still computes
-        earlier layers, and that overlap costs the training thread nothing. The
-        thread waits only at the end of backward, where DDP's reducer waits for
-        every bucket. So per backward the blocked time is
+        Each bucket is timed from its launch to its completion. Blocked time:
+        buckets are all-reduced while backward still computes earlier layers,
+        and that overlap costs the training thread nothing. The thread waits
+        only at the end of backward, where DDP's reducer waits for every
+        bucket. So per backward the blocked time is
         ``max(0, last bucket completion - launch of the last bucket)``: the last
         bucket launches when backward's compute is done. On CUDA it is the span
         between the CUDA events of the last bucket's launch and completion
@@ -78,13 +154,16 @@ class _DdpTiming(_Ledger):
         If the model already has a comm hook (the user's, or DDP's
         mixed-precision one), it is left alone: a warning is logged, a
         ``CollectiveTimingError`` goes to ``on_error``, and buckets are not
-        timed. A hook the user registers *after* this call replaces the
-        all-reduce inside ours (DDP accepts only one hook, so instead of failing
-        the user's call, ``model.register_comm_hook`` is redirected); its buckets
+        timed. A hook the user registers *after* this call runs inside the
+        timing comm hook (DDP accepts only one hook, so instead of failing the
+        user's call, ``model.register_comm_hook`` is redirected); its buckets
         are still timed, with 0 bytes since what such a hook sends is unknown.
-        ``model._register_builtin_comm_hook`` after this call fails as DDP makes
-        any second hook fail. Compiled DDP's Python reducer is not timed.
-        Calling it again for the same model does nothing.
+        A built-in (C++) hook registered after this call all-reduces through
+        the reducer's group on a CPU model, so its buckets are timed with what
+        they send; on a CUDA model it fails, as DDP makes any second hook fail.
+        Compiled DDP's Python reducer is not timed. Calling it again for the
+        same model does nothing. ``mode`` ``COMM_HOOK`` times a CPU model with
+        the comm hook too.
         """
         try:
             if not self._bind_torch():
@@ -95,7 +174,7 @@ class _DdpTiming(_Ledger):
             if not isinstance(model, DistributedDataParallel):
                 logger.debug("clusterwatch: watch_ddp(%s) ignored: not DDP", type(model).__name__)
                 return
-            if any(isinstance(state, _DdpWatch) for _hook, state in model._comm_hooks):
+            if _watch_of(model) is not None:
                 return  # watched already
             if model._comm_hooks:
                 self._ddp_not_timed(f"the model already has a comm hook ({model._comm_hooks[0][0]!r})")
@@ -108,38 +187,179 @@ class _DdpTiming(_Ledger):
                 raise CollectiveTimingError(
                     f"DDP's process group {model.process_group!r} is not a ProcessGroup"
                 )
-            watch = _DdpWatch(group=info, inner_hook=allreduce_hook, inner_state=model.process_group)
-            registered = len(model._comm_hooks)
-            try:
-                model.register_comm_hook(watch, self._make_ddp_hook())
-            except Exception as exc:  # a built-in (C++) comm hook is registered already
-                del model._comm_hooks[registered:]
-                self._ddp_not_timed(f"DDP refused the timing hook: {exc}")
-                return
+            watch = _DdpWatch(
+                group=info,
+                inner_hook=allreduce_hook,
+                inner_state=model.process_group,
+                model=weakref.ref(model),
+            )
+            parameter = next(iter(model.parameters()), None)
+            on_cpu = parameter is not None and self._cuda.clock(parameter.detach()) is Clock.WALL
+            by_group = on_cpu and mode is DdpTimingMode.AUTO
+            if not (by_group and self._swap_in_reducer_group(model, watch)):
+                registered = len(model._comm_hooks)
+                try:
+                    model.register_comm_hook(watch, self._make_ddp_hook())
+                except Exception as exc:  # a built-in (C++) comm hook is registered already
+                    del model._comm_hooks[registered:]
+                    self._ddp_not_timed(f"DDP refused the timing hook: {exc}")
+                    return
+                watch.hook_registered = True
             model.register_comm_hook = self._redirect_register_comm_hook(model, watch)  # type: ignore[method-assign, assignment]
+            if watch.reducer_group is not None:
+                model._register_builtin_comm_hook = self._redirect_builtin_comm_hook(model, watch)  # type: ignore[method-assign]
         except Exception as exc:
             self._report(exc)
 
-    @staticmethod
+    def _swap_in_reducer_group(self, model: DistributedDataParallel, watch: _DdpWatch) -> bool:
+        """Time ``model``'s buckets through its reducer's process group; False if that cannot be done."""
+        try:
+            from clusterwatch.hook import ddp_group
+
+            group = ddp_group.ReducerGroup(
+                model.process_group,
+                begin=functools.partial(self._group_bucket_begin, watch),
+                stamped=functools.partial(self._group_bucket_stamped, watch),
+                failed=self._group_bucket_failed,
+                forget=self._group_bucket_forget,
+            )
+            ddp_group.swap_in(model, group)
+        except Exception as exc:  # an older or newer torch, an unknown backend: the comm hook still works
+            logger.debug("clusterwatch: timing DDP buckets with a comm hook: %r", exc)
+            return False
+        watch.reducer_group = group
+        if not self._reducer_groups:
+            atexit.register(self._restore_reducer_groups)
+        self._reducer_groups.add(watch)
+        return True
+
+    def _restore_reducer_groups(self) -> None:
+        """At exit: give every watched reducer its own process group back, let gloo drop the stamps.
+
+        See ``clusterwatch.hook.ddp_group``: a stamp callback a backend thread
+        drops while the interpreter finalises aborts the process.
+        """
+        from clusterwatch.hook import ddp_group
+
+        for watch in list(self._reducer_groups):
+            model = watch.model() if watch.model is not None else None
+            if model is not None:
+                self._restore_reducer_group(model, watch)
+        if not ddp_group.wait_for_stamps(timeout_s=1.0):
+            logger.debug("clusterwatch: a DDP bucket was still in flight at exit")
+
+    def _restore_reducer_group(self, model: DistributedDataParallel, watch: _DdpWatch) -> None:
+        """``model``'s reducer all-reduces through its own group again: its buckets go untimed."""
+        try:
+            if watch.reducer_group is not None:
+                from clusterwatch.hook import ddp_group
+
+                ddp_group.restore(model)
+        except Exception as exc:
+            self._report(exc)
+        watch.reducer_group = None
+        self._reducer_groups.discard(watch)
+
     def _redirect_register_comm_hook(
-        model: DistributedDataParallel, watch: _DdpWatch
+        self, model: DistributedDataParallel, watch: _DdpWatch
     ) -> Callable[[object, Callable[..., Any]], None]:
         check_hook: Callable[[Callable[..., Any]], None] = model._check_comm_hook
+        ddp_register = type(model).register_comm_hook.__get__(model)
+        timing_hook = self._make_ddp_hook()
 
         def register_comm_hook(state: object, hook: Callable[..., Any]) -> None:
             check_hook(hook)  # DDP's own validation and errors
-            if watch.user_hook:  # DDP's own error for a second hook
-                raise RuntimeError(
-                    "register_comm_hook or register_builtin_comm_hook can only be called once."
-                )
+            if watch.user_hook:
+                raise RuntimeError(_DDP_HOOK_ERROR)
+            if not watch.hook_registered:  # the reducer group timed the buckets so far
+                ddp_register(watch, timing_hook)  # DDP's own errors (a built-in hook registered since)
+                watch.hook_registered = True
             watch.inner_hook, watch.inner_state, watch.user_hook = hook, state, True
 
         register_comm_hook.__doc__ = type(model).register_comm_hook.__doc__
+        register_comm_hook._clusterwatch_watch = watch  # type: ignore[attr-defined]
         return register_comm_hook
+
+    def _redirect_builtin_comm_hook(
+        self, model: DistributedDataParallel, watch: _DdpWatch
+    ) -> Callable[[Any], None]:
+        ddp_register_builtin = type(model)._register_builtin_comm_hook.__get__(model)
+
+        def register_builtin_comm_hook(comm_hook_type: Any) -> None:
+            # C++ hooks read the all-reduce's result as a TensorList, which the reducer
+            # group's stamped future is not: give the reducer its own group back first.
+            self._restore_reducer_group(model, watch)
+            ddp_register_builtin(comm_hook_type)
+
+        register_builtin_comm_hook.__doc__ = type(model)._register_builtin_comm_hook.__doc__
+        return register_builtin_comm_hook
 
     def _ddp_not_timed(self, why: str) -> None:
         logger.warning("clusterwatch: DDP gradient buckets are not timed: %s", why)
         self._report(CollectiveTimingError(f"DDP gradient buckets are not timed: {why}"))
+
+    # -- the reducer group's calls (training thread, inside backward) -------------------
+
+    def _group_bucket_begin(self, watch: _DdpWatch, tensors: list[torch.Tensor]) -> _Launch | None:
+        """A bucket's launch, or None: inactive, nested, or not a bucket (find_unused_parameters' int map)."""
+        if not self._active or self._state.inside:
+            return None
+        try:
+            tensor = tensors[0] if tensors else None
+            if not isinstance(tensor, self._torch.Tensor) or not (
+                tensor.is_floating_point() or tensor.is_complex()
+            ):
+                return None
+            if self._too_many_in_flight():
+                return None
+            info = watch.group
+            launch = _Launch(
+                DDP_OP,
+                info,
+                next(info.sequence),
+                start_ns=time.monotonic_ns(),
+                blocked_key=_DDP_BLOCKED_KEY,
+                asynchronous=True,
+            )
+            launch.dtype = self._dtype_name(tensor.dtype)
+            launch.size_bytes = tensor.nbytes if len(tensors) == 1 else sum(t.nbytes for t in tensors)
+            return launch
+        except Exception as exc:
+            self._report(exc)
+            return None
+
+    def _group_bucket_stamped(
+        self, watch: _DdpWatch, launch: _Launch, stamp: dict[int, Any], future: Any
+    ) -> None:
+        """The bucket is on its way; its stamp appears in ``stamp`` when it completes."""
+        try:
+            key = self._torch._C._current_graph_task_id()  # one backward pass, one round
+            launch.stamp, launch.future = stamp, future
+            with self._lock:
+                round_ = watch.round
+                if round_ is None or round_.key != key or round_.over:
+                    if round_ is not None:
+                        self._end_round(round_)  # a new backward pass: the previous one is over
+                    round_ = watch.round = _Round(key)
+                    self._rounds.append(round_)
+                round_.outstanding += 1
+                round_.last_launch_ns = launch.start_ns
+                launch.round = round_
+                self._in_flight[launch] = None
+                self._stamped[launch] = None
+        except Exception as exc:
+            self._report(exc)
+
+    def _group_bucket_failed(self, launch: _Launch) -> None:
+        """The reducer's all-reduce raised at launch (DDP gets the exception)."""
+        try:
+            self._raised(launch, time.monotonic_ns())
+        except Exception as exc:
+            self._report(exc)
+
+    def _group_bucket_forget(self, _launch: _Launch, exc: BaseException) -> None:
+        """The stamp could not be attached: the bucket goes untimed."""
+        self._report(exc)
 
     def _make_ddp_hook(self) -> Callable[[_DdpWatch, GradBucket], Any]:
         tracker = self

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from clusterwatch.hook import flight_recorder
 from clusterwatch.hook.checkpoint import CheckpointBook
+from clusterwatch.hook.ddp_timing import DdpTimingMode, ddp_timing_mode
 from clusterwatch.hook.health import HookHealth
 from clusterwatch.hook.identity import RankInfo, parent_argv, resolve_socket_path
 from clusterwatch.hook.process_groups import ProcessGroupReader
@@ -115,7 +116,9 @@ class TrainingMonitor:
         heartbeat_interval_s: seconds between heartbeats.
         queue_size: step summaries kept while the agent is slow or away.
         instrument_collectives: time torch.distributed collectives.
-        environ: the environment to read (and to set TORCH_FR_BUFFER_SIZE in).
+        environ: the environment to read (and to set TORCH_FR_BUFFER_SIZE in);
+            CLUSTERWATCH_DDP_TIMING=comm_hook times DDP buckets with a comm hook
+            on CPU models too (clusterwatch.hook.ddp_timing.DdpTimingMode).
     """
 
     def __init__(
@@ -142,6 +145,7 @@ class TrainingMonitor:
         self._deferred: dict[int, tuple[list[str], float]] = {}
         self._checkpoints = CheckpointBook()
         self._tracker: CollectiveTracker | None = None
+        self._ddp_timing = DdpTimingMode.AUTO
         self._process_groups = ProcessGroupReader()
         self._closed = False
         self.flight_recorder_enabled = False
@@ -169,6 +173,7 @@ class TrainingMonitor:
                 )
                 tracker.install()
                 self._tracker = tracker
+                self._ddp_timing = ddp_timing_mode(environ)
         self._link.start()
         atexit.register(self.close)
 
@@ -262,7 +267,7 @@ class TrainingMonitor:
             from torch.nn.parallel import DistributedDataParallel
 
             if self._tracker is not None and isinstance(model, DistributedDataParallel):
-                self._tracker.watch_ddp(model)
+                self._tracker.watch_ddp(model, self._ddp_timing)
         return model
 
     def latest_checkpoint_step(self, timeout_s: float = 10.0) -> int | None:
