@@ -125,15 +125,17 @@ def test_ddp_buckets_on_cuda_are_timed_with_events(
     layers = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(4))).cuda()
     model = torch.nn.parallel.DistributedDataParallel(layers)
     tracker.watch_ddp(model)
+    assert model._comm_hooks == []  # timed in the reducer's group, DDP's own all-reduce kept
     for _ in range(3):  # DDP rebuilds its buckets after the first backward
         model(torch.randn(64, 1024, device="cuda")).square().mean().backward()
     torch.cuda.synchronize()
-    _blocked_s, aggregates = tracker.take_step()
+    blocked_s, aggregates = tracker.take_step()
     buckets = [a for a in aggregates if a.op == DDP_OP]  # one aggregate per bucket size
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert sum(b.count for b in buckets) >= 3  # at least one bucket per backward
     assert sum(b.bytes_total for b in buckets) == 3 * parameter_bytes  # every gradient, once per backward
     assert all(b.duration_s_total > 0 for b in buckets)
+    assert blocked_s > 0  # the last bucket's launch to completion, once per backward
     assert errors == []
 
 

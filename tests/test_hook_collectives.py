@@ -578,15 +578,14 @@ def test_stamp_completion_stamps_the_value_and_passes_on_the_error() -> None:
 def test_a_bucket_whose_all_reduce_fails_leaves_the_in_flight_set_as_failed(
     tracker: CollectiveTracker, errors: list[BaseException]
 ) -> None:
-    from clusterwatch.hook.ddp_group import stamp_completion
-
     model = _ddp_model()
     tracker.watch_ddp(model)
     watch = vars(model)["register_comm_hook"]._clusterwatch_watch
     failing: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
     launch = tracker._group_bucket_begin(watch, [torch.ones(3)])  # what the reducer group does
     assert launch is not None
-    tracker._group_bucket_stamped(watch, launch, *stamp_completion(failing))
+    tracker._group_bucket_completion(launch, failing)
+    tracker._group_bucket_launched(watch, launch)
     in_flight = tracker.in_flight()
     assert in_flight is not None
     assert (in_flight.op, in_flight.size_bytes) == (DDP_OP, 12)
@@ -836,6 +835,7 @@ def test_cuda_bookkeeping_of_ddp_buckets(
     tracker, gpu, _cuda = gpu_tracker
     model = _ddp_model()
     tracker.watch_ddp(model)
+    assert model._comm_hooks == []  # timed in the reducer's group, DDP's own all-reduce kept
     _backward(model)  # one bucket, the last: start at 0 ms, end (in our Future callback) at 1 ms
     assert gpu.recorded == 2
     assert tracker.take_step() == (0.0, [])

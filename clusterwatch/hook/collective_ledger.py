@@ -20,6 +20,9 @@ aggregates exactly once. The monitor reads the result: ``in_flight()``,
   blocked time is counted per *round*, the buckets one backward pass launched:
   ``max(0, last completion - last launch)``, once the round is over (a later
   backward launched, or ``take_step()``) and all its buckets completed.
+  DDP buckets on CUDA are timed with events like any CUDA collective; their
+  round's blocked time is its last bucket's launch-to-completion span, read
+  once the round is over and both events completed.
 
 Sequence numbers are the hook's own, per process group: every instrumented
 collective launched on a group takes the next one, so for an SPMD program they
@@ -114,7 +117,7 @@ class _GroupInfo:
 class _Round:
     """The DDP buckets one backward pass launched (see ``_Ledger``): their blocked time."""
 
-    __slots__ = ("done_ns", "key", "last_launch_ns", "outstanding", "over")
+    __slots__ = ("done_ns", "key", "last_cuda", "last_launch_ns", "outstanding", "over")
 
     def __init__(self, key: int) -> None:
         self.key = key  # the autograd graph task that launched them
@@ -122,6 +125,7 @@ class _Round:
         self.done_ns = 0  # the latest completion so far
         self.outstanding = 0  # launched, not completed
         self.over = False  # no more launches will join
+        self.last_cuda: CudaTiming | None = None  # CUDA buckets: the latest one's events
 
 
 class _Launch:
@@ -221,6 +225,8 @@ class _Ledger:
         # Stamped launches not yet harvested, and rounds not yet counted.
         self._stamped: dict[_Launch, None] = {}
         self._rounds: list[_Round] = []
+        # CUDA rounds that are over: their last bucket's (start, end) events, until both complete.
+        self._round_stalls: list[CudaTiming] = []
         self._blocked_ns: dict[int, int] = {}
         self._groups: dict[int, _GroupInfo] = {}
         self._dtype_names: dict[Any, str] = {}
@@ -279,6 +285,7 @@ class _Ledger:
         Reads stamps and ``query()``s events only; never waits.
         """
         self._harvest_stamps()
+        self._harvest_round_stalls()
         try:
             with self._lock:
                 pending = [
@@ -327,6 +334,8 @@ class _Ledger:
             with self._lock:
                 for round_ in list(self._rounds):  # this step's backward passes are over
                     self._end_round(round_)
+            self._harvest_round_stalls()  # often complete already: DDP waited for its buckets
+            with self._lock:
                 blocked_ns = self._blocked_ns.pop(threading.get_ident(), 0)
                 blocked_ns += self._blocked_ns.pop(_DDP_BLOCKED_KEY, 0)
                 aggregates = self._aggregator.take()
@@ -358,6 +367,26 @@ class _Ledger:
         for launch in failed:
             self._raised(launch, time.monotonic_ns())
 
+    def _harvest_round_stalls(self) -> None:
+        """Add the stalls of CUDA rounds whose events have completed (``query()`` only)."""
+        if not self._round_stalls:
+            return
+        try:
+            with self._lock:
+                stalls = list(self._round_stalls)
+            for stall in stalls:
+                try:
+                    result = stall.result()
+                except Exception as exc:  # one bad event must not keep the others for ever
+                    self._report(exc)
+                    result = (0.0, 0.0)
+                if result is not None:
+                    with self._lock:
+                        self._round_stalls.remove(stall)
+                        self._add_blocked(_DDP_BLOCKED_KEY, int(result[0] * 1e9))
+        except Exception as exc:
+            self._report(exc)
+
     def _round_done(self, launch: _Launch, done_ns: int | None) -> None:
         """``launch`` is over: completed at ``done_ns``, or dropped (None). Caller holds the lock."""
         round_ = launch.round
@@ -371,10 +400,18 @@ class _Ledger:
             self._count_round(round_)
 
     def _end_round(self, round_: _Round) -> None:
-        """No more launches join ``round_``; count it once its launches completed. Caller holds the lock."""
+        """No more launches join ``round_``; count it once its launches completed. Caller holds the lock.
+
+        On CUDA the round's blocked time is the stall at DDP's wait: from the
+        launch of its last bucket (when backward's compute is done) to that
+        bucket's completion, read from their events once both complete.
+        """
         if round_.over:
             return
         round_.over = True
+        last = round_.last_cuda
+        if last is not None and last.end is not None:
+            self._round_stalls.append(CudaTiming(last.start, end=last.end))
         if round_.outstanding <= 0:
             self._count_round(round_)
 

@@ -5,16 +5,22 @@ size while copying it into its bucket (one pass over the gradients); with any
 comm hook it copies, and the hook must divide the bucket in a second pass
 (torch's ``allreduce_hook`` does ``bucket.div_(world_size)``) and run Python for
 every bucket. On a CPU (gloo) training step that second pass and the Python
-around it cost more than everything else the hook does (issue 18, item 5;
-BENCHMARKS.md). So on CPU models ``watch_ddp`` leaves DDP's own all-reduce in
-place and swaps the reducer's process group for a ``ReducerGroup``: a Python
+around it cost more than everything else the hook does; on an H100 (NCCL) it
+was +0.37 ms of GPU time and +0.4 ms of autograd-thread CPU in a 10.5 ms step
+(issue 18, item 5; BENCHMARKS.md). So ``watch_ddp`` leaves DDP's own all-reduce
+in place and swaps the reducer's process group for a ``ReducerGroup``: a Python
 ``ProcessGroup`` holding the real group's backends, whose ``allreduce`` (what
 the reducer calls for each bucket) times the call and hands it to the real
 group. Every other collective (the broadcasts of the reducer's bucket rebuild,
 ...) is handed to the real group untimed: see ``_FORWARDED``. DDP's results
 are bit for bit those without the hook.
 
-The bucket's completion is stamped without running Python code on the
+How a bucket's completion is recorded is the tracker's (``CompletionFn``): a
+CUDA event recorded in a ``then`` callback on CUDA (NCCL runs it at once, on
+the calling thread, with a current stream that waited for the bucket), and on
+CPU a stamp that runs no Python code on gloo's thread (below).
+
+On CPU the bucket's completion is stamped without running Python code on the
 backend's thread: the stamp is a ``then`` callback made only of built-ins
 (``next`` over a ``map`` of ``dict.setdefault`` over ``time.monotonic_ns`` and
 the future's own ``value``), whose value is the bucket (or whose error is the
@@ -63,12 +69,15 @@ _BACKEND_TYPES = {
 
 BeginFn = Callable[[list[torch.Tensor]], Any]
 """Registers a bucket's launch before the call; returns the launch, or None to leave it untimed."""
-StampedFn = Callable[[Any, dict[int, Any], Any], None]
-"""Registers the launch's stamp dict and the future DDP waits for."""
+CompletionFn = Callable[[Any, "torch.futures.Future[Any]"], "torch.futures.Future[Any]"]
+"""Arranges for the launch's completion to be recorded; returns the future DDP waits for (which
+completes once it is). Registers nothing: a launch whose Work cannot be made is forgotten."""
+LaunchedFn = Callable[[Any], None]
+"""The bucket is on its way: registers the launch in flight."""
 FailedFn = Callable[[Any], None]
 """The real all-reduce raised (DDP gets the exception): the launch is over."""
 ForgetFn = Callable[[Any, BaseException], None]
-"""The stamp could not be attached (DDP gets the untimed Work): drop the launch, report why."""
+"""Its completion could not be watched (DDP gets the untimed Work): the launch goes untimed; report why."""
 
 
 class ReducerGroup(dist.ProcessGroup):
@@ -79,7 +88,8 @@ class ReducerGroup(dist.ProcessGroup):
     Args:
         real: The model's process group; its backends do all the work.
         begin: See ``BeginFn``.
-        stamped: See ``StampedFn``.
+        completion: See ``CompletionFn``.
+        launched: See ``LaunchedFn``.
         failed: See ``FailedFn``.
         forget: See ``ForgetFn``.
 
@@ -92,7 +102,8 @@ class ReducerGroup(dist.ProcessGroup):
         real: dist.ProcessGroup,
         *,
         begin: BeginFn,
-        stamped: StampedFn,
+        completion: CompletionFn,
+        launched: LaunchedFn,
         failed: FailedFn,
         forget: ForgetFn,
     ) -> None:
@@ -109,7 +120,8 @@ class ReducerGroup(dist.ProcessGroup):
         self._set_default_backend(default)
         self._real = real
         self._begin = begin
-        self._stamped = stamped
+        self._completion = completion
+        self._launched = launched
         self._failed = failed
         self._forget = forget
 
@@ -124,12 +136,11 @@ class ReducerGroup(dist.ProcessGroup):
             self._failed(launch)
             raise
         try:
-            stamp, stamped = stamp_completion(work.get_future())
-            timed = _create_work_from_future(stamped)
+            timed = _create_work_from_future(self._completion(launch, work.get_future()))
         except Exception as exc:
             self._forget(launch, exc)
             return work
-        self._stamped(launch, stamp, stamped)
+        self._launched(launch)
         return timed
 
 

@@ -2,21 +2,22 @@
 
 Two ways, chosen per model by ``watch_ddp``:
 
-- **CPU models** (gloo): the reducer keeps DDP's own all-reduce, which divides
-  each gradient by the world size while copying it into its bucket; only its
+- **By default**: the reducer keeps DDP's own all-reduce, which divides each
+  gradient by the world size while copying it into its bucket; only its
   process group is swapped for a ``ReducerGroup`` that times each bucket's
   all-reduce (``clusterwatch.hook.ddp_group`` says why and how). Per bucket
-  that costs a few microseconds of Python on the training thread and a
-  built-in callback on gloo's.
-- **CUDA models**, a model whose reducer group cannot be swapped, and a hook
-  the user registers after ``watch_ddp``: a comm hook that runs torch's
-  ``allreduce_hook`` (or the user's hook) and times each bucket from its
-  launch to the completion of its future. There the division is a separate
-  pass over each bucket (one kernel on a GPU) and each bucket runs Python.
+  that costs a few microseconds of Python on the training thread, plus a
+  built-in stamp callback on gloo's thread (CPU) or a CUDA event recorded in
+  a ``then`` callback (CUDA).
+- **A model whose reducer group cannot be swapped** (another torch, another
+  backend), a hook the user registers after ``watch_ddp``, and
+  ``CLUSTERWATCH_DDP_TIMING=comm_hook`` (``DdpTimingMode``): a comm hook that
+  runs torch's ``allreduce_hook`` (or the user's hook) and times each bucket
+  from its launch to the completion of its future. There the division is a
+  separate pass over each bucket and each bucket runs Python.
 
 Either way the blocked time a backward adds is DDP's wait at its end.
-``CLUSTERWATCH_DDP_TIMING=comm_hook`` (``DdpTimingMode``) makes CPU models use
-the comm hook too. Importing this module does not import torch.
+Importing this module does not import torch.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class DdpTimingMode(enum.StrEnum):
     """
 
     AUTO = "auto"
-    """CPU models: the reducer group (the comm hook if it cannot be swapped in); CUDA: the comm hook."""
+    """The reducer group (the comm hook where it cannot be swapped in)."""
     COMM_HOOK = "comm_hook"
     """Every model: the comm hook."""
 
@@ -158,12 +159,11 @@ class _DdpTiming(_Ledger):
         timing comm hook (DDP accepts only one hook, so instead of failing the
         user's call, ``model.register_comm_hook`` is redirected); its buckets
         are still timed, with 0 bytes since what such a hook sends is unknown.
-        A built-in (C++) hook registered after this call all-reduces through
-        the reducer's group on a CPU model, so its buckets are timed with what
-        they send; on a CUDA model it fails, as DDP makes any second hook fail.
-        Compiled DDP's Python reducer is not timed. Calling it again for the
-        same model does nothing. ``mode`` ``COMM_HOOK`` times a CPU model with
-        the comm hook too.
+        A built-in (C++) hook registered after this call gets the reducer its
+        own group back and runs untimed; under the timing comm hook it fails,
+        as DDP makes any second hook fail. Compiled DDP's Python reducer is not
+        timed. Calling it again for the same model does nothing. ``mode``
+        ``COMM_HOOK`` times the model with the comm hook.
         """
         try:
             if not self._bind_torch():
@@ -193,10 +193,7 @@ class _DdpTiming(_Ledger):
                 inner_state=model.process_group,
                 model=weakref.ref(model),
             )
-            parameter = next(iter(model.parameters()), None)
-            on_cpu = parameter is not None and self._cuda.clock(parameter.detach()) is Clock.WALL
-            by_group = on_cpu and mode is DdpTimingMode.AUTO
-            if not (by_group and self._swap_in_reducer_group(model, watch)):
+            if not (mode is DdpTimingMode.AUTO and self._swap_in_reducer_group(model, watch)):
                 registered = len(model._comm_hooks)
                 try:
                     model.register_comm_hook(watch, self._make_ddp_hook())
@@ -219,7 +216,8 @@ class _DdpTiming(_Ledger):
             group = ddp_group.ReducerGroup(
                 model.process_group,
                 begin=functools.partial(self._group_bucket_begin, watch),
-                stamped=functools.partial(self._group_bucket_stamped, watch),
+                completion=self._group_bucket_completion,
+                launched=functools.partial(self._group_bucket_launched, watch),
                 failed=self._group_bucket_failed,
                 forget=self._group_bucket_forget,
             )
@@ -310,7 +308,8 @@ class _DdpTiming(_Ledger):
                 tensor.is_floating_point() or tensor.is_complex()
             ):
                 return None
-            if self._too_many_in_flight():
+            clock = self._cuda.clock(tensor)
+            if clock is Clock.NONE or self._too_many_in_flight():
                 return None
             info = watch.group
             launch = _Launch(
@@ -323,18 +322,39 @@ class _DdpTiming(_Ledger):
             )
             launch.dtype = self._dtype_name(tensor.dtype)
             launch.size_bytes = tensor.nbytes if len(tensors) == 1 else sum(t.nbytes for t in tensors)
+            if clock is Clock.CUDA_EVENTS:
+                launch.device = tensor.device
+                launch.cuda = CudaTiming(self._cuda.record(tensor.device))
             return launch
         except Exception as exc:
             self._report(exc)
             return None
 
-    def _group_bucket_stamped(
-        self, watch: _DdpWatch, launch: _Launch, stamp: dict[int, Any], future: Any
-    ) -> None:
-        """The bucket is on its way; its stamp appears in ``stamp`` when it completes."""
+    def _group_bucket_completion(self, launch: _Launch, future: Any) -> Any:
+        """What records the bucket's completion; the future DDP waits for (see ``ddp_group.CompletionFn``)."""
+        if launch.cuda is not None:
+            return future.then(functools.partial(self._group_cuda_bucket_done, launch))
+        from clusterwatch.hook import ddp_group
+
+        launch.stamp, launch.future = ddp_group.stamp_completion(future)
+        return launch.future
+
+    def _group_cuda_bucket_done(self, launch: _Launch, future: Any) -> Any:
+        # NCCL runs this at once, on the thread that launched the bucket, with a current
+        # stream that has waited for it: the end event completes when the bucket does.
+        try:
+            end = self._cuda.record()
+            with self._lock:
+                if launch.cuda is not None:
+                    launch.cuda.end = end
+        except Exception as exc:
+            self._report(exc)
+        return future.value()
+
+    def _group_bucket_launched(self, watch: _DdpWatch, launch: _Launch) -> None:
+        """The bucket is on its way: in flight until its stamp (CPU) or its events (CUDA) say it is done."""
         try:
             key = self._torch._C._current_graph_task_id()  # one backward pass, one round
-            launch.stamp, launch.future = stamp, future
             with self._lock:
                 round_ = watch.round
                 if round_ is None or round_.key != key or round_.over:
@@ -342,10 +362,13 @@ class _DdpTiming(_Ledger):
                         self._end_round(round_)  # a new backward pass: the previous one is over
                     round_ = watch.round = _Round(key)
                     self._rounds.append(round_)
+                self._in_flight[launch] = None
+                if launch.cuda is not None:
+                    round_.last_cuda = launch.cuda  # the round's stall is its last bucket's
+                    return
                 round_.outstanding += 1
                 round_.last_launch_ns = launch.start_ns
                 launch.round = round_
-                self._in_flight[launch] = None
                 self._stamped[launch] = None
         except Exception as exc:
             self._report(exc)

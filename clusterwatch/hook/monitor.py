@@ -118,7 +118,7 @@ class TrainingMonitor:
         instrument_collectives: time torch.distributed collectives.
         environ: the environment to read (and to set TORCH_FR_BUFFER_SIZE in);
             CLUSTERWATCH_DDP_TIMING=comm_hook times DDP buckets with a comm hook
-            on CPU models too (clusterwatch.hook.ddp_timing.DdpTimingMode).
+            instead of the reducer's group (clusterwatch.hook.ddp_timing.DdpTimingMode).
     """
 
     def __init__(

@@ -36,7 +36,7 @@ def main() -> None:
     def untimed(_tensors: list[torch.Tensor]) -> None:
         return None
 
-    group = ReducerGroup(real, begin=untimed, stamped=print, failed=print, forget=print)
+    group = ReducerGroup(real, begin=untimed, completion=print, launched=print, failed=print, forget=print)
     sys.setswitchinterval(3600.0)  # this thread gives the GIL up only where C++ releases it
     for _ in range(trials):
         tensor = torch.ones(1024)  # alive (its Python object too) until the next trial
