@@ -19,7 +19,8 @@ counted on every rank:
 Arms: ``off`` (no monitor), ``on`` (this tree's monitor) and, with
 ``--before REV``, ``before``: the monitor of git revision REV (its
 ``clusterwatch`` package exported to a temporary directory and put first on
-the workers' PYTHONPATH; the worker script is this tree's). Monitored ranks
+the workers' PYTHONPATH; the worker script is this tree's), or of a directory
+holding such an export (for a machine without the repository's history). Monitored ranks
 report to a real agent and coordinator (heartbeat 1 s). Each round runs every
 workload once per arm; the arms' order rotates from round to round (off, on,
 before; on, before, off; ...), so drift and a neighbour's load on a shared
@@ -185,7 +186,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, help="timed steps per job (default: 300 sleep, 120 compute)")
     parser.add_argument("--warmup-steps", type=int, default=10, help="untimed steps first in every job")
     parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--before", metavar="REV", help="add a 'before' arm: the monitor of git revision REV")
+    parser.add_argument(
+        "--before",
+        metavar="REV|DIR",
+        help="add a 'before' arm: the monitor of git revision REV, or of DIR (a tree holding a clusterwatch package)",
+    )
     parser.add_argument("--calls", type=int, default=10_000, help="bench.collective_cost calls (0: skip)")
     args = parser.parse_args()
     workloads = args.workloads.split(",")
@@ -201,7 +206,8 @@ def main() -> int:
         tmp = Path(tmp_name)
         trees: dict[str, Path | None] = {"off": None, "on": None}
         if args.before:
-            trees["before"] = export_tree(args.before, tmp / "before-tree")
+            before = Path(args.before)
+            trees["before"] = before if before.is_dir() else export_tree(args.before, tmp / "before-tree")
         arms = list(trees)
         socket = tmp / "agent.sock"
         coordinator = start_coordinator(tmp, metrics=False)
