@@ -16,7 +16,7 @@ import torch.distributed as dist
 from helpers import wait_for
 
 from clusterwatch.hook.collectives import DDP_OP, CollectiveTracker
-from clusterwatch.hook.cuda_timing import CudaEvents
+from clusterwatch.hook.collectives.cuda_timing import CudaEvents
 from clusterwatch.hook.identity import RankInfo
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]

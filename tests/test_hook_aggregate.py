@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S
-from clusterwatch.hook.aggregate import CollectiveAggregate, StepAggregator
+from clusterwatch.hook.collectives.aggregate import CollectiveAggregate, StepAggregator
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -29,7 +29,7 @@ from helpers import wait_for
 from torch.distributed import distributed_c10d as c10d
 
 from clusterwatch.hook.collectives import _OP_SPECS, DDP_OP, CollectiveTimingError, CollectiveTracker
-from clusterwatch.hook.cuda_timing import Clock, CudaTiming, choose_clock
+from clusterwatch.hook.collectives.cuda_timing import Clock, CudaTiming, choose_clock
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -536,14 +536,14 @@ def test_a_builtin_comm_hook_registered_after_watch_runs_untimed_on_cpu(
     ],
 )
 def test_the_ddp_timing_mode_comes_from_clusterwatch_ddp_timing(value: str | None, mode: str) -> None:
-    from clusterwatch.hook.ddp_timing import DDP_TIMING_ENV, ddp_timing_mode
+    from clusterwatch.hook.collectives.ddp_timing import DDP_TIMING_ENV, ddp_timing_mode
 
     environ = {} if value is None else {DDP_TIMING_ENV: value}
     assert ddp_timing_mode(environ) == mode
 
 
 def test_an_unknown_ddp_timing_mode_is_logged_and_auto_used(caplog: pytest.LogCaptureFixture) -> None:
-    from clusterwatch.hook.ddp_timing import DdpTimingMode, ddp_timing_mode
+    from clusterwatch.hook.collectives.ddp_timing import DdpTimingMode, ddp_timing_mode
 
     with caplog.at_level(logging.WARNING):
         assert ddp_timing_mode({"CLUSTERWATCH_DDP_TIMING": "hook"}) is DdpTimingMode.AUTO
@@ -552,7 +552,7 @@ def test_an_unknown_ddp_timing_mode_is_logged_and_auto_used(caplog: pytest.LogCa
 
 
 def test_stamp_completion_stamps_the_value_and_passes_on_the_error() -> None:
-    from clusterwatch.hook.ddp_group import stamp_completion, wait_for_stamps
+    from clusterwatch.hook.collectives.ddp_group import stamp_completion, wait_for_stamps
 
     future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
     stamp, stamped = stamp_completion(future)
@@ -869,7 +869,7 @@ def test_collectives_are_not_timed_while_a_cuda_graph_is_captured(
 def test_modules_import_without_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
-        "import clusterwatch.hook.aggregate, clusterwatch.hook.collectives, clusterwatch.hook.cuda_timing\n"
+        "import clusterwatch.hook.collectives.aggregate, clusterwatch.hook.collectives, clusterwatch.hook.collectives.cuda_timing\n"
         "from clusterwatch.hook.collectives import CollectiveTracker\n"
         "errors = []\n"
         "tracker = CollectiveTracker(on_error=errors.append)\n"

@@ -3,7 +3,7 @@
 tests/hook_workers/reducer_group_gil_worker.py sets up, trial after trial, the
 moment that hung DDP's second step (a gloo worker waiting for the GIL under
 its queue lock while the reducer's broadcast waits for that lock; see
-``_FORWARDED`` in clusterwatch/hook/ddp_group.py). Without the forwarders it
+``_FORWARDED`` in clusterwatch/hook/collectives/ddp_group.py). Without the forwarders it
 deadlocks within a few trials; with them 100 trials take about two seconds.
 """
 

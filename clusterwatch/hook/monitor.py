@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from clusterwatch.hook import flight_recorder
 from clusterwatch.hook.checkpoint import CheckpointBook
-from clusterwatch.hook.ddp_timing import DdpTimingMode, ddp_timing_mode
+from clusterwatch.hook.collectives.ddp_timing import DdpTimingMode, ddp_timing_mode
 from clusterwatch.hook.health import HookHealth
 from clusterwatch.hook.identity import RankInfo, parent_argv, resolve_socket_path
 from clusterwatch.hook.process_groups import ProcessGroupReader
@@ -43,8 +43,8 @@ from clusterwatch.hook.transport import AgentLink
 from clusterwatch.v1 import hook_pb2, training_pb2
 
 if TYPE_CHECKING:
-    from clusterwatch.hook.aggregate import CollectiveAggregate
     from clusterwatch.hook.collectives import CollectiveTracker, InFlight
+    from clusterwatch.hook.collectives.aggregate import CollectiveAggregate
 
 logger = logging.getLogger("clusterwatch.hook")
 
@@ -118,7 +118,7 @@ class TrainingMonitor:
         instrument_collectives: time torch.distributed collectives.
         environ: the environment to read (and to set TORCH_FR_BUFFER_SIZE in);
             CLUSTERWATCH_DDP_TIMING=comm_hook times DDP buckets with a comm hook
-            instead of the reducer's group (clusterwatch.hook.ddp_timing.DdpTimingMode).
+            instead of the reducer's group (clusterwatch.hook.collectives.ddp_timing.DdpTimingMode).
     """
 
     def __init__(

@@ -2,7 +2,7 @@
 
 Every rank's hook numbers the collectives it launches per process group and
 says, in each heartbeat, which one it is in (op, sequence, size and dtype of
-its data; clusterwatch/hook/collective_ledger.py). Ranks in the same
+its data; clusterwatch/hook/collectives/ledger.py). Ranks in the same
 collective agree on all four, so:
 
 - at the same sequence, a different op, size or dtype (``barrier`` where the
@@ -36,7 +36,7 @@ With none (a 2-rank group, two halves) nothing tells which side left the
 common path: every side is named, saying so.
 
 The hook's sequence numbers count only the collectives it times (see
-clusterwatch/hook/collective_patches.py): a collective one rank calls through a
+clusterwatch/hook/collectives/patches.py): a collective one rank calls through a
 path the hook does not see (torch.compile, a coalescing manager) while the
 others call it where it does would shift that rank's numbers. SPMD programs
 call their collectives the same way on every rank, so the numbers agree in

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from clusterwatch.hook.collectives import DDP_OP, CollectiveTracker
-from clusterwatch.hook.ddp_timing import DdpTimingMode, ddp_timing_mode
+from clusterwatch.hook.collectives.ddp_timing import DdpTimingMode, ddp_timing_mode
 
 STEPS = 3  # the second one rebuilds the buckets (a broadcast through the reducer's group)
 ERRORS: list[str] = []

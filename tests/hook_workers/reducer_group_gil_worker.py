@@ -8,7 +8,7 @@ while a gloo worker finishes that work: the worker frees it under its queue
 lock and, to free the tensor, waits for the GIL. Then, still holding the GIL,
 this thread calls C++ functions that call the ReducerGroup's broadcast and
 allgather, as the reducer's bucket rebuild calls broadcast. Without the
-forwarders in clusterwatch.hook.ddp_group, torch's trampoline runs the C++
+forwarders in clusterwatch.hook.collectives.ddp_group, torch's trampoline runs the C++
 collective with the GIL held and waits for the worker's queue lock: a
 deadlock (what hung DDP's second step). The test around this kills it if it
 does not finish.
@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from clusterwatch.hook.ddp_group import ReducerGroup
+from clusterwatch.hook.collectives.ddp_group import ReducerGroup
 
 HOLD_GIL_S = 0.01  # long enough for the worker to reach the free: it runs a 4 KiB all-reduce
 

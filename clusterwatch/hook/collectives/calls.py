@@ -1,6 +1,6 @@
 """Times one ``torch.distributed`` collective call, and the Work of an async one.
 
-The patched functions and ``Work.wait`` (``clusterwatch.hook.collective_patches``)
+The patched functions and ``Work.wait`` (``clusterwatch.hook.collectives.patches``)
 call in here around the original: ``_begin`` registers the launch before the
 call, ``_launched`` or ``_failed`` after it; ``_wait_started`` and
 ``_wait_finished`` bracket ``Work.wait()``.
@@ -11,7 +11,7 @@ call, ``_launched`` or ``_failed`` after it; ``_wait_started`` and
   collective it failed in before the launcher tears it down.
 - **Synchronous collectives**: the duration, and the blocked time of the
   calling thread, is the whole call (on CUDA tensors: the span of CUDA events
-  recorded around it, see ``clusterwatch.hook.cuda_timing``).
+  recorded around it, see ``clusterwatch.hook.collectives.cuda_timing``).
 - **Async collectives** (``async_op=True``): the duration runs until the Work
   completes, taken from a done-callback on ``Work.get_future()`` (or from
   ``Work.wait()`` returning, whichever comes first). The blocked time is the
@@ -32,9 +32,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from clusterwatch.hook.collective_ledger import CollectiveTimingError, _Launch, _Ledger
-from clusterwatch.hook.collective_ops import _OpArguments
-from clusterwatch.hook.cuda_timing import Clock, CudaEventSource, CudaTiming
+from clusterwatch.hook.collectives.cuda_timing import Clock, CudaEventSource, CudaTiming
+from clusterwatch.hook.collectives.ledger import CollectiveTimingError, _Launch, _Ledger
+from clusterwatch.hook.collectives.ops import _OpArguments
 
 
 @dataclasses.dataclass(slots=True)

@@ -3,20 +3,20 @@
 ``CollectiveTracker`` is the entry point; each of its parts has its own module,
 whose docstring says what it sees and what it does not:
 
-- ``clusterwatch.hook.collective_patches``: ``install()`` patches the collective
-  functions of ``torch.distributed`` and ``Work.wait``, process-wide.
-- ``clusterwatch.hook.collective_calls``: times each patched call, synchronous
-  or async, and the Work of an async one.
-- ``clusterwatch.hook.ddp_timing``: ``watch_ddp()`` times DDP gradient buckets,
-  through the reducer's process group on CPU (``clusterwatch.hook.ddp_group``)
-  and with a comm hook on CUDA.
-- ``clusterwatch.hook.collective_ledger``: launches in flight, sequence numbers,
-  blocked time and aggregates; what the monitor reads (``in_flight()``,
+- ``patches``: ``install()`` patches the collective functions of
+  ``torch.distributed`` and ``Work.wait``, process-wide.
+- ``calls``: times each patched call, synchronous or async, and the Work of an
+  async one.
+- ``ddp_timing``: ``watch_ddp()`` times DDP gradient buckets through the
+  reducer's process group (``ddp_group``), or with a comm hook where that
+  group cannot be swapped in.
+- ``ledger``: launches in flight, sequence numbers, blocked time and
+  aggregates (``aggregate``); what the monitor reads (``in_flight()``,
   ``last_failed()``, ``poll()``, ``take_step()``).
-- ``clusterwatch.hook.collective_ops``: the functions timed, the op names they
-  report, and where each takes its data.
-- ``clusterwatch.hook.cuda_timing``: collectives on CUDA tensors are timed with
-  CUDA events read later with ``query()``, never a synchronisation.
+- ``ops``: the functions timed, the op names they report, and where each takes
+  its data.
+- ``cuda_timing``: collectives on CUDA tensors are timed with CUDA events read
+  later with ``query()``, never a synchronisation.
 
 First duty: do no harm. Every piece of bookkeeping runs in ``try`` and hands its
 failure to ``on_error``; the user's collective always runs exactly as it would
@@ -27,10 +27,10 @@ this module does not import torch.
 
 from __future__ import annotations
 
-from clusterwatch.hook.collective_ledger import CollectiveTimingError, InFlight
-from clusterwatch.hook.collective_ops import _OP_SPECS, DDP_OP  # noqa: F401  (_OP_SPECS: read by the tests)
-from clusterwatch.hook.collective_patches import _ProcessPatches
-from clusterwatch.hook.ddp_timing import _DdpTiming
+from clusterwatch.hook.collectives.ddp_timing import _DdpTiming
+from clusterwatch.hook.collectives.ledger import CollectiveTimingError, InFlight
+from clusterwatch.hook.collectives.ops import _OP_SPECS, DDP_OP  # noqa: F401  (_OP_SPECS: read by the tests)
+from clusterwatch.hook.collectives.patches import _ProcessPatches
 
 __all__ = ["DDP_OP", "CollectiveTimingError", "CollectiveTracker", "InFlight"]
 

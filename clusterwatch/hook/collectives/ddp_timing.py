@@ -5,7 +5,7 @@ Two ways, chosen per model by ``watch_ddp``:
 - **By default**: the reducer keeps DDP's own all-reduce, which divides each
   gradient by the world size while copying it into its bucket; only its
   process group is swapped for a ``ReducerGroup`` that times each bucket's
-  all-reduce (``clusterwatch.hook.ddp_group`` says why and how). Per bucket
+  all-reduce (``clusterwatch.hook.collectives.ddp_group`` says why and how). Per bucket
   that costs a few microseconds of Python on the training thread, plus a
   built-in stamp callback on gloo's thread (CPU) or a CUDA event recorded in
   a ``then`` callback (CUDA).
@@ -32,7 +32,8 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from clusterwatch.hook.collective_ledger import (
+from clusterwatch.hook.collectives.cuda_timing import Clock, CudaEventSource, CudaTiming
+from clusterwatch.hook.collectives.ledger import (
     _DDP_BLOCKED_KEY,
     CollectiveTimingError,
     _GroupInfo,
@@ -40,8 +41,7 @@ from clusterwatch.hook.collective_ledger import (
     _Ledger,
     _Round,
 )
-from clusterwatch.hook.collective_ops import DDP_OP
-from clusterwatch.hook.cuda_timing import Clock, CudaEventSource, CudaTiming
+from clusterwatch.hook.collectives.ops import DDP_OP
 
 if TYPE_CHECKING:
     import torch
@@ -211,7 +211,7 @@ class _DdpTiming(_Ledger):
     def _swap_in_reducer_group(self, model: DistributedDataParallel, watch: _DdpWatch) -> bool:
         """Time ``model``'s buckets through its reducer's process group; False if that cannot be done."""
         try:
-            from clusterwatch.hook import ddp_group
+            from clusterwatch.hook.collectives import ddp_group
 
             group = ddp_group.ReducerGroup(
                 model.process_group,
@@ -234,10 +234,10 @@ class _DdpTiming(_Ledger):
     def _restore_reducer_groups(self) -> None:
         """At exit: give every watched reducer its own process group back, let gloo drop the stamps.
 
-        See ``clusterwatch.hook.ddp_group``: a stamp callback a backend thread
+        See ``clusterwatch.hook.collectives.ddp_group``: a stamp callback a backend thread
         drops while the interpreter finalises aborts the process.
         """
-        from clusterwatch.hook import ddp_group
+        from clusterwatch.hook.collectives import ddp_group
 
         for watch in list(self._reducer_groups):
             model = watch.model() if watch.model is not None else None
@@ -250,7 +250,7 @@ class _DdpTiming(_Ledger):
         """``model``'s reducer all-reduces through its own group again: its buckets go untimed."""
         try:
             if watch.reducer_group is not None:
-                from clusterwatch.hook import ddp_group
+                from clusterwatch.hook.collectives import ddp_group
 
                 ddp_group.restore(model)
         except Exception as exc:
@@ -334,7 +334,7 @@ class _DdpTiming(_Ledger):
         """What records the bucket's completion; the future DDP waits for (see ``ddp_group.CompletionFn``)."""
         if launch.cuda is not None:
             return future.then(functools.partial(self._group_cuda_bucket_done, launch))
-        from clusterwatch.hook import ddp_group
+        from clusterwatch.hook.collectives import ddp_group
 
         launch.stamp, launch.future = ddp_group.stamp_completion(future)
         return launch.future

@@ -22,7 +22,7 @@
   before; the patch only adds timing around the original method. Python
   subclasses that override ``wait`` without calling ``super().wait()`` are not seen.
 
-What the wrappers record is ``clusterwatch.hook.collective_calls``'s job; they
+What the wrappers record is ``clusterwatch.hook.collectives.calls``'s job; they
 run the user's call exactly as it would run without them, raising its own
 exceptions and returning its own values. Importing this module does not import torch.
 """
@@ -35,10 +35,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from clusterwatch.hook.collective_calls import _CallTiming
-from clusterwatch.hook.collective_ledger import CollectiveTimingError
-from clusterwatch.hook.collective_ops import _OP_SPECS, _OpArguments, _OpSpec
-from clusterwatch.hook.cuda_timing import CudaEventSource
+from clusterwatch.hook.collectives.calls import _CallTiming
+from clusterwatch.hook.collectives.cuda_timing import CudaEventSource
+from clusterwatch.hook.collectives.ledger import CollectiveTimingError
+from clusterwatch.hook.collectives.ops import _OP_SPECS, _OpArguments, _OpSpec
 
 logger = logging.getLogger(__name__)
 

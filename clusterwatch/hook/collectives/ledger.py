@@ -1,7 +1,7 @@
 """The collective tracker's shared state: launches in flight, blocked time, aggregates.
 
-Everything that times a collective (``clusterwatch.hook.collective_calls`` for
-``torch.distributed`` calls, ``clusterwatch.hook.ddp_timing`` for DDP buckets)
+Everything that times a collective (``clusterwatch.hook.collectives.calls`` for
+``torch.distributed`` calls, ``clusterwatch.hook.collectives.ddp_timing`` for DDP buckets)
 registers a ``_Launch`` here and, once it completes, counts it into the step's
 aggregates exactly once. The monitor reads the result: ``in_flight()``,
 ``last_failed()``, ``poll()`` and ``take_step()``.
@@ -12,9 +12,9 @@ aggregates exactly once. The monitor reads the result: ``in_flight()``,
   of backward (see ``watch_ddp``). It is kept per thread, so a background
   thread's collectives (an async checkpoint's) do not count against training.
 - **CUDA tensors**: CUDA events read later with ``query()``, never a
-  synchronisation (see ``clusterwatch.hook.cuda_timing``); ``poll()`` harvests
+  synchronisation (see ``clusterwatch.hook.collectives.cuda_timing``); ``poll()`` harvests
   them.
-- **Stamped launches** (DDP buckets on CPU, ``clusterwatch.hook.ddp_group``):
+- **Stamped launches** (DDP buckets on CPU, ``clusterwatch.hook.collectives.ddp_group``):
   their completion time is written into a dict by a callback that runs no
   Python code; ``poll()`` (and so ``take_step()``) harvests them. Their
   blocked time is counted per *round*, the buckets one backward pass launched:
@@ -51,8 +51,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from clusterwatch.errors import ClusterwatchError
-from clusterwatch.hook.aggregate import CollectiveAggregate, StepAggregator
-from clusterwatch.hook.cuda_timing import CudaEvents, CudaEventSource, CudaTiming
+from clusterwatch.hook.collectives.aggregate import CollectiveAggregate, StepAggregator
+from clusterwatch.hook.collectives.cuda_timing import CudaEvents, CudaEventSource, CudaTiming
 
 if TYPE_CHECKING:
     import torch
