@@ -36,8 +36,8 @@ from clusterwatch.config import AgentSettings, load
 from clusterwatch.errors import ConfigError
 from clusterwatch.node_metrics import write_topology
 from clusterwatch.promtext import Exposition
-from clusterwatch.topology import Wiring, gpu_link, link_name, nearest_nics
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, node_pb2
+from clusterwatch.wire.topology import Wiring, gpu_link, link_name, nearest_nics
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,7 +20,7 @@ from clusterwatch.coordinator.recovery.launchers.protocol import (
 )
 from clusterwatch.errors import ConfigError
 from clusterwatch.external_commands import CommandRun, run_command
-from clusterwatch.recovery_names import KUBERNETES
+from clusterwatch.wire.recovery_names import KUBERNETES
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from clusterwatch.coordinator.recovery.launchers.protocol import (
 )
 from clusterwatch.errors import ConfigError
 from clusterwatch.external_commands import CommandRun, run_command
-from clusterwatch.recovery_names import SLURM
+from clusterwatch.wire.recovery_names import SLURM
 
 logger = logging.getLogger(__name__)
 
