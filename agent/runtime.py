@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 from types import ModuleType
 
-from clusterwatch import __version__, sd_notify
+from clusterwatch import __version__
 from clusterwatch.agent.collectors.base import Collector, CollectorRunner
 from clusterwatch.agent.commands import CommandHandler
 from clusterwatch.agent.gpu.backend import GpuBackend
@@ -34,7 +34,8 @@ from clusterwatch.node_metrics import (
     write_topology,
 )
 from clusterwatch.promtext import Exposition, counter, escape, gauge, labels
-from clusterwatch.tls import TlsFiles
+from clusterwatch.runtime import sd_notify
+from clusterwatch.runtime.tls import TlsFiles
 from clusterwatch.v1 import agent_pb2, node_pb2
 
 logger = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from clusterwatch.coordinator.recovery.launchers.slurm import (
 )
 from clusterwatch.coordinator.recovery.launchers.torchrun import TorchrunLauncher, summarise_stops
 from clusterwatch.errors import ConfigError
-from clusterwatch.external_commands import run_command
+from clusterwatch.runtime.external_commands import run_command
 from clusterwatch.v1 import agent_pb2
 
 pytestmark = pytest.mark.timeout(30)

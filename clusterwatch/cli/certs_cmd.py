@@ -11,7 +11,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clusterwatch.cert_terms import CA_DAYS, LEAF_DAYS, Role
+from clusterwatch.runtime.cert_terms import CA_DAYS, LEAF_DAYS, Role
 
 if TYPE_CHECKING:
     from clusterwatch.certs import WrittenFiles

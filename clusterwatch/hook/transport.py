@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from clusterwatch.backoff import Backoff
-from clusterwatch.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.hook.health import HookHealth
+from clusterwatch.runtime.backoff import Backoff
+from clusterwatch.runtime.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.v1 import hook_pb2, hook_pb2_grpc, training_pb2
 from clusterwatch.wire.hook_handshake import (
     MAX_REPLY_BYTES,

@@ -19,7 +19,7 @@ from clusterwatch.coordinator.recovery.launchers.protocol import (
     unique,
 )
 from clusterwatch.errors import ConfigError
-from clusterwatch.external_commands import CommandRun, run_command
+from clusterwatch.runtime.external_commands import CommandRun, run_command
 from clusterwatch.wire.recovery_names import KUBERNETES
 
 logger = logging.getLogger(__name__)

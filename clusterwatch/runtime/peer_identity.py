@@ -37,8 +37,8 @@ from typing import Any
 from cryptography import x509
 from cryptography.x509 import verification
 
-from clusterwatch.cert_terms import SCHEME, Role
 from clusterwatch.errors import ConfigError, PermissionDeniedError
+from clusterwatch.runtime.cert_terms import SCHEME, Role
 
 # Node ids and user names as certs.py allows them.
 _ROLE_URI = re.compile(r"clusterwatch://([a-z]+)/([A-Za-z0-9][A-Za-z0-9._-]{0,252})")
