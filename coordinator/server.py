@@ -42,7 +42,7 @@ from clusterwatch.coordinator.recovery.launchers import (
 from clusterwatch.coordinator.views.jobs import TrainingView, training_view
 from clusterwatch.coordinator.views.nodes import NodeView, node_views
 from clusterwatch.coordinator.wiring import build_core
-from clusterwatch.http_server import MetricsHttpServer
+from clusterwatch.exposition.http_server import MetricsHttpServer
 from clusterwatch.runtime import sd_notify
 from clusterwatch.runtime.grpc_options import SERVER_OPTIONS
 from clusterwatch.runtime.peer_identity import PeerVerifier

@@ -34,8 +34,8 @@ from clusterwatch.agent.topology.pci import PciDevice, pci_link, sysfs_bus_id
 from clusterwatch.agent.topology.watch import TopologyWatch
 from clusterwatch.config import AgentSettings, load
 from clusterwatch.errors import ConfigError
-from clusterwatch.node_metrics import write_topology
-from clusterwatch.promtext import Exposition
+from clusterwatch.exposition.node_metrics import write_topology
+from clusterwatch.exposition.promtext import Exposition
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, node_pb2
 from clusterwatch.wire.topology import Wiring, gpu_link, link_name, nearest_nics
 

@@ -24,7 +24,7 @@ from clusterwatch.coordinator.metrics.training import TRAINING_FAMILIES, write_t
 from clusterwatch.coordinator.model.checkpoints import CheckpointTracker, LatestCheckpoint
 from clusterwatch.coordinator.model.jobs import JobStore
 from clusterwatch.coordinator.views.jobs import job_status, training_view
-from clusterwatch.promtext import Exposition, histogram
+from clusterwatch.exposition.promtext import Exposition, histogram
 from clusterwatch.v1 import cluster_pb2, training_pb2
 from clusterwatch.wire.collective_stats import COLLECTIVE_DURATION_BUCKETS_S, bus_factor
 

@@ -12,7 +12,7 @@ from collections import Counter
 
 from clusterwatch.coordinator.model.checkpoints import CHECKPOINT_OUTCOMES
 from clusterwatch.coordinator.views.jobs import JobView, RankView, TrainingView
-from clusterwatch.promtext import Exposition, Family, counter, escape, gauge, histogram
+from clusterwatch.exposition.promtext import Exposition, Family, counter, escape, gauge, histogram
 from clusterwatch.v1 import training_pb2
 from clusterwatch.wire.collective_stats import COLLECTIVE_DURATION_BUCKETS_S
 

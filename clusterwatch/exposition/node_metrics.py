@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from google.protobuf.message import Message
 
-from clusterwatch.promtext import Exposition, Family, counter, escape, format_value, gauge
+from clusterwatch.exposition.promtext import Exposition, Family, counter, escape, format_value, gauge
 from clusterwatch.v1 import node_pb2
 from clusterwatch.wire.gpu_reasons import CLOCK_EVENT_REASONS
 from clusterwatch.wire.topology import Wiring, link_name
