@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from clusterwatch.coordinator.model.jobs import JobRecord, RankRecord
 from clusterwatch.coordinator.model.state import NodeRecord
-from clusterwatch.humanize import bandwidth
+from clusterwatch.text.humanize import bandwidth
 from clusterwatch.v1 import cluster_pb2, node_pb2, training_pb2
 from clusterwatch.wire import topology
 

@@ -20,7 +20,7 @@ from clusterwatch.exposition.node_metrics import (
     write_topology,
 )
 from clusterwatch.exposition.promtext import Exposition, counter, escape, gauge
-from clusterwatch.humanize import node_state
+from clusterwatch.text.humanize import node_state
 from clusterwatch.v1 import cluster_pb2
 
 NodeState = cluster_pb2.NodeState

@@ -6,8 +6,8 @@ from typing import TypeAlias
 
 from rich.text import Text
 
-from clusterwatch.humanize import bandwidth, duration, percent, rank_state, size_bytes
-from clusterwatch.topology_render import NOT_REPORTED, node_lines
+from clusterwatch.text.humanize import bandwidth, duration, percent, rank_state, size_bytes
+from clusterwatch.text.topology_render import NOT_REPORTED, node_lines
 from clusterwatch.v1 import cluster_pb2
 from clusterwatch.wire.gpu_reasons import active_reasons
 

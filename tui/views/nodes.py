@@ -7,7 +7,7 @@ import functools
 import time
 from collections.abc import Sequence
 
-from clusterwatch.humanize import ago, bandwidth, percent
+from clusterwatch.text.humanize import ago, bandwidth, percent
 from clusterwatch.tui.history import sparkline
 from clusterwatch.tui.state import TopState
 from clusterwatch.tui.views.rows import Cell, Column, Row, SortValue, Tone, number

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from clusterwatch.humanize import bandwidth, columns, node_state
+from clusterwatch.text.humanize import bandwidth, columns, node_state
 from clusterwatch.v1 import cluster_pb2, node_pb2
 from clusterwatch.wire.topology import (
     LEGEND,
