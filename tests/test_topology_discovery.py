@@ -29,8 +29,9 @@ from clusterwatch.agent.gpu.backend import GpuTopology
 from clusterwatch.agent.gpu.nvml_backend import NvmlBackend
 from clusterwatch.agent.gpu.sim_backend import SimulatedBackend
 from clusterwatch.agent.runtime import Agent
+from clusterwatch.agent.sysfs.pci import PciDevice, sysfs_bus_id
 from clusterwatch.agent.topology.discover import discover_topology
-from clusterwatch.agent.topology.pci import PciDevice, pci_link, sysfs_bus_id
+from clusterwatch.agent.topology.links import pci_link
 from clusterwatch.agent.topology.watch import TopologyWatch
 from clusterwatch.config import AgentSettings, load
 from clusterwatch.errors import ConfigError
