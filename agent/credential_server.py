@@ -1,6 +1,6 @@
 """The credential socket next to the hook socket: SO_PEERCRED in, a single-use nonce out.
 
-Each connection gets one line (clusterwatch/hook_handshake.py) and is closed;
+Each connection gets one line (clusterwatch/wire/hook_handshake.py) and is closed;
 nothing is read from it. Runs in the agent's event loop; the caller owns the
 socket file (SocketClaim: stale files, mode, group, removal).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from clusterwatch.agent.peer_credentials import NonceBook, read_peer_credentials
 from clusterwatch.agent.process_instance import read_instance
-from clusterwatch.hook_handshake import encode_nonce, encode_refusal
+from clusterwatch.wire.hook_handshake import encode_nonce, encode_refusal
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from clusterwatch.external_commands import run_command
+from clusterwatch.runtime.external_commands import run_command
 from clusterwatch.v1 import training_pb2
 
 logger = logging.getLogger(__name__)

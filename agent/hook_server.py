@@ -37,11 +37,11 @@ from clusterwatch.agent.process_instance import VerifiedProcess, launcher_of, re
 from clusterwatch.agent.ranks import RankRegistry
 from clusterwatch.agent.slurm_cgroup import slurm_job_of
 from clusterwatch.errors import ClusterwatchError
-from clusterwatch.grpc_options import SERVER_OPTIONS
-from clusterwatch.grpc_status import status_for
-from clusterwatch.hook_handshake import credential_socket_path
-from clusterwatch.promtext import Exposition, counter, gauge, labels
+from clusterwatch.exposition.promtext import Exposition, counter, gauge, labels
+from clusterwatch.runtime.grpc_options import SERVER_OPTIONS
 from clusterwatch.v1 import hook_pb2, hook_pb2_grpc
+from clusterwatch.wire.grpc_status import status_for
+from clusterwatch.wire.hook_handshake import credential_socket_path
 
 logger = logging.getLogger(__name__)
 

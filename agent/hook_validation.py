@@ -3,10 +3,10 @@
 What the agent forwards must pass the coordinator's checks too
 (coordinator/ingest/report_checks.py and rank_reports.py), or the coordinator
 refuses a whole rank's report; so both read one table
-(clusterwatch/wire_limits.py): ids at most MAX_ID_CHARS characters, free text
+(clusterwatch/wire/limits.py): ids at most MAX_ID_CHARS characters, free text
 MAX_TEXT_CHARS, counted repeated fields,
 every number finite and >= 0, and collective histograms of the shape in
-clusterwatch/collective_stats.py. The hook and the agent share the host's
+clusterwatch/wire/collective_stats.py. The hook and the agent share the host's
 clock, so a ``*_unix_seconds`` more than MAX_CLOCK_SKEW_S in the future is
 refused too (earlier ones are left alone: they only order a rank's own events).
 A heartbeat's process groups (clusterwatch/hook/process_groups.py) are named,
@@ -29,9 +29,9 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
 from clusterwatch.errors import FailedPreconditionError, InvalidReportError
-from clusterwatch.job_labels import labels_problem
 from clusterwatch.v1 import training_pb2
-from clusterwatch.wire_limits import (
+from clusterwatch.wire.job_labels import labels_problem
+from clusterwatch.wire.limits import (
     DEFAULT_MAX_ENTRIES,
     DURATION_BUCKETS,
     MAX_CLOCK_SKEW_S,
@@ -251,7 +251,7 @@ def _check(message: Message, field: str, now_unix_s: float) -> None:
         if full_name == f"{V1}CollectiveSummary.duration_bucket_counts" and count != DURATION_BUCKETS:
             raise InvalidHookMessageError(
                 f"{field}.{name}",
-                f"must have {DURATION_BUCKETS} entries (see clusterwatch/collective_stats.py), got {count}",
+                f"must have {DURATION_BUCKETS} entries (see clusterwatch/wire/collective_stats.py), got {count}",
             )
     if rule is not None:
         rule(message, field)

@@ -4,7 +4,7 @@ gRPC's Python server does not expose a connection's socket, so SO_PEERCRED
 cannot be read on the hook stream itself (``context.peer()`` is just
 ``"unix:"``; the auth context of insecure and of local UDS credentials holds
 only the security type). The credential socket next to it
-(clusterwatch/hook_handshake.py, served by agent/credential_server.py) reads
+(clusterwatch/wire/hook_handshake.py, served by agent/credential_server.py) reads
 SO_PEERCRED, and a NonceBook turns those credentials into a single-use nonce
 that the hook presents in its hello. The kernel reports the pid in the
 agent's own pid namespace, so a hook in a container is registered under the

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import grpc
 
-from clusterwatch.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.kubelet import podresources_v1_pb2, podresources_v1_pb2_grpc
+from clusterwatch.runtime.grpc_options import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from clusterwatch.agent.hook_validation import (
 )
 from clusterwatch.agent.proc_exit import ExitStatus, ExitWatcher
 from clusterwatch.agent.process_instance import ProcessInstance, VerifiedProcess
-from clusterwatch.collective_stats import CollectiveMerger
 from clusterwatch.v1 import training_pb2
+from clusterwatch.wire.collective_stats import CollectiveMerger
 
 logger = logging.getLogger(__name__)
 

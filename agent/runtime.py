@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 from types import ModuleType
 
-from clusterwatch import __version__, sd_notify
+from clusterwatch import __version__
 from clusterwatch.agent.collectors.base import Collector, CollectorRunner
 from clusterwatch.agent.commands import CommandHandler
 from clusterwatch.agent.gpu.backend import GpuBackend
@@ -25,16 +25,17 @@ from clusterwatch.agent.topology.watch import TopologyWatch
 from clusterwatch.agent.uplink import Uplink
 from clusterwatch.agent.workers import WorkerStopper
 from clusterwatch.config import AgentSettings
-from clusterwatch.http_server import MetricsHttpServer
-from clusterwatch.node_metrics import (
+from clusterwatch.exposition.http_server import MetricsHttpServer
+from clusterwatch.exposition.node_metrics import (
     NODE_UP,
     register_node_families,
     write_node,
     write_node_info,
     write_topology,
 )
-from clusterwatch.promtext import Exposition, counter, escape, gauge, labels
-from clusterwatch.tls import TlsFiles
+from clusterwatch.exposition.promtext import Exposition, counter, escape, gauge, labels
+from clusterwatch.runtime import sd_notify
+from clusterwatch.runtime.tls import TlsFiles
 from clusterwatch.v1 import agent_pb2, node_pb2
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 Connect, say hello, replay every unacknowledged report in order, then send
 each new report as it is collected; acknowledgements remove reports from the
 buffer. Any stream error closes the channel and reconnects after a delay of
-``uniform(0, min(cap, 0.5 s x 2^attempt))`` (full jitter, clusterwatch.backoff).
+``uniform(0, min(cap, 0.5 s x 2^attempt))`` (full jitter, clusterwatch.runtime.backoff).
 
 Why that and a short cap (``RECONNECT_MAX_S``, 4 s): an agent retries at
 most ``cap`` seconds after its previous attempt, so once a restarted
@@ -38,8 +38,8 @@ import grpc
 
 from clusterwatch.agent.commands import CommandHandler
 from clusterwatch.agent.report_buffer import ReportBuffer
-from clusterwatch.backoff import Backoff
-from clusterwatch.grpc_options import CHANNEL_OPTIONS
+from clusterwatch.runtime.backoff import Backoff
+from clusterwatch.runtime.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc
 
 logger = logging.getLogger(__name__)

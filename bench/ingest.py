@@ -33,9 +33,9 @@ import psutil
 from bench.coordinator_process import start_coordinator, stop_coordinator
 from bench.synthetic import PreSerialized, hello, node_report, rank_reports
 from clusterwatch.client import ClusterClient
-from clusterwatch.grpc_options import CHANNEL_OPTIONS
+from clusterwatch.runtime.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.v1 import agent_pb2, node_pb2
-from clusterwatch.wire_limits import MIN_INTERVAL_S
+from clusterwatch.wire.limits import MIN_INTERVAL_S
 
 CONNECT = "/clusterwatch.v1.AgentService/Connect"
 

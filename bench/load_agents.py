@@ -38,7 +38,7 @@ from typing import Any
 from bench.h2_client import H2Connection
 from bench.synthetic import StampedReport, hello, node_report, rank_reports
 from clusterwatch.agent.uplink import RECONNECT_MAX_S
-from clusterwatch.backoff import Backoff
+from clusterwatch.runtime.backoff import Backoff
 from clusterwatch.v1 import agent_pb2, node_pb2
 
 CONNECT = "/clusterwatch.v1.AgentService/Connect"

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from bench.synthetic import node_report
 from clusterwatch.coordinator.metrics.page import render
 from clusterwatch.coordinator.views.nodes import NodeView
-from clusterwatch.http_server import GZIP_LEVEL
+from clusterwatch.exposition.http_server import GZIP_LEVEL
 from clusterwatch.v1 import cluster_pb2
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 
 from clusterwatch.coordinator.api.request_checks import MAX_LIST_LIMIT
-from clusterwatch.grpc_options import CHANNEL_OPTIONS
+from clusterwatch.runtime.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.sim.scoring import IncidentHistory, SeenIncident
 from clusterwatch.sim.truth import GroundTruth
 from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc

@@ -8,8 +8,8 @@ import time
 from collections.abc import Sequence
 
 from clusterwatch.agent.gpu.sim_backend import SimulatedBackend
-from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S, duration_bucket_index
 from clusterwatch.v1 import agent_pb2, node_pb2, training_pb2
+from clusterwatch.wire.collective_stats import COLLECTIVE_DURATION_BUCKETS_S, duration_bucket_index
 
 GPUS_PER_NODE = 8
 NICS_PER_NODE = 4

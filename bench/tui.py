@@ -35,7 +35,7 @@ from typing import Any
 
 import grpc
 
-from clusterwatch.grpc_options import SERVER_OPTIONS
+from clusterwatch.runtime.grpc_options import SERVER_OPTIONS
 from clusterwatch.sim.snapshot import SyntheticCluster, synthetic_snapshot
 from clusterwatch.tui.app import VIEWS, TopApp
 from clusterwatch.tui.feed import Delivery

@@ -11,10 +11,10 @@ import grpc
 
 from clusterwatch.config import ClientSettings
 from clusterwatch.errors import ConfigError
-from clusterwatch.grpc_options import CHANNEL_OPTIONS
-from clusterwatch.recovery_names import restart_action
-from clusterwatch.tls import credentials
+from clusterwatch.runtime.grpc_options import CHANNEL_OPTIONS
+from clusterwatch.runtime.tls import credentials
 from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
+from clusterwatch.wire.recovery_names import restart_action
 
 
 class ClusterClient:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
 from clusterwatch.errors import ConfigError
-from clusterwatch.recovery_names import LAUNCHER_KINDS, ORPHAN_ACTIONS, POLICY_ACTIONS, TORCHRUN
+from clusterwatch.wire.recovery_names import LAUNCHER_KINDS, ORPHAN_ACTIONS, POLICY_ACTIONS, TORCHRUN
 
 DEFAULT_CONFIG_PATH = Path("/etc/clusterwatch/clusterwatch.toml")
 ENV_PREFIX = "CLUSTERWATCH_"

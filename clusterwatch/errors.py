@@ -2,7 +2,7 @@
 
 Each subsystem raises subclasses of these; every servicer (the coordinator's
 and the agent's hook server) maps them to gRPC status codes with one table
-(clusterwatch/grpc_status.py), and the CLI maps ConfigError to exit code 2.
+(clusterwatch/wire/grpc_status.py), and the CLI maps ConfigError to exit code 2.
 """
 
 from __future__ import annotations

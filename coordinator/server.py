@@ -21,7 +21,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from clusterwatch import sd_notify
 from clusterwatch.config import CoordinatorSettings, DetectionSettings, RecoverySettings
 from clusterwatch.coordinator.api.access import AccessPolicy, read_tokens
 from clusterwatch.coordinator.api.agent_servicer import AgentServicer
@@ -43,10 +42,11 @@ from clusterwatch.coordinator.recovery.launchers import (
 from clusterwatch.coordinator.views.jobs import TrainingView, training_view
 from clusterwatch.coordinator.views.nodes import NodeView, node_views
 from clusterwatch.coordinator.wiring import build_core
-from clusterwatch.grpc_options import SERVER_OPTIONS
-from clusterwatch.http_server import MetricsHttpServer
-from clusterwatch.peer_identity import PeerVerifier
-from clusterwatch.tls import TlsFiles
+from clusterwatch.exposition.http_server import MetricsHttpServer
+from clusterwatch.runtime import sd_notify
+from clusterwatch.runtime.grpc_options import SERVER_OPTIONS
+from clusterwatch.runtime.peer_identity import PeerVerifier
+from clusterwatch.runtime.tls import TlsFiles
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2, cluster_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from clusterwatch.agent.proc_exit import ExitStatus
 from clusterwatch.agent.process_instance import ProcessInstance, VerifiedProcess
 from clusterwatch.agent.ranks import RankRegistry, RankState
 from clusterwatch.v1 import hook_pb2, node_pb2, training_pb2
-from clusterwatch.wire_limits import DURATION_BUCKETS
+from clusterwatch.wire.limits import DURATION_BUCKETS
 
 pytestmark = pytest.mark.timeout(30)
 

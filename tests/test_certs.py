@@ -22,8 +22,8 @@ from cryptography.x509.verification import PolicyBuilder, Store, VerificationErr
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from helpers import clusterwatch_cmd
 
-from clusterwatch import certs
-from clusterwatch.cert_terms import Role
+from clusterwatch.cli import certs
+from clusterwatch.runtime.cert_terms import Role
 
 pytestmark = pytest.mark.timeout(60)
 

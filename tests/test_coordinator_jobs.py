@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 from training_builders import DISCONNECTED, EXITED, RUNNING, T0, collective, rank_report, step
 
-from clusterwatch.collective_stats import bus_factor, duration_bucket_index
 from clusterwatch.coordinator.model.event_log import EventLog
 from clusterwatch.coordinator.model.jobs import CONFLICT_HOLD_S, OTHER_OP, JobStore
 from clusterwatch.coordinator.model.rank_reports import RankReportError, RejectReason, parse_rank_report
 from clusterwatch.coordinator.model.step_ring import StepColumns, StepRing, StepSample
 from clusterwatch.coordinator.wiring import build_core
 from clusterwatch.v1 import agent_pb2, node_pb2, training_pb2
+from clusterwatch.wire.collective_stats import bus_factor, duration_bucket_index
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -7,8 +7,8 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clusterwatch.node_metrics import NODE_FAMILIES, register_node_families, write_node
-from clusterwatch.promtext import Exposition, counter, format_value, gauge, labels
+from clusterwatch.exposition.node_metrics import NODE_FAMILIES, register_node_families, write_node
+from clusterwatch.exposition.promtext import Exposition, counter, format_value, gauge, labels
 from clusterwatch.v1 import node_pb2
 
 pytestmark = pytest.mark.timeout(10)

@@ -17,8 +17,8 @@ from clusterwatch.agent.gpu.factory import open_gpu_backend
 from clusterwatch.agent.gpu.nvml_backend import NvmlBackend
 from clusterwatch.agent.gpu.sim_backend import SimulatedBackend
 from clusterwatch.errors import ClusterwatchError
-from clusterwatch.gpu_reasons import CLOCK_EVENT_REASONS, active_reasons
 from clusterwatch.v1 import node_pb2
+from clusterwatch.wire.gpu_reasons import CLOCK_EVENT_REASONS, active_reasons
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,8 +9,8 @@ import pytest
 
 from clusterwatch.agent.collectors.gpu import GpuCollector
 from clusterwatch.agent.gpu.sim_backend import GPU_NAME, NVLINKS_PER_GPU, SimulatedBackend
-from clusterwatch.gpu_reasons import active_reasons
 from clusterwatch.v1 import node_pb2
+from clusterwatch.wire.gpu_reasons import active_reasons
 
 pytestmark = pytest.mark.timeout(60)
 

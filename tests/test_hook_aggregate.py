@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S
 from clusterwatch.hook.collectives.aggregate import CollectiveAggregate, StepAggregator
+from clusterwatch.wire.collective_stats import COLLECTIVE_DURATION_BUCKETS_S
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -42,8 +42,8 @@ from clusterwatch.agent.workers import WorkerStopper
 from clusterwatch.errors import ConfigError
 from clusterwatch.hook.health import HookHealth
 from clusterwatch.hook.transport import AgentLink, fetch_credential_nonce
-from clusterwatch.hook_handshake import HandshakeError
 from clusterwatch.v1 import node_pb2, training_pb2
+from clusterwatch.wire.hook_handshake import HandshakeError
 
 pytestmark = pytest.mark.timeout(60)
 

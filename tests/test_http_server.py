@@ -1,4 +1,4 @@
-"""The /metrics HTTP server (clusterwatch/http_server.py) on a real loopback socket."""
+"""The /metrics HTTP server (clusterwatch/exposition/http_server.py) on a real loopback socket."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from concurrent import futures
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clusterwatch.http_server import MetricsHttpServer
+from clusterwatch.exposition.http_server import MetricsHttpServer
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -48,8 +48,8 @@ from prometheus_server import require
 from clusterwatch import config
 from clusterwatch.cli import build_parser
 from clusterwatch.cli.common import settings_from_args
-from clusterwatch.node_metrics import write_node
-from clusterwatch.promtext import Exposition
+from clusterwatch.exposition.node_metrics import write_node
+from clusterwatch.exposition.promtext import Exposition
 from clusterwatch.v1 import node_pb2
 
 pytestmark = pytest.mark.timeout(60)

@@ -33,7 +33,7 @@ from clusterwatch.coordinator.recovery.launchers.slurm import (
 )
 from clusterwatch.coordinator.recovery.launchers.torchrun import TorchrunLauncher, summarise_stops
 from clusterwatch.errors import ConfigError
-from clusterwatch.external_commands import run_command
+from clusterwatch.runtime.external_commands import run_command
 from clusterwatch.v1 import agent_pb2
 
 pytestmark = pytest.mark.timeout(30)
@@ -581,6 +581,6 @@ def test_make_launcher() -> None:
 
 def test_the_registry_builds_every_launcher_kind_the_settings_accept() -> None:
     from clusterwatch.coordinator.recovery.launchers.registry import BUILDERS
-    from clusterwatch.recovery_names import LAUNCHER_KINDS
+    from clusterwatch.wire.recovery_names import LAUNCHER_KINDS
 
     assert sorted(BUILDERS) == sorted(LAUNCHER_KINDS)

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from clusterwatch.coordinator.metrics.recovery import recovery_view, write_recovery
 from clusterwatch.coordinator.recovery.executor import RecoveryCounts
-from clusterwatch.promtext import Exposition
+from clusterwatch.exposition.promtext import Exposition
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from clusterwatch.agent.report_buffer import ReportBuffer
-from clusterwatch.backoff import Backoff
+from clusterwatch.runtime.backoff import Backoff
 from clusterwatch.v1 import node_pb2
 
 pytestmark = pytest.mark.timeout(10)

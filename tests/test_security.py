@@ -22,9 +22,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from helpers import Cluster, Coordinator, Process, clusterwatch_cmd, run_cli, samples_named, scrape, wait_for
 from training_builders import AgentStream, rank_report, step
 
-from clusterwatch import certs
-from clusterwatch.cert_terms import Role
+from clusterwatch.cli import certs
 from clusterwatch.client import ClusterClient
+from clusterwatch.runtime.cert_terms import Role
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2, node_pb2
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,8 +7,8 @@ import pytest
 
 from clusterwatch.agent.hook_validation import InvalidHookMessageError, check_identity
 from clusterwatch.hook.identity import RankInfo, job_name
-from clusterwatch.job_labels import MAX_VALUE_CHARS, clip_value, labels_problem
-from clusterwatch.slurm_env import SlurmTask, expand_hostlist, slurm_job_name, slurm_labels, slurm_task
+from clusterwatch.wire.job_labels import MAX_VALUE_CHARS, clip_value, labels_problem
+from clusterwatch.wire.slurm_env import SlurmTask, expand_hostlist, slurm_job_name, slurm_labels, slurm_task
 
 pytestmark = pytest.mark.timeout(10)
 

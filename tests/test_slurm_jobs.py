@@ -18,7 +18,7 @@ from clusterwatch.coordinator.model.jobs import JobStore
 from clusterwatch.coordinator.model.rank_reports import RejectReason
 from clusterwatch.coordinator.views.jobs import job_status, job_view, training_view
 from clusterwatch.coordinator.wiring import build_core
-from clusterwatch.promtext import Exposition
+from clusterwatch.exposition.promtext import Exposition
 from clusterwatch.v1 import agent_pb2, cluster_pb2, node_pb2, training_pb2
 
 pytestmark = pytest.mark.timeout(20)

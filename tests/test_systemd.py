@@ -29,8 +29,9 @@ from pathlib import Path
 import pytest
 from helpers import Cluster, Process, clusterwatch_cmd, scrape, unused_port, wait_for
 
-from clusterwatch import config, sd_notify
+from clusterwatch import config
 from clusterwatch.cli.common import LOG_LEVEL_ENV
+from clusterwatch.runtime import sd_notify
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -29,15 +29,16 @@ from clusterwatch.agent.gpu.backend import GpuTopology
 from clusterwatch.agent.gpu.nvml_backend import NvmlBackend
 from clusterwatch.agent.gpu.sim_backend import SimulatedBackend
 from clusterwatch.agent.runtime import Agent
+from clusterwatch.agent.sysfs.pci import PciDevice, sysfs_bus_id
 from clusterwatch.agent.topology.discover import discover_topology
-from clusterwatch.agent.topology.pci import PciDevice, pci_link, sysfs_bus_id
+from clusterwatch.agent.topology.links import pci_link
 from clusterwatch.agent.topology.watch import TopologyWatch
 from clusterwatch.config import AgentSettings, load
 from clusterwatch.errors import ConfigError
-from clusterwatch.node_metrics import write_topology
-from clusterwatch.promtext import Exposition
-from clusterwatch.topology import Wiring, gpu_link, link_name, nearest_nics
+from clusterwatch.exposition.node_metrics import write_topology
+from clusterwatch.exposition.promtext import Exposition
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, node_pb2
+from clusterwatch.wire.topology import Wiring, gpu_link, link_name, nearest_nics
 
 pytestmark = pytest.mark.timeout(60)
 

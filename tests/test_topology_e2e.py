@@ -22,7 +22,7 @@ from helpers import (
     wait_for,
 )
 
-from clusterwatch.topology import members as topology_members
+from clusterwatch.wire.topology import members as topology_members
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -2,7 +2,7 @@
 
 Three nodes are built here as their agents would send them: an 8-GPU HGX board,
 a 4-GPU PCIe server whose discovery was incomplete, and a CPU-only node. The
-rendering is pure (clusterwatch/topology_render.py); the last test runs the
+rendering is pure (clusterwatch/text/topology_render.py); the last test runs the
 command against a real coordinator fed over the agents' own protocol.
 """
 
@@ -19,7 +19,7 @@ from training_builders import AgentStream, poll_until, rank_report
 
 from bench.synthetic import hgx_topology
 from clusterwatch.cli.topology_cmd import as_json, render
-from clusterwatch.topology_render import (
+from clusterwatch.text.topology_render import (
     NOT_REPORTED,
     TIMES,
     cluster_lines,

@@ -20,13 +20,13 @@ from training_builders import (
     step,
 )
 
-from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S, bus_factor
 from clusterwatch.coordinator.metrics.training import TRAINING_FAMILIES, write_training
 from clusterwatch.coordinator.model.checkpoints import CheckpointTracker, LatestCheckpoint
 from clusterwatch.coordinator.model.jobs import JobStore
 from clusterwatch.coordinator.views.jobs import job_status, training_view
-from clusterwatch.promtext import Exposition, histogram
+from clusterwatch.exposition.promtext import Exposition, histogram
 from clusterwatch.v1 import cluster_pb2, training_pb2
+from clusterwatch.wire.collective_stats import COLLECTIVE_DURATION_BUCKETS_S, bus_factor
 
 pytestmark = pytest.mark.timeout(60)
 

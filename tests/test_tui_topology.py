@@ -12,7 +12,7 @@ from test_topology_render import hgx
 from textual.widgets import Static
 from training_builders import AgentStream, rank_report
 
-from clusterwatch.topology_render import NOT_REPORTED, matrix_lines
+from clusterwatch.text.topology_render import NOT_REPORTED, matrix_lines
 from clusterwatch.tui.app import TopApp
 from clusterwatch.tui.screens import TextScreen
 from clusterwatch.tui.views.details import node_detail

@@ -12,8 +12,8 @@ from typing import Any
 
 import grpc
 
-from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S, duration_bucket_index
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, node_pb2, training_pb2
+from clusterwatch.wire.collective_stats import COLLECTIVE_DURATION_BUCKETS_S, duration_bucket_index
 
 RUNNING = training_pb2.RankState.RANK_STATE_RUNNING
 DISCONNECTED = training_pb2.RankState.RANK_STATE_DISCONNECTED

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import grpc
 
-from clusterwatch.backoff import Backoff
 from clusterwatch.client import ClusterClient
+from clusterwatch.runtime.backoff import Backoff
 from clusterwatch.v1 import cluster_pb2
 
 log = logging.getLogger(__name__)

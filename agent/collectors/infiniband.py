@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from pathlib import Path
 
-from clusterwatch.agent.collectors.roots import read_attr
+from clusterwatch.agent.sysfs.attrs import read_attr
+from clusterwatch.agent.sysfs.net import after_colon, list_ports, parse_rate
 from clusterwatch.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
@@ -48,9 +48,6 @@ _PORT_COUNTERS: tuple[tuple[str, str, int], ...] = (
 
 # hw_counters entries that are settings rather than counters.
 _NOT_HW_COUNTERS = frozenset({"lifespan"})
-
-# "200 Gb/sec (4X HDR)", "2.5 Gb/sec (1X SDR)"
-_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*Gb/sec\b")
 
 
 class InfinibandCollector:
@@ -94,21 +91,6 @@ class InfinibandCollector:
         """Nothing to release; present for the Collector protocol."""
 
 
-def list_ports(device_dir: str) -> list[tuple[int, str]]:
-    """(port number, port directory) of one RDMA device, sorted by port number; empty if unreadable.
-
-    Also used by topology discovery (:mod:`clusterwatch.agent.topology.nics`).
-    """
-    ports_dir = os.path.join(device_dir, "ports")
-    try:
-        names = os.listdir(ports_dir)
-    except OSError as exc:
-        logger.debug("cannot list %s: %r", ports_dir, exc)
-        return []
-    ports = sorted((int(name), name) for name in names if name.isascii() and name.isdigit())
-    return [(number, os.path.join(ports_dir, name)) for number, name in ports]
-
-
 def _read_port(device: str, port: int, port_dir: str) -> node_pb2.IbPortSample:
     sample = node_pb2.IbPortSample(device=device, port=port)
     counters_dir = os.path.join(port_dir, "counters")
@@ -142,27 +124,6 @@ def _read_hw_counters(hw_dir: str, sample: node_pb2.IbPortSample) -> None:
         value = _read_uint(entry.path)
         if value is not None:
             sample.hw_counters[entry.name] = value
-
-
-def after_colon(text: str | None) -> str:
-    """``"4: ACTIVE"`` -> ``"ACTIVE"``; text without a colon is kept whole."""
-    if text is None:
-        return ""
-    return text.partition(":")[2].strip() if ":" in text else text
-
-
-def parse_rate(text: str | None) -> float | None:
-    """``"200 Gb/sec (4X HDR)"`` -> bytes per second (Gb/s x 1e9 / 8)."""
-    if text is None:
-        return None
-    match = _RATE_RE.match(text)
-    if match is None:
-        logger.debug("unparseable IB rate %r", text)
-        return None
-    rate_gbit_s = float(match.group(1))
-    if rate_gbit_s <= 0:
-        return None
-    return rate_gbit_s * 1e9 / 8
 
 
 def _read_uint(path: str) -> int | None:

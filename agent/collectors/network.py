@@ -18,7 +18,9 @@ from pathlib import Path
 
 import psutil
 
-from clusterwatch.agent.collectors.roots import parse_net_speed, psutil_procfs, read_attr
+from clusterwatch.agent.collectors.roots import psutil_procfs
+from clusterwatch.agent.sysfs.attrs import read_attr
+from clusterwatch.agent.sysfs.net import parse_net_speed
 from clusterwatch.v1 import node_pb2
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from clusterwatch.agent.gpu.nvml_fields import FieldReader, GpuFields
 from clusterwatch.agent.gpu.nvml_queries import SYSTEM_SCOPE, NvmlQueries, as_text
 from clusterwatch.agent.gpu.nvml_topology import NvmlGpu, read_gpu_topology
 from clusterwatch.agent.gpu.nvml_xid import XidWatcher
-from clusterwatch.agent.topology.pci import sysfs_bus_id
+from clusterwatch.agent.sysfs.pci import sysfs_bus_id
 from clusterwatch.v1 import node_pb2
 
 logger = logging.getLogger(__name__)

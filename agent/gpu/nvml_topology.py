@@ -39,9 +39,9 @@ from typing import Any, Final
 
 from clusterwatch.agent.gpu.backend import GpuTopology
 from clusterwatch.agent.gpu.nvml_queries import as_text, error_name, nvml_errors
-from clusterwatch.agent.topology.pci import sysfs_bus_id
-from clusterwatch.topology import format_ranks
+from clusterwatch.agent.sysfs.pci import sysfs_bus_id
 from clusterwatch.v1 import node_pb2
+from clusterwatch.wire.topology import format_ranks
 
 logger = logging.getLogger(__name__)
 

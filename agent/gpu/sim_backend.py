@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from clusterwatch.agent.gpu.backend import GpuTopology
-from clusterwatch.agent.topology.pci import sysfs_bus_id
+from clusterwatch.agent.sysfs.pci import sysfs_bus_id
 from clusterwatch.v1 import node_pb2
 
 logger = logging.getLogger(__name__)

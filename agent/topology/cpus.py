@@ -15,8 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from clusterwatch.agent.collectors.roots import read_attr
-from clusterwatch.agent.topology.pci import parse_cpulist
+from clusterwatch.agent.sysfs.attrs import parse_cpulist, read_attr
 from clusterwatch.v1 import node_pb2
 
 _CPU_RE = re.compile(r"^cpu(\d+)$")

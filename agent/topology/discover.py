@@ -5,10 +5,10 @@ What comes from where:
 * GPUs and GPU-GPU links: the GPU backend (:meth:`GpuBackend.topology`); a
   pair the backend could not tell is filled in from the two GPUs' PCIe paths
   in sysfs. Each GPU's NUMA node and local CPUs come from sysfs
-  (:mod:`pci`). Simulated GPUs are not looked up in sysfs: their bus ids
+  (``agent/sysfs/pci.py``). Simulated GPUs are not looked up in sysfs: their bus ids
   name no device of the host, so they have no NUMA node and no NIC links.
 * NICs: :mod:`nics`. GPU-NIC links: the PCIe paths of the two
-  (:func:`pci.pci_link`); a pair whose link is unknown is left out, so a GPU
+  (:func:`links.pci_link`); a pair whose link is unknown is left out, so a GPU
   without any known link has no nearest NIC.
 * Sockets and NUMA nodes: :mod:`cpus`.
 
@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from clusterwatch.agent.gpu.backend import GpuBackend
+from clusterwatch.agent.sysfs.pci import PciDevice, pci_device
 from clusterwatch.agent.topology.cpus import cpu_sockets, numa_nodes
+from clusterwatch.agent.topology.links import pci_link
 from clusterwatch.agent.topology.nics import Nic, discover_nics
-from clusterwatch.agent.topology.pci import PciDevice, pci_device, pci_link
 from clusterwatch.v1 import node_pb2
 
 logger = logging.getLogger(__name__)

@@ -29,9 +29,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from clusterwatch.agent.collectors.infiniband import after_colon, list_ports, parse_rate
-from clusterwatch.agent.collectors.roots import parse_net_speed, read_attr
-from clusterwatch.agent.topology.pci import PciDevice, device_behind
+from clusterwatch.agent.sysfs.attrs import read_attr
+from clusterwatch.agent.sysfs.net import after_colon, list_ports, parse_net_speed, parse_rate
+from clusterwatch.agent.sysfs.pci import PciDevice, device_behind
 from clusterwatch.v1 import node_pb2
 
 logger = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from clusterwatch.agent.gpu.backend import GpuBackend
 from clusterwatch.agent.topology.discover import discover_topology
-from clusterwatch.topology import Wiring
 from clusterwatch.v1 import node_pb2
+from clusterwatch.wire.topology import Wiring
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import argparse
 
 from clusterwatch.cli.common import add_settings_flags, run_until_signalled, settings_from_args
 from clusterwatch.config import AgentSettings
-from clusterwatch.tls import credentials, warn_if_plaintext
+from clusterwatch.runtime.tls import credentials, warn_if_plaintext
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:

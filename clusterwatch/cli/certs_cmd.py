@@ -1,6 +1,6 @@
 """``clusterwatch certs init|issue``: a trial CA and node certificates for mutual TLS.
 
-Enough to try TLS on a few machines (clusterwatch.certs); production uses
+Enough to try TLS on a few machines (clusterwatch.cli.certs); production uses
 certificates from the site's own PKI, which this prints as a reminder.
 """
 
@@ -11,10 +11,10 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clusterwatch.cert_terms import CA_DAYS, LEAF_DAYS, Role
+from clusterwatch.runtime.cert_terms import CA_DAYS, LEAF_DAYS, Role
 
 if TYPE_CHECKING:
-    from clusterwatch.certs import WrittenFiles
+    from clusterwatch.cli.certs import WrittenFiles
 
 DEFAULT_DIR = Path("clusterwatch-certs")
 PKI_REMINDER = (
@@ -100,7 +100,7 @@ def _add_dir(parser: argparse.ArgumentParser) -> None:
 
 
 def run_init(args: argparse.Namespace) -> int:
-    from clusterwatch import certs  # needs cryptography (the coordinator extra)
+    from clusterwatch.cli import certs  # needs cryptography (the coordinator extra)
 
     written = certs.create_ca(args.dir, days=args.days, force=args.force)
     print(f"wrote {written.cert_path} (CA certificate, valid until {_date(written)})")
@@ -113,7 +113,7 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def run_issue(args: argparse.Namespace) -> int:
-    from clusterwatch import certs  # needs cryptography (the coordinator extra)
+    from clusterwatch.cli import certs  # needs cryptography (the coordinator extra)
 
     written = certs.issue(
         args.dir, args.name, role=Role(args.role), extra_sans=args.san, days=args.days, force=args.force

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from clusterwatch.cli.common import add_settings_flags, run_until_signalled, settings_from_args
 from clusterwatch.config import CoordinatorSettings, DetectionSettings, RecoverySettings
 from clusterwatch.errors import ConfigError
-from clusterwatch.tls import credentials, warn_if_plaintext
+from clusterwatch.runtime.tls import credentials, warn_if_plaintext
 
 if TYPE_CHECKING:
     from clusterwatch.coordinator.server import CoordinatorServer

@@ -15,9 +15,9 @@ import socket
 from clusterwatch.cli.common import add_settings_flags, with_client
 from clusterwatch.config import ClientSettings
 from clusterwatch.errors import ConfigError
-from clusterwatch.job_labels import labels_problem
-from clusterwatch.slurm_env import expand_hostlist, slurm_job_name, slurm_labels
 from clusterwatch.v1 import cluster_pb2
+from clusterwatch.wire.job_labels import labels_problem
+from clusterwatch.wire.slurm_env import expand_hostlist, slurm_job_name, slurm_labels
 
 logger = logging.getLogger(__name__)
 

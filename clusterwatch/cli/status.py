@@ -13,7 +13,7 @@ import grpc
 from clusterwatch.cli.common import add_settings_flags, api_json, settings_from_args
 from clusterwatch.client import ClusterClient
 from clusterwatch.config import ClientSettings
-from clusterwatch.humanize import (
+from clusterwatch.text.humanize import (
     ago,
     all_reduce_bus_bandwidth,
     bandwidth,

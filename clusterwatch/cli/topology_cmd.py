@@ -9,7 +9,7 @@ from typing import Any
 
 from clusterwatch.cli.common import add_settings_flags, api_json, settings_from_args, with_client
 from clusterwatch.config import ClientSettings
-from clusterwatch.topology_render import cluster_lines, for_job, node_lines
+from clusterwatch.text.topology_render import cluster_lines, for_job, node_lines
 from clusterwatch.v1 import cluster_pb2
 
 

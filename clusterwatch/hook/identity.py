@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from clusterwatch import __version__
-from clusterwatch.slurm_env import slurm_job_name, slurm_labels, slurm_task
 from clusterwatch.v1 import training_pb2
+from clusterwatch.wire.slurm_env import slurm_job_name, slurm_labels, slurm_task
 
 DEFAULT_SOCKET = "/run/clusterwatch/agent.sock"
 SOCKET_ENV = "CLUSTERWATCH_AGENT_SOCKET"
@@ -30,7 +30,7 @@ def job_name(explicit: str | None, environ: Mapping[str, str]) -> str:
     else "default".
 
     The SLURM job is ``SLURM_JOB_ID``, or ``<array job id>_<task id>`` for a
-    task of a job array (see clusterwatch/slurm_env.py). It comes before
+    task of a job array (see clusterwatch/wire/slurm_env.py). It comes before
     torchrun's run id because it is the name everything else in a SLURM
     cluster uses for the job: squeue and sacct, the Prolog/Epilog scripts that
     register and end it (clusterwatch job begin|end --slurm), and ``scontrol

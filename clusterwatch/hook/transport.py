@@ -9,7 +9,7 @@ collective raised, and the process may be torn down before the next one). Checkp
 second small queue so a flood of steps cannot push them out.
 
 Before each stream the link fetches a nonce from the agent's credential
-socket (clusterwatch/hook_handshake.py): the kernel tells the agent which
+socket (clusterwatch/wire/hook_handshake.py): the kernel tells the agent which
 process connected, and the nonce in the hello proves the stream is that
 process's. An agent without a credential socket (older than the handshake)
 gets a hello without one.
@@ -32,16 +32,16 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from clusterwatch.backoff import Backoff
-from clusterwatch.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.hook.health import HookHealth
-from clusterwatch.hook_handshake import (
+from clusterwatch.runtime.backoff import Backoff
+from clusterwatch.runtime.grpc_options import CHANNEL_OPTIONS
+from clusterwatch.v1 import hook_pb2, hook_pb2_grpc, training_pb2
+from clusterwatch.wire.hook_handshake import (
     MAX_REPLY_BYTES,
     HandshakeError,
     credential_socket_path,
     decode_reply,
 )
-from clusterwatch.v1 import hook_pb2, hook_pb2_grpc, training_pb2
 
 logger = logging.getLogger("clusterwatch.hook")
 

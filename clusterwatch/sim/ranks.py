@@ -39,15 +39,15 @@ import signal
 import uuid
 from collections.abc import Collection, Sequence
 
-from clusterwatch.collective_stats import (
+from clusterwatch.sim.noise import NoiseModel
+from clusterwatch.sim.scenario import FaultKind, FaultSpec, Scenario, affected_ranks
+from clusterwatch.v1 import training_pb2
+from clusterwatch.wire.collective_stats import (
     COLLECTIVE_DURATION_BUCKETS_S,
     bus_bandwidth_bytes_per_s,
     bus_factor,
     size_bucket_bytes,
 )
-from clusterwatch.sim.noise import NoiseModel
-from clusterwatch.sim.scenario import FaultKind, FaultSpec, Scenario, affected_ranks
-from clusterwatch.v1 import training_pb2
 
 FIRST_STEP = 1
 GROUP_NAME = "0"

@@ -31,7 +31,7 @@ import grpc
 
 from clusterwatch.config import split_host_port
 from clusterwatch.errors import ConfigError
-from clusterwatch.grpc_options import CHANNEL_OPTIONS
+from clusterwatch.runtime.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.sim import diagnose
 from clusterwatch.sim.nodes import NodeModel, gpu_uuid
 from clusterwatch.sim.ranks import FIRST_STEP, JobModel

@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 
 from clusterwatch import __version__
-from clusterwatch.backoff import Backoff
+from clusterwatch.runtime.backoff import Backoff
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, node_pb2
 
 logger = logging.getLogger(__name__)

@@ -228,7 +228,7 @@ class GpuSample(_message.Message):
     memory_clock_hertz: _builtins.float
     sm_clock_max_hertz: _builtins.float
     clocks_event_reasons: _builtins.int
-    """Bit mask of nvmlClocksEventReason* (see clusterwatch.gpu_reasons)."""
+    """Bit mask of nvmlClocksEventReason* (see clusterwatch.wire.gpu_reasons)."""
     pcie_transmit_bytes_per_second: _builtins.float
     """PCIe rates: the change of the byte counters below since the previous
     sample; unset on the first sample and after a counter went backwards.

@@ -126,7 +126,7 @@ class RankIdentity(_message.Message):
         slurm_job_id, slurm_job_name, slurm_array_job_id, slurm_array_task_id,
         slurm_nodelist, slurm_partition, slurm_account, slurm_user, those set.
         Keys are Prometheus label names other than "job"; at most 32 pairs,
-        values at most 1024 characters (clusterwatch/job_labels.py).
+        values at most 1024 characters (clusterwatch/wire/job_labels.py).
         """
 
     def __init__(
@@ -189,7 +189,7 @@ class CollectiveSummary(_message.Message):
     count: _builtins.int
     bytes_total: _builtins.int
     """nccl-tests "size": the bytes each rank's collective moves
-    (see clusterwatch/collective_stats.py).
+    (see clusterwatch/wire/collective_stats.py).
     """
     duration_seconds_total: _builtins.float
     duration_seconds_max: _builtins.float
@@ -202,7 +202,7 @@ class CollectiveSummary(_message.Message):
     @_builtins.property
     def duration_bucket_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Counts per duration bucket; bounds are COLLECTIVE_DURATION_BUCKETS_S in
-        clusterwatch/collective_stats.py, the last entry is +Inf.
+        clusterwatch/wire/collective_stats.py, the last entry is +Inf.
         """
 
     def __init__(

@@ -2,7 +2,7 @@
 
 With mutual TLS, every peer is one role and one name, read from its verified
 certificate's ``clusterwatch://ROLE/NAME`` URI SAN and nothing else
-(clusterwatch/peer_identity.py):
+(clusterwatch/runtime/peer_identity.py):
 
 - an agent stream (AgentService) is accepted only from a node certificate,
   and only for the node id the certificate names: a person's certificate
@@ -30,9 +30,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from clusterwatch.cert_terms import Role
 from clusterwatch.errors import ConfigError, PermissionDeniedError, UnauthenticatedError
-from clusterwatch.peer_identity import PeerIdentity, PeerVerifier
+from clusterwatch.runtime.cert_terms import Role
+from clusterwatch.runtime.peer_identity import PeerIdentity, PeerVerifier
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Maps clusterwatch exceptions to gRPC status codes (clusterwatch/grpc_status.py's table), for every RPC.
+"""Maps clusterwatch exceptions to gRPC status codes (clusterwatch/wire/grpc_status.py's table), for every RPC.
 
 It also runs the access gate (coordinator/api/access.py) before every RPC, inside
 the same mapping, so a refused peer gets PERMISSION_DENIED with the reason.
@@ -15,7 +15,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from clusterwatch.errors import ClusterwatchError, InvalidRequestError
-from clusterwatch.grpc_status import status_for
+from clusterwatch.wire.grpc_status import status_for
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from clusterwatch.errors import InvalidRequestError
-from clusterwatch.job_labels import labels_problem
 from clusterwatch.v1 import cluster_pb2
+from clusterwatch.wire.job_labels import labels_problem
 
 MAX_JOB_CHARS = 256
 MAX_NODE_CHARS = 253  # a DNS name

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from clusterwatch.coordinator.api.job_requests import MAX_JOB_CHARS, node_problem
 from clusterwatch.errors import InvalidRequestError
 from clusterwatch.v1 import cluster_pb2
-from clusterwatch.wire_limits import MAX_ID_CHARS
+from clusterwatch.wire.limits import MAX_ID_CHARS
 
 # ListEvents / ListIncidents / ListActions: at most this many per call (0 means 1000).
 MAX_LIST_LIMIT = 10_000

@@ -52,7 +52,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
 from clusterwatch.coordinator.model.jobs import RUNNING, RankRecord
-from clusterwatch.humanize import collective as describe
+from clusterwatch.text.humanize import collective as describe
 from clusterwatch.v1 import training_pb2
 
 # Ranks spelled out in a detail before the rest are only counted.

@@ -2,7 +2,7 @@
 
 Placement: rank -> node (the agent that reports it) -> GPU
 (``RankIdentity.gpu_uuid`` found in the node's topology) -> the NICs that GPU
-reaches with its nearest link (clusterwatch/topology.py).
+reaches with its nearest link (clusterwatch/wire/topology.py).
 
 Advice comes from the process groups each rank reports (``Heartbeat.process_groups``),
 their role read from the group's description, as DeviceMesh (``mesh_tp``),
@@ -29,11 +29,11 @@ import itertools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from clusterwatch import topology
 from clusterwatch.coordinator.model.jobs import JobRecord, RankRecord
 from clusterwatch.coordinator.model.state import NodeRecord
-from clusterwatch.humanize import bandwidth
+from clusterwatch.text.humanize import bandwidth
 from clusterwatch.v1 import cluster_pb2, node_pb2, training_pb2
+from clusterwatch.wire import topology
 
 
 class GroupRole(enum.StrEnum):

@@ -59,7 +59,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from clusterwatch.errors import InvalidReportError
 from clusterwatch.v1 import agent_pb2, node_pb2
-from clusterwatch.wire_limits import (
+from clusterwatch.wire.limits import (
     DEFAULT_MAX_ENTRIES,
     DUMP_FIELDS,
     MAX_CLOCK_SKEW_S,
@@ -75,7 +75,7 @@ from clusterwatch.wire_limits import (
     V1,
 )
 
-# Not read here at all: the job store checks a rank's labels (clusterwatch/job_labels.py).
+# Not read here at all: the job store checks a rank's labels (clusterwatch/wire/job_labels.py).
 _SKIPPED = frozenset({f"{V1}RankIdentity.labels"})
 # Counted, not descended into: the job store reads and checks these per rank.
 _NOT_DESCENDED = frozenset({f"{V1}RankReport.steps", f"{V1}RankReport.collectives"})

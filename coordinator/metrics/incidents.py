@@ -10,7 +10,7 @@ from clusterwatch.coordinator.detection.causes import CauseName
 from clusterwatch.coordinator.detection.watchdog import DetectedCounts, Watchdog
 from clusterwatch.coordinator.model.incidents import Incident, Kind, Severity
 from clusterwatch.coordinator.model.jobs import JobRecord
-from clusterwatch.promtext import Exposition, counter, escape, gauge
+from clusterwatch.exposition.promtext import Exposition, counter, escape, gauge
 
 INCIDENTS_OPEN = gauge(
     "clusterwatch_incidents_open",

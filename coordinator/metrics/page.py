@@ -12,15 +12,15 @@ from clusterwatch.coordinator.metrics.training import write_training
 from clusterwatch.coordinator.model.event_log import StateHealth
 from clusterwatch.coordinator.views.jobs import TrainingView
 from clusterwatch.coordinator.views.nodes import NodeView
-from clusterwatch.humanize import node_state
-from clusterwatch.node_metrics import (
+from clusterwatch.exposition.node_metrics import (
     NODE_UP,
     register_node_families,
     write_node,
     write_node_info,
     write_topology,
 )
-from clusterwatch.promtext import Exposition, counter, escape, gauge
+from clusterwatch.exposition.promtext import Exposition, counter, escape, gauge
+from clusterwatch.text.humanize import node_state
 from clusterwatch.v1 import cluster_pb2
 
 NodeState = cluster_pb2.NodeState

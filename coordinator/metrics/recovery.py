@@ -7,7 +7,7 @@ import dataclasses
 
 from clusterwatch.coordinator.model.incidents import Kind
 from clusterwatch.coordinator.recovery.executor import REQUESTED, RecoveryCounts
-from clusterwatch.promtext import Exposition, counter, escape, gauge
+from clusterwatch.exposition.promtext import Exposition, counter, escape, gauge
 
 RESTARTS = counter(
     "clusterwatch_restarts_total",

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S
 from clusterwatch.coordinator.model.checkpoints import CHECKPOINT_OUTCOMES
 from clusterwatch.coordinator.views.jobs import JobView, RankView, TrainingView
-from clusterwatch.promtext import Exposition, Family, counter, escape, gauge, histogram
+from clusterwatch.exposition.promtext import Exposition, Family, counter, escape, gauge, histogram
 from clusterwatch.v1 import training_pb2
+from clusterwatch.wire.collective_stats import COLLECTIVE_DURATION_BUCKETS_S
 
 RankState = training_pb2.RankState
 
@@ -169,7 +169,7 @@ def write_training(exp: Exposition, view: TrainingView) -> None:
 
 def _write_job(exp: Exposition, job: JobView) -> None:
     j = f'job="{escape(job.job)}"'
-    # Keys are label names other than "job" (the coordinator checked them: clusterwatch/job_labels.py).
+    # Keys are label names other than "job" (the coordinator checked them: clusterwatch/wire/job_labels.py).
     info = "".join(f',{key}="{escape(value)}"' for key, value in sorted(job.labels.items()))
     exp.add(JOB_INFO, j + info, 1)
     exp.add(JOB_WORLD_SIZE, j, job.world_size)

@@ -73,8 +73,8 @@ from clusterwatch.coordinator.model.rank_reports import (
     parse_rank_report,
 )
 from clusterwatch.coordinator.model.step_ring import StepRing
-from clusterwatch.job_labels import labels_problem
 from clusterwatch.v1 import training_pb2
+from clusterwatch.wire.job_labels import labels_problem
 
 RankState = training_pb2.RankState
 RUNNING = RankState.RANK_STATE_RUNNING
@@ -104,7 +104,7 @@ class CollectiveTotals:
 
     Attributes:
         bucket_counts: per duration bucket (bounds in
-            clusterwatch/collective_stats.py, last is +Inf), not cumulative.
+            clusterwatch/wire/collective_stats.py, last is +Inf), not cumulative.
     """
 
     calls: int = 0
@@ -618,7 +618,7 @@ class JobStore:
 
 
 def _check_labels(identity: training_pb2.RankIdentity) -> None:
-    """Raises RankReportError when the identity's labels break clusterwatch/job_labels.py's rules."""
+    """Raises RankReportError when the identity's labels break clusterwatch/wire/job_labels.py's rules."""
     if identity.labels and (problem := labels_problem(identity.labels)):
         raise RankReportError(
             RejectReason.BAD_LABELS, f"job {identity.job!r} rank {identity.rank}: labels: {problem}"

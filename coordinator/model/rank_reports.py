@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import NamedTuple
 
-from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S, bus_factor
 from clusterwatch.coordinator.model.step_ring import StepColumns
 from clusterwatch.errors import InvalidReportError
 from clusterwatch.v1 import training_pb2
+from clusterwatch.wire.collective_stats import COLLECTIVE_DURATION_BUCKETS_S, bus_factor
 
 # One duration bucket per bound plus +Inf.
 DURATION_BUCKETS = len(COLLECTIVE_DURATION_BUCKETS_S) + 1
@@ -55,7 +55,7 @@ class RejectReason(enum.StrEnum):
     BAD_HISTOGRAM = "bad_histogram"
     # A valid report from an instance of the rank that a newer one replaced.
     STALE_INSTANCE = "stale_instance"
-    # Labels that break clusterwatch/job_labels.py's rules.
+    # Labels that break clusterwatch/wire/job_labels.py's rules.
     BAD_LABELS = "bad_labels"
     # A valid report of a job that was ended on purpose (EndJob), from one of
     # its processes: its teardown, not news.
@@ -206,7 +206,7 @@ def _group_collectives(
             raise RankReportError(
                 RejectReason.BAD_HISTOGRAM,
                 f"{_who(identity)}: duration_bucket_counts must have {DURATION_BUCKETS} entries "
-                "(see clusterwatch/collective_stats.py)",
+                "(see clusterwatch/wire/collective_stats.py)",
             )
         # A slice copies a repeated field in C; iterating it element by
         # element would cost ~10x more, and this runs per summary.

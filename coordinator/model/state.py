@@ -20,9 +20,9 @@ import dataclasses
 import enum
 
 from clusterwatch.errors import InvalidReportError
-from clusterwatch.topology import Wiring
 from clusterwatch.v1 import agent_pb2, cluster_pb2, node_pb2
-from clusterwatch.wire_limits import MAX_SEQUENCE_JUMP
+from clusterwatch.wire.limits import MAX_SEQUENCE_JUMP
+from clusterwatch.wire.topology import Wiring
 
 NodeState = cluster_pb2.NodeState
 

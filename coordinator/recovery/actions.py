@@ -26,8 +26,8 @@ from clusterwatch.errors import (
     NotFoundError,
     UnimplementedError,
 )
-from clusterwatch.recovery_names import CHECKPOINT, EXCLUDE_NODE_AND_RESTART, REQUESTABLE, RESTARTS
 from clusterwatch.v1 import agent_pb2, cluster_pb2
+from clusterwatch.wire.recovery_names import CHECKPOINT, EXCLUDE_NODE_AND_RESTART, REQUESTABLE, RESTARTS
 
 logger = logging.getLogger(__name__)
 

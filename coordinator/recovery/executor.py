@@ -75,7 +75,8 @@ from clusterwatch.coordinator.recovery.policy import (
     checkpoints_first,
     exclusion_blocker,
 )
-from clusterwatch.recovery_names import (
+from clusterwatch.v1 import agent_pb2, cluster_pb2
+from clusterwatch.wire.recovery_names import (
     ALERT,
     CHECKPOINT,
     EXCLUDE_NODE_AND_RESTART,
@@ -83,7 +84,6 @@ from clusterwatch.recovery_names import (
     STOP_ORPHANS,
     restart_action,
 )
-from clusterwatch.v1 import agent_pb2, cluster_pb2
 
 logger = logging.getLogger(__name__)
 

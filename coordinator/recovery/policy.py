@@ -31,7 +31,7 @@ from collections.abc import Collection
 
 from clusterwatch.config import RecoverySettings
 from clusterwatch.coordinator.model.incidents import Incident, Kind, Severity
-from clusterwatch.recovery_names import (
+from clusterwatch.wire.recovery_names import (
     ALERT,
     CHECKPOINT,
     CHECKPOINT_AND_RESTART,

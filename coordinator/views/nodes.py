@@ -10,8 +10,8 @@ import dataclasses
 
 from clusterwatch.coordinator.model.rates import infiniband_rates, network_rates
 from clusterwatch.coordinator.model.state import ClusterState, NodeRecord
-from clusterwatch.topology import Wiring
 from clusterwatch.v1 import cluster_pb2, node_pb2
+from clusterwatch.wire.topology import Wiring
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,8 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: hook_client, builders
 from hook_client import HookClient
 
-from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S
 from clusterwatch.v1 import hook_pb2, training_pb2
+from clusterwatch.wire.collective_stats import COLLECTIVE_DURATION_BUCKETS_S
 
 HELLOS = 10
 BATCHES_PER_STREAM = 400  # far past any budget: the agent ends the stream first

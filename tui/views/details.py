@@ -6,10 +6,10 @@ from typing import TypeAlias
 
 from rich.text import Text
 
-from clusterwatch.gpu_reasons import active_reasons
-from clusterwatch.humanize import bandwidth, duration, percent, rank_state, size_bytes
-from clusterwatch.topology_render import NOT_REPORTED, node_lines
+from clusterwatch.text.humanize import bandwidth, duration, percent, rank_state, size_bytes
+from clusterwatch.text.topology_render import NOT_REPORTED, node_lines
 from clusterwatch.v1 import cluster_pb2
+from clusterwatch.wire.gpu_reasons import active_reasons
 
 TopologyFetch: TypeAlias = cluster_pb2.ClusterTopology | str | None
 """A node's topology as the detail has it: the coordinator's answer, why it is missing, or None while fetching."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from clusterwatch.gpu_reasons import slowdown_reasons
 from clusterwatch.tui.state import TopState
 from clusterwatch.tui.views.rows import Cell, Tone
+from clusterwatch.wire.gpu_reasons import slowdown_reasons
 
 THROTTLED_NAMED = 4
 """Throttled GPUs named in the summary line; the rest are counted."""

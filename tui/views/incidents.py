@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from rich.text import Text
 
-from clusterwatch.humanize import ago
+from clusterwatch.text.humanize import ago
 from clusterwatch.tui.state import TopState
 from clusterwatch.tui.views.rows import Cell, Column, Row, Tone
 from clusterwatch.tui.views.summary import SEVERITY_TONES

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-from clusterwatch.humanize import bandwidth
+from clusterwatch.text.humanize import bandwidth
 from clusterwatch.tui.state import TopState
 from clusterwatch.tui.views.rows import Cell, Column, Row, SortValue, Tone, number
 from clusterwatch.v1 import node_pb2

@@ -7,12 +7,12 @@ import functools
 import time
 from collections.abc import Sequence
 
-from clusterwatch.gpu_reasons import slowdown_reasons
-from clusterwatch.humanize import ago, bandwidth, percent
+from clusterwatch.text.humanize import ago, bandwidth, percent
 from clusterwatch.tui.history import sparkline
 from clusterwatch.tui.state import TopState
 from clusterwatch.tui.views.rows import Cell, Column, Row, SortValue, Tone, number
 from clusterwatch.v1 import cluster_pb2, node_pb2
+from clusterwatch.wire.gpu_reasons import slowdown_reasons
 
 HISTORY_WIDTH = 12
 COLUMNS = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 
-from clusterwatch.humanize import all_reduce_bus_bandwidth, bandwidth, duration, rank_state
+from clusterwatch.text.humanize import all_reduce_bus_bandwidth, bandwidth, duration, rank_state
 from clusterwatch.tui.history import sparkline
 from clusterwatch.tui.state import TopState
 from clusterwatch.tui.views.rows import Cell, Column, Row, SortValue, Tone, number

@@ -4,7 +4,7 @@ One aggregate per (op, process group, group size, dtype, size bucket) and step:
 a training step issues the same collectives over and over (every DDP bucket,
 every FSDP unit), so sending one record per collective would cost more than the
 step. Bus bandwidth, size buckets and duration buckets come from
-``clusterwatch.collective_stats``, which the coordinator shares.
+``clusterwatch.wire.collective_stats``, which the coordinator shares.
 
 Not thread-safe: ``CollectiveTracker`` calls it under its own lock. Imports
 neither torch nor anything heavier than the generated protobuf module.
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from clusterwatch.collective_stats import (
+from clusterwatch.v1 import training_pb2
+from clusterwatch.wire.collective_stats import (
     COLLECTIVE_DURATION_BUCKETS_S,
     bus_bandwidth_bytes_per_s,
     duration_bucket_index,
     size_bucket_bytes,
 )
-from clusterwatch.v1 import training_pb2
 
 AggregateKey = tuple[str, str, int, str, int]
 """(op, group_name, group_size, dtype, size_bucket_bytes)."""
@@ -41,7 +41,7 @@ class CollectiveAggregate:
         dtype: Element type without the ``torch.`` prefix ("float32"); "" for barrier.
         size_bucket_bytes: Smallest power of two >= each collective's size (0 for barrier).
         count: Collectives counted.
-        bytes_total: Sum of their nccl-tests sizes (see ``clusterwatch.collective_stats``).
+        bytes_total: Sum of their nccl-tests sizes (see ``clusterwatch.wire.collective_stats``).
         duration_s_total: Sum of their durations, launch to completion.
         duration_s_max: The longest of them.
         last_sequence: Hook sequence number (per process group) of the last one counted.

@@ -2,7 +2,7 @@
 
 ``_OP_SPECS`` names the functions ``CollectiveTracker.install()`` patches, the op
 each reports under, and which parameter is its data: the nccl-tests "size"
-(see ``clusterwatch.collective_stats``), dtype and device of the collective.
+(see ``clusterwatch.wire.collective_stats``), dtype and device of the collective.
 ``_OpArguments`` finds those parameters in torch's own signature once, at
 install, so the per-call path reads arguments by index. Imports no torch.
 """
@@ -27,7 +27,7 @@ class _OpSpec:
         op: Name reported in ``CollectiveSummary.op`` (aliases report under the
             name the proto lists).
         data_param: Parameter whose tensor (or list of tensors) is the
-            nccl-tests "size" (see ``clusterwatch.collective_stats``) and gives
+            nccl-tests "size" (see ``clusterwatch.wire.collective_stats``) and gives
             dtype and device; None for barrier.
         point_to_point: Counts in the group's p2p sequence.
     """

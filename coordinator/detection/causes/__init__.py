@@ -27,7 +27,7 @@ straggler names the cause:
    on the straggler's node this rule is skipped, and it does not count when most
    peer nodes (with data) show the same signal.
 3. Network (its node; with the node's topology and the rank's GPU known, only
-   the NICs nearest that GPU, clusterwatch/topology.py): a link down (an InfiniBand port not ACTIVE, a NIC not up,
+   the NICs nearest that GPU, clusterwatch/wire/topology.py): a link down (an InfiniBand port not ACTIVE, a NIC not up,
    that was up in the previous report or is up on most of the job's other
    nodes that have it), InfiniBand or NIC errors or link flaps at
    >= ``errors_min_per_s``, InfiniBand transmit wait >= ``transmit_wait_min_per_s``

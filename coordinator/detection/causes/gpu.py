@@ -19,7 +19,7 @@ from clusterwatch.coordinator.detection.causes.shared import (
     put,
 )
 from clusterwatch.coordinator.model.jobs import RankRecord
-from clusterwatch.gpu_reasons import CLOCK_EVENT_REASONS
+from clusterwatch.wire.gpu_reasons import CLOCK_EVENT_REASONS
 
 _REASON_BITS = dict(CLOCK_EVENT_REASONS)
 # Reason groups, strongest explanation first: HW slowdown is also asserted

@@ -29,8 +29,8 @@ from clusterwatch.coordinator.detection.topology_advice import Placement, place
 from clusterwatch.coordinator.model.jobs import JobRecord, RankRecord
 from clusterwatch.coordinator.model.rates import counter_rate, nic_key, port_key
 from clusterwatch.coordinator.model.state import NodeRecord
-from clusterwatch.topology import link_name
 from clusterwatch.v1 import node_pb2
+from clusterwatch.wire.topology import link_name
 
 _IB_ACTIVE = "ACTIVE"
 

@@ -12,7 +12,7 @@ import re
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from typing import Protocol
 
-from clusterwatch.external_commands import CommandRun
+from clusterwatch.runtime.external_commands import CommandRun
 from clusterwatch.v1 import agent_pb2
 
 # One scontrol/kubectl call may take this long (slurmctld or the API server busy).

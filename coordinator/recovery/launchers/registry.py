@@ -1,7 +1,7 @@
 """The launcher registry: each kind of ``recovery.launcher`` and how its adapter is built from the settings.
 
 A new launcher is a module of its own in this package, with a builder here
-and its kind in clusterwatch/recovery_names.py (tests/test_launchers.py
+and its kind in clusterwatch/wire/recovery_names.py (tests/test_launchers.py
 checks the two agree).
 """
 
@@ -20,7 +20,7 @@ from clusterwatch.coordinator.recovery.launchers.protocol import (
 from clusterwatch.coordinator.recovery.launchers.slurm import SlurmLauncher
 from clusterwatch.coordinator.recovery.launchers.torchrun import TorchrunLauncher
 from clusterwatch.errors import ConfigError
-from clusterwatch.recovery_names import KUBERNETES, LAUNCHER_KINDS, SLURM, TORCHRUN
+from clusterwatch.wire.recovery_names import KUBERNETES, LAUNCHER_KINDS, SLURM, TORCHRUN
 
 # Settings keys named in ConfigError (section [recovery]).
 LAUNCHER_KEY = "recovery.launcher"

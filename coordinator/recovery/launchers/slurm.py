@@ -27,8 +27,8 @@ from clusterwatch.coordinator.recovery.launchers.protocol import (
     unique,
 )
 from clusterwatch.errors import ConfigError
-from clusterwatch.external_commands import CommandRun, run_command
-from clusterwatch.recovery_names import SLURM
+from clusterwatch.runtime.external_commands import CommandRun, run_command
+from clusterwatch.wire.recovery_names import SLURM
 
 logger = logging.getLogger(__name__)
 

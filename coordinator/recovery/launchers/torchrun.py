@@ -17,8 +17,8 @@ from clusterwatch.coordinator.recovery.launchers.protocol import (
     SendStop,
     unique,
 )
-from clusterwatch.recovery_names import TORCHRUN
 from clusterwatch.v1 import agent_pb2
+from clusterwatch.wire.recovery_names import TORCHRUN
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The plain terms of a clusterwatch certificate: who holds it (role URI) and how long a trial one lasts.
 
-Kept apart from ``clusterwatch.peer_identity`` and ``clusterwatch.certs``,
+Kept apart from ``clusterwatch.runtime.peer_identity`` and ``clusterwatch.cli.certs``,
 which need the ``cryptography`` package, so that the command line can build
 its parser where only the training hook is installed (``pip install
 clusterwatch``, without the ``coordinator`` extra; README, "Installing").

@@ -3,15 +3,16 @@
 Pure functions from the API's messages to lines, so the command and ``top``
 print the same thing. A node's matrix follows ``nvidia-smi topo -m``: a row
 per GPU and per NIC, ``X`` on the diagonal, the link names of
-:func:`clusterwatch.topology.link_name`, then the NIC and link legends.
+:func:`clusterwatch.wire.topology.link_name`, then the NIC and link legends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from clusterwatch.humanize import bandwidth, columns, node_state
-from clusterwatch.topology import (
+from clusterwatch.text.humanize import bandwidth, columns, node_state
+from clusterwatch.v1 import cluster_pb2, node_pb2
+from clusterwatch.wire.topology import (
     LEGEND,
     RDMA_KINDS,
     format_ranks,
@@ -21,7 +22,6 @@ from clusterwatch.topology import (
     nic_rate,
     nvlink_domains,
 )
-from clusterwatch.v1 import cluster_pb2, node_pb2
 
 NodeState = cluster_pb2.NodeState
 

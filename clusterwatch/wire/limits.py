@@ -15,7 +15,7 @@ is refused.
 
 from __future__ import annotations
 
-from clusterwatch.collective_stats import COLLECTIVE_DURATION_BUCKETS_S
+from clusterwatch.wire.collective_stats import COLLECTIVE_DURATION_BUCKETS_S
 
 MAX_ID_CHARS = 256
 # Free text: errors, exit descriptions, checkpoint paths (PATH_MAX is 4096).

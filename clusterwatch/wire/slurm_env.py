@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from clusterwatch.job_labels import clip_value
+from clusterwatch.wire.job_labels import clip_value
 
 # Label key -> the variables that give it, first set wins. SLURM_JOBID and
 # SLURM_NODELIST are the older spellings, still set next to the new ones.

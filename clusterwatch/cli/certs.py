@@ -3,7 +3,7 @@
 ``create_ca`` writes ``ca.crt`` and ``ca.key``; ``issue`` writes ``NAME.crt``
 and ``NAME.key`` signed by them. Who a certificate's holder is comes from one
 URI SAN, ``clusterwatch://ROLE/NAME`` (node, user or coordinator; see
-clusterwatch/peer_identity.py): the coordinator accepts an agent stream only
+clusterwatch/runtime/peer_identity.py): the coordinator accepts an agent stream only
 from ``clusterwatch://node/ID`` for node ID, and the API only from users and
 coordinators. The subject CN and a DNS SAN carry the name too, for TLS server
 use and for people reading the certificate; they name no one. The
@@ -37,8 +37,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from clusterwatch.cert_terms import CA_DAYS, LEAF_DAYS, MAX_DAYS, Role, role_uri
 from clusterwatch.errors import ConfigError
+from clusterwatch.runtime.cert_terms import CA_DAYS, LEAF_DAYS, MAX_DAYS, Role, role_uri
 
 MAX_NAME_CHARS = 253  # a DNS name, as coordinator/api/job_requests.py allows for node ids
 MAX_COMMON_NAME_CHARS = 64  # RFC 5280's upper bound; longer names live only in the SAN

@@ -37,10 +37,10 @@ from typing import Any
 from cryptography import x509
 from cryptography.x509 import verification
 
-from clusterwatch.cert_terms import SCHEME, Role
 from clusterwatch.errors import ConfigError, PermissionDeniedError
+from clusterwatch.runtime.cert_terms import SCHEME, Role
 
-# Node ids and user names as certs.py allows them.
+# Node ids and user names as clusterwatch/cli/certs.py allows them.
 _ROLE_URI = re.compile(r"clusterwatch://([a-z]+)/([A-Za-z0-9][A-Za-z0-9._-]{0,252})")
 PEM_CERT_PROPERTY = "x509_pem_cert"
 # Verified peers remembered (a verification costs ~0.1 ms; streams and calls repeat peers).

@@ -7,7 +7,7 @@ from the same CA, and clients check the server's. Without them the process
 refuses to start unless ``insecure`` is set, and then it warns.
 
 Who a peer is (its role and name) is read from its certificate by
-clusterwatch/peer_identity.py, never from the names TLS itself checks.
+clusterwatch/runtime/peer_identity.py, never from the names TLS itself checks.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ be thread-safe.
 Every page ends with the process's own ``process_*`` and ``python_info``
 series, as every exporter serves them (node_exporter, dcgm-exporter), from
 prometheus_client's ProcessCollector and PlatformCollector: the right tool for
-those few series. Our own families are rendered by clusterwatch/promtext.py,
+those few series. Our own families are rendered by clusterwatch/exposition/promtext.py,
 which is measured 9.5x faster than prometheus_client's registry at cluster
 scale.
 """
@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, generate_latest
 
 from clusterwatch.config import split_host_port
-from clusterwatch.promtext import CONTENT_TYPE
+from clusterwatch.exposition.promtext import CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
 

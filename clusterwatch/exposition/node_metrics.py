@@ -19,10 +19,10 @@ from collections.abc import Sequence
 
 from google.protobuf.message import Message
 
-from clusterwatch.gpu_reasons import CLOCK_EVENT_REASONS
-from clusterwatch.promtext import Exposition, Family, counter, escape, format_value, gauge
-from clusterwatch.topology import Wiring, link_name
+from clusterwatch.exposition.promtext import Exposition, Family, counter, escape, format_value, gauge
 from clusterwatch.v1 import node_pb2
+from clusterwatch.wire.gpu_reasons import CLOCK_EVENT_REASONS
+from clusterwatch.wire.topology import Wiring, link_name
 
 NODE_INFO = gauge("clusterwatch_node_info", "Node identity and agent version; value 1.")
 NODE_UP = gauge("clusterwatch_node_up", "1 while the node reports on time, 0 when unreachable or gone.")

@@ -23,7 +23,8 @@ import os
 import socket
 from collections.abc import Mapping
 
-logger = logging.getLogger(__name__)
+# The name it had before clusterwatch/runtime/ (tests/test_systemd.py and log filters use it).
+logger = logging.getLogger("clusterwatch.sd_notify")
 
 NOTIFY_SOCKET_ENV = "NOTIFY_SOCKET"
 WATCHDOG_USEC_ENV = "WATCHDOG_USEC"

@@ -1,4 +1,4 @@
-"""PCI functions in sysfs, and the link type between two of them as ``nvidia-smi topo -m`` names it.
+"""PCI functions in sysfs: where each sits in the PCIe tree, its NUMA node and local CPUs, and bus ids.
 
 A PCI function's place in the PCIe tree is its directory under
 ``<sys_root>/devices``, found by resolving ``<sys_root>/bus/pci/devices/<bdf>``
@@ -7,20 +7,12 @@ A PCI function's place in the PCIe tree is its directory under
     pci0000:00 / 0000:00:01.0 / 0000:01:00.0 / 0000:02:00.0 / 0000:03:00.0
     host bridge  root port      switch up      switch down    the device
 
-Link types between two functions (:func:`pci_link`):
-
-* same host bridge, a common bridge below it, and each function at most one
-  bridge below that common ancestor (one PCIe switch): ``PIX``;
-* same host bridge, a common bridge, but more bridges on the way: ``PXB``;
-* only the host bridge in common (different root ports): ``PHB``;
-* different host bridges on the same NUMA node: ``NODE``;
-* different NUMA nodes: ``SYS``;
-* a NUMA node unknown (sysfs ``numa_node`` -1) on a machine with several:
-  ``LINK_TYPE_UNSPECIFIED``.
-
 A malformed attribute (``numa_node`` that is not a number) loses that field
 only and adds a line to ``problems``; a function that is not in sysfs is
 None.
+
+Read by GPU backends (bus ids in sysfs spelling) and topology discovery;
+how two functions are linked is topology's (``agent/topology/links.py``).
 """
 
 from __future__ import annotations
@@ -31,8 +23,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from clusterwatch.agent.collectors.roots import read_attr
-from clusterwatch.v1 import node_pb2
+from clusterwatch.agent.sysfs.attrs import parse_cpulist, read_attr
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +31,6 @@ logger = logging.getLogger(__name__)
 _BDF_RE = re.compile(r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 # "pci0000:00": a PCI host bridge (root complex) under /sys/devices.
 _HOST_BRIDGE_RE = re.compile(r"^pci[0-9a-f]{4,}:[0-9a-f]{2}$")
-# A kernel cpulist: "0-31,64-95", "7", "" (no CPUs).
-_CPULIST_RE = re.compile(r"^(\d+(-\d+)?)(,\d+(-\d+)?)*$")
 
 
 @dataclass(frozen=True)
@@ -125,37 +114,6 @@ def device_behind(sys_root: Path, link: Path, problems: list[str]) -> PciDevice 
         numa_node=_numa_node(directory, bus_id, problems),
         local_cpus=_local_cpus(directory, bus_id, problems),
     )
-
-
-def pci_link(a: PciDevice, b: PciDevice, single_numa_node: bool) -> node_pb2.LinkType.ValueType:
-    """How PCIe traffic between ``a`` and ``b`` flows; see the module docstring.
-
-    Args:
-        a, b: the two functions.
-        single_numa_node: the machine has at most one NUMA node, so functions
-            whose ``numa_node`` is unknown still share it.
-    """
-    if a.host_bridge == b.host_bridge:
-        common = 0
-        for mine, theirs in zip(a.path, b.path, strict=False):
-            if mine != theirs:
-                break
-            common += 1
-        if common <= 1:
-            return node_pb2.LINK_TYPE_PHB
-        # Bridges strictly between the common ancestor and each function.
-        bridges = max(len(a.path), len(b.path)) - common - 1
-        return node_pb2.LINK_TYPE_PIX if bridges <= 1 else node_pb2.LINK_TYPE_PXB
-    if a.numa_node is not None and b.numa_node is not None:
-        return node_pb2.LINK_TYPE_NODE if a.numa_node == b.numa_node else node_pb2.LINK_TYPE_SYS
-    return node_pb2.LINK_TYPE_NODE if single_numa_node else node_pb2.LINK_TYPE_UNSPECIFIED
-
-
-def parse_cpulist(text: str | None) -> str | None:
-    """A kernel cpulist as it is (``"0-31,64-95"``, ``""``); None when malformed."""
-    if text is None:
-        return None
-    return text if text == "" or _CPULIST_RE.match(text) else None
 
 
 def _numa_node(directory: Path, bus_id: str, problems: list[str]) -> int | None:
