@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -24,12 +25,14 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "tests" / "hook_workers" / "train_ddp.py"
 
-# The framework callbacks need their framework (an extra); every other module,
-# the hook's included, imports without torch.
+# The framework callbacks need their framework (an extra), and the reducer's process group
+# needs torch (it subclasses torch's ProcessGroup); every other module, the hook's
+# included, imports without torch.
 IMPORT_EVERYTHING = """
 import importlib, pkgutil, sys, clusterwatch
 EXTRAS = {"clusterwatch.hook.lightning": {"lightning", "pytorch_lightning"},
-          "clusterwatch.hook.transformers": {"transformers"}}
+          "clusterwatch.hook.transformers": {"transformers"},
+          "clusterwatch.hook.collectives.ddp_group": {"torch"}}  # imported once DDP is watched
 names = [m.name for m in pkgutil.walk_packages(clusterwatch.__path__, "clusterwatch.")
          if m.name != "clusterwatch.__main__"]  # importing it runs the CLI
 for name in names:
@@ -46,9 +49,23 @@ print("\\n".join(names))
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel of the files git knows (tracked, or new and not ignored), as a clean clone builds it.
+
+    Built from a copy: setuptools reuses ``build/`` and would pack modules
+    left there by an older build of this checkout.
+    """
+    source = tmp_path_factory.mktemp("source")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, check=True, capture_output=True,
+    ).stdout  # fmt: skip
+    for name in filter(None, listed.decode().split("\0")):
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
     dist = tmp_path_factory.mktemp("dist")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(source)],
         check=True, cwd=dist,
     )  # fmt: skip
     (built,) = dist.glob("clusterwatch-*.whl")
