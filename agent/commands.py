@@ -171,8 +171,11 @@ class CommandHandler:
             )
         logger.info(
             "checkpoint %s of job %s at step %d relayed to ranks %s",
-            command_id, checkpoint.job, checkpoint.step, ranks,
-        )  # fmt: skip
+            command_id,
+            checkpoint.job,
+            checkpoint.step,
+            ranks,
+        )
         return agent_pb2.CommandResult(
             command_id=command_id,
             status=Status.STATUS_OK,
@@ -209,9 +212,11 @@ class CommandHandler:
             )
         diagnoses = await self._diagnoser.diagnose(diagnose.job, targets, stack_dump=diagnose.stack_dump)
         logger.info(
-            "diagnose %s of job %s: %s", command_id, diagnose.job,
+            "diagnose %s of job %s: %s",
+            command_id,
+            diagnose.job,
             ", ".join(f"rank {d.rank} {d.process_state or 'unreadable'}" for d in diagnoses),
-        )  # fmt: skip
+        )
         count = len(diagnoses)
         return agent_pb2.CommandResult(
             command_id=command_id,
@@ -248,10 +253,14 @@ class CommandHandler:
             )
         grace_s = effective_grace_s(stop.grace_seconds)
         logger.warning(
-            "stop_workers %s: stopping %d worker(s) of job %s (grace %g s%s)%s", command_id, len(workers),
-            stop.job, grace_s, ", then their launcher" if stop.stop_launcher else "",
+            "stop_workers %s: stopping %d worker(s) of job %s (grace %g s%s)%s",
+            command_id,
+            len(workers),
+            stop.job,
+            grace_s,
+            ", then their launcher" if stop.stop_launcher else "",
             f": {stop.reason}" if stop.reason else "",
-        )  # fmt: skip
+        )
         lookup.mark_stopping(workers, stop.reason or "stop_workers command")
         report = await self._stopper.stop(
             stop.job, workers, grace_s, stop_launcher=stop.stop_launcher, registered=lookup.instances(workers)

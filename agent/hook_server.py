@@ -329,8 +329,10 @@ class HookServer:
         group = "" if self._claim.group is None else f", group {self._claim.group}"
         logger.info(
             "serving training hooks on unix socket %s (handshake on %s%s)",
-            self.socket_path, self.credential_path, group,
-        )  # fmt: skip
+            self.socket_path,
+            self.credential_path,
+            group,
+        )
 
     async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         """Stop serving (open streams end after ``grace_s``) and remove the sockets."""

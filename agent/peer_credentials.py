@@ -205,8 +205,9 @@ class VerifiedPeer:
             if self._claimed_pid is None:
                 logger.debug(
                     "hook of pid %d (as the agent sees it) calls itself pid %d: another pid namespace",
-                    self.pid, claimed,
-                )  # fmt: skip
+                    self.pid,
+                    claimed,
+                )
         self._claimed_pid = claimed
         bound = training_pb2.RankIdentity()
         bound.CopyFrom(identity)

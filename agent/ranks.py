@@ -210,9 +210,11 @@ class RankRegistry:
         return {
             entry.pid: ProcessInstance(entry.pid, entry.start_ticks, entry.uid)
             for entry in self._entries.values()
-            if entry.pid in wanted and entry.start_ticks is not None and entry.uid is not None
+            if entry.pid in wanted
+            and entry.start_ticks is not None
+            and entry.uid is not None
             and entry.state is not RankState.EXITED
-        }  # fmt: skip
+        }
 
     def count_by_state(self) -> dict[RankState, int]:
         counts = dict.fromkeys(RankState, 0)
@@ -257,9 +259,12 @@ class RankRegistry:
                 self._watcher.watch(entry.launcher.pid)
             logger.info(
                 "rank %d of job %s registered (pid %d, uid %s, instance %s)",
-                identity.rank, identity.job, identity.pid, "unverified" if uid is None else uid,
+                identity.rank,
+                identity.job,
+                identity.pid,
+                "unverified" if uid is None else uid,
                 identity.instance_id,
-            )  # fmt: skip
+            )
             return entry.stream
         if entry.state is RankState.EXITED:
             description = entry.exit.description if entry.exit is not None else "exited"
@@ -405,15 +410,21 @@ class RankRegistry:
                 continue
             ended = exits[launcher.pid]
             entry.launcher_exit = training_pb2.LauncherExit(
-                launcher_pid=launcher.pid, launcher_name=launcher.name, description=ended.description,
+                launcher_pid=launcher.pid,
+                launcher_name=launcher.name,
+                description=ended.description,
                 timestamp_unix_seconds=ended.timestamp_unix_s,
-            )  # fmt: skip
+            )
             if entry.orphaned:
                 logger.warning(
                     "rank %d of job %s (pid %d) runs on without its launcher %s (pid %d): %s",
-                    entry.identity.rank, entry.identity.job, entry.pid, launcher.name, launcher.pid,
+                    entry.identity.rank,
+                    entry.identity.job,
+                    entry.pid,
+                    launcher.name,
+                    launcher.pid,
                     ended.description,
-                )  # fmt: skip
+                )
 
     @staticmethod
     def _mark_exited(entry: RankEntry, status: ExitStatus) -> None:
@@ -422,9 +433,12 @@ class RankRegistry:
         entry.exit = _rank_exit(status, entry.said_goodbye, entry.stopped_for)
         logger.info(
             "rank %d of job %s (pid %d): %s%s",
-            entry.identity.rank, entry.identity.job, entry.pid, status.description,
+            entry.identity.rank,
+            entry.identity.job,
+            entry.pid,
+            status.description,
             " after a goodbye" if entry.said_goodbye else "",
-        )  # fmt: skip
+        )
 
     def _require(self, instance_id: str) -> RankEntry:
         entry = self._entries.get(instance_id)
@@ -440,9 +454,13 @@ class RankRegistry:
             logger.warning(
                 "rank %d of job %s (pid %d) became rank %d of job %s with %d checkpoint results not "
                 "reported yet; they are dropped (a result counts only for the rank that saved it)",
-                before.rank, before.job, entry.pid, identity.rank, identity.job,
+                before.rank,
+                before.job,
+                entry.pid,
+                identity.rank,
+                identity.job,
                 len(entry.checkpoint_results),
-            )  # fmt: skip
+            )
             entry.checkpoint_results.clear()
         entry.identity = identity
 

@@ -107,8 +107,11 @@ class Uplink:
                 if exc.code() != failing:
                     logger.warning(
                         "cannot reach coordinator %s: %s %s; retrying with backoff up to %g s",
-                        self.target, exc.code().name, exc.details(), self._backoff.cap_s,
-                    )  # fmt: skip
+                        self.target,
+                        exc.code().name,
+                        exc.details(),
+                        self._backoff.cap_s,
+                    )
                 failing = exc.code()
             else:
                 failing = None
@@ -165,8 +168,9 @@ class Uplink:
                 else:
                     logger.info(
                         "connected to coordinator %s again, %.1f s after the stream was lost",
-                        self.target, time.monotonic() - self._lost_at_s,
-                    )  # fmt: skip
+                        self.target,
+                        time.monotonic() - self._lost_at_s,
+                    )
                     self._lost_at_s = None
                 if self._on_connection is not None:
                     self._on_connection(True)

@@ -274,8 +274,9 @@ class WorkerStopper:
             return
         logger.warning(
             "%s still running %.1f s after SIGTERM: sending SIGKILL",
-            _plural(len(left), "process", "processes"), grace_s,
-        )  # fmt: skip
+            _plural(len(left), "process", "processes"),
+            grace_s,
+        )
         for member in left:
             if not _signal(member, signal.SIGKILL):
                 member.outcome, member.seconds = StopOutcome.SIGTERM, time.monotonic() - first_signal

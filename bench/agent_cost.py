@@ -38,10 +38,27 @@ def main() -> int:
         coordinator = start_coordinator(Path(tmp), metrics=False)
         agent = None
         try:
-            agent = subprocess.Popen([*cw, "agent", "--insecure", "--coordinator", coordinator.address, "--node-id", "bench",
-                                      "--gpu-backend", "sim", "--sim-gpus", str(args.gpus),
-                                      "--interval", str(args.interval), "--socket", f"{tmp}/agent.sock",
-                                      "--log-level", "warning"])  # fmt: skip
+            agent = subprocess.Popen(
+                [
+                    *cw,
+                    "agent",
+                    "--insecure",
+                    "--coordinator",
+                    coordinator.address,
+                    "--node-id",
+                    "bench",
+                    "--gpu-backend",
+                    "sim",
+                    "--sim-gpus",
+                    str(args.gpus),
+                    "--interval",
+                    str(args.interval),
+                    "--socket",
+                    f"{tmp}/agent.sock",
+                    "--log-level",
+                    "warning",
+                ]
+            )
             process = psutil.Process(agent.pid)
             time.sleep(WARMUP_S)
             cpu0, wall0, rss0 = sum(process.cpu_times()[:2]), time.monotonic(), process.memory_info().rss
@@ -52,15 +69,20 @@ def main() -> int:
                 agent.terminate()
                 agent.wait(timeout=30)
             stop_coordinator(coordinator.process, 30)
-    print(json.dumps({
-        "gpus": args.gpus,
-        "interval_s": args.interval,
-        "seconds": round(wall1 - wall0, 1),
-        "cpu_percent_of_one_core": round((cpu1 - cpu0) / (wall1 - wall0) * 100, 3),
-        "cpu_ms_per_report": round((cpu1 - cpu0) / ((wall1 - wall0) / args.interval) * 1e3, 2),
-        "rss_mb_after_warmup": round(rss0 / 2**20, 1),
-        "rss_mb_at_end": round(rss1 / 2**20, 1),
-    }, indent=2))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "gpus": args.gpus,
+                "interval_s": args.interval,
+                "seconds": round(wall1 - wall0, 1),
+                "cpu_percent_of_one_core": round((cpu1 - cpu0) / (wall1 - wall0) * 100, 3),
+                "cpu_ms_per_report": round((cpu1 - cpu0) / ((wall1 - wall0) / args.interval) * 1e3, 2),
+                "rss_mb_after_warmup": round(rss0 / 2**20, 1),
+                "rss_mb_at_end": round(rss1 / 2**20, 1),
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -49,10 +49,23 @@ def start_coordinator(
     ready = state_dir / "coordinator.ready"
     ready.unlink(missing_ok=True)
     argv = [
-        sys.executable, "-m", "clusterwatch", "coordinator", "--insecure", "--listen", f"127.0.0.1:{port}",
-        "--metrics-listen", "127.0.0.1:0" if metrics else "", "--state-dir", str(state_dir),
-        "--ready-file", str(ready), "--log-level", log_level, *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "clusterwatch",
+        "coordinator",
+        "--insecure",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--metrics-listen",
+        "127.0.0.1:0" if metrics else "",
+        "--state-dir",
+        str(state_dir),
+        "--ready-file",
+        str(ready),
+        "--log-level",
+        log_level,
+        *extra,
+    ]
     if log is None:
         process = subprocess.Popen(argv)
     else:

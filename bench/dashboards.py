@@ -80,16 +80,39 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-dashboards-") as tmp:
         workdir = Path(tmp)
         coordinator = start_coordinator(
-            workdir / "state", "--hang-action", "alert", "--straggler-action", "alert",
-            log_level="info", log=workdir / "coordinator.log",
-        )  # fmt: skip
+            workdir / "state",
+            "--hang-action",
+            "alert",
+            "--straggler-action",
+            "alert",
+            log_level="info",
+            log=workdir / "coordinator.log",
+        )
         prometheus = PrometheusServer(workdir / "prometheus", args.scrape_interval_s)
         simulate = subprocess.Popen(
-            [sys.executable, "-m", "clusterwatch", "simulate", "--coordinator", coordinator.address,
-             "--scenario", str(SCENARIO), "--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node),
-             "--step-s", "1", "--interval-s", "1", "--log-level", "warning"],
-            stdout=subprocess.DEVNULL, stderr=(workdir / "simulate.log").open("wb"),
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "clusterwatch",
+                "simulate",
+                "--coordinator",
+                coordinator.address,
+                "--scenario",
+                str(SCENARIO),
+                "--nodes",
+                str(args.nodes),
+                "--gpus-per-node",
+                str(args.gpus_per_node),
+                "--step-s",
+                "1",
+                "--interval-s",
+                "1",
+                "--log-level",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=(workdir / "simulate.log").open("wb"),
+        )
         try:
             prometheus.scrape(f"http://127.0.0.1:{coordinator.metrics_port}/metrics")
             start_s = time.time()

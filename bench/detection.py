@@ -72,14 +72,33 @@ def _yes(value: bool | None) -> str:
 
 
 def table(scores: Sequence[ScenarioScore], total: Overall) -> str:
-    header = ("SCENARIO", "RANKS", "INCIDENTS", "TP", "FP", "PRECISION", "RECALL", "FAULT", "LATENCY", "STEPS",
-              "CULPRIT", "CAUSE at open[->final]/expected", "TARGET", "MET")  # fmt: skip
+    header = (
+        "SCENARIO",
+        "RANKS",
+        "INCIDENTS",
+        "TP",
+        "FP",
+        "PRECISION",
+        "RECALL",
+        "FAULT",
+        "LATENCY",
+        "STEPS",
+        "CULPRIT",
+        "CAUSE at open[->final]/expected",
+        "TARGET",
+        "MET",
+    )
     rows: list[tuple[str, ...]] = [header]
     for s in scores:
         scenario_cells = (
-            s.scenario, str(s.world_size), str(len(s.incidents)), str(len(s.true_positives)),
-            str(len(s.false_positives)), _ratio(s.precision), _ratio(s.recall),
-        )  # fmt: skip
+            s.scenario,
+            str(s.world_size),
+            str(len(s.incidents)),
+            str(len(s.true_positives)),
+            str(len(s.false_positives)),
+            _ratio(s.precision),
+            _ratio(s.recall),
+        )
         if not s.faults:
             rows.append((*scenario_cells, "healthy", "-", "-", "-", "-", s.target or "-", _yes(s.target_met)))
         for i, f in enumerate(s.faults):
@@ -95,13 +114,23 @@ def table(scores: Sequence[ScenarioScore], total: Overall) -> str:
             )
             rows.append((*(scenario_cells if i == 0 else ("",) * len(scenario_cells)), *fault_cells))
     rows.append(
-        ("OVERALL", "", str(total.incidents), str(total.true_positives), str(total.false_positives),
-         _ratio(total.precision), _ratio(total.recall), f"{total.detected}/{total.faults} detected",
-         "-" if total.latency_s_median is None else f"median {total.latency_s_median:.1f}s", "",
-         _ratio(total.culprit_accuracy), f"{_ratio(total.cause_accuracy)} (final {_ratio(total.cause_accuracy_final)})",
-         f"{total.targets_met}/{total.targets} targets",
-         f"P,R>={PRECISION_TARGET:g}: " + ("met" if _pr_met(total) else "NOT met"))
-    )  # fmt: skip
+        (
+            "OVERALL",
+            "",
+            str(total.incidents),
+            str(total.true_positives),
+            str(total.false_positives),
+            _ratio(total.precision),
+            _ratio(total.recall),
+            f"{total.detected}/{total.faults} detected",
+            "-" if total.latency_s_median is None else f"median {total.latency_s_median:.1f}s",
+            "",
+            _ratio(total.culprit_accuracy),
+            f"{_ratio(total.cause_accuracy)} (final {_ratio(total.cause_accuracy_final)})",
+            f"{total.targets_met}/{total.targets} targets",
+            f"P,R>={PRECISION_TARGET:g}: " + ("met" if _pr_met(total) else "NOT met"),
+        )
+    )
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
@@ -195,10 +224,21 @@ def run_healthy(
     coordinator_process = psutil.Process(coordinator_pid) if coordinator_pid else None
     cpu0 = coordinator_process.cpu_times() if coordinator_process else None
     run = start_simulation(
-        coordinator, scenario, f"{args.job_prefix}healthy-long", tmp,
-        ["--nodes", str(nodes), "--gpus-per-node", str(gpus), "--step-s", str(args.step_s),
-         "--duration-s", f"{duration_s:.1f}"],
-    )  # fmt: skip
+        coordinator,
+        scenario,
+        f"{args.job_prefix}healthy-long",
+        tmp,
+        [
+            "--nodes",
+            str(nodes),
+            "--gpus-per-node",
+            str(gpus),
+            "--step-s",
+            str(args.step_s),
+            "--duration-s",
+            f"{duration_s:.1f}",
+        ],
+    )
     poller = IncidentPoller(coordinator)
     started = time.monotonic()
     try:
@@ -248,14 +288,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--healthy-ranks", type=int, default=1024, help="ranks of the long healthy job")
     parser.add_argument("--healthy-cv", type=float, default=0.03, help="compute CV of the long healthy job")
     parser.add_argument(
-        "--step-s", type=float, default=None,
+        "--step-s",
+        type=float,
+        default=None,
         help="step time of the long healthy job (default 0.05) or of the straggler jobs (default 0.5)",
-    )  # fmt: skip
+    )
     parser.add_argument("--seed", type=int, default=1, help="noise seed of the long healthy job")
     parser.add_argument(
-        "--straggler-seeds", type=int, default=0,
+        "--straggler-seeds",
+        type=int,
+        default=0,
         help="measure straggler latency end to end over this many seeds instead (one job each)",
-    )  # fmt: skip
+    )
     parser.add_argument("--straggler-ranks", type=int, default=1024, help="ranks of each straggler job")
     parser.add_argument("--straggler-cv", type=float, default=0.03, help="compute CV of the straggler jobs")
     parser.add_argument("--first-seed", type=int, default=1, help="the straggler jobs' first seed")
@@ -292,14 +336,17 @@ def main(argv: list[str] | None = None) -> int:
 def report_suite(result: dict[str, Any], args: argparse.Namespace) -> int:
     scores: list[ScenarioScore] = result["scores"]
     total: Overall = result["overall"]
-    document = json.dumps({
-        "wall_s": round(result["wall_s"], 1),
-        "incidents_unavailable": result["unavailable"],
-        "simulation_failures": result["failures"],
-        "scenarios": [s.to_json() for s in scores],
-        "overall": total.to_json(),
-        "targets": {"precision": PRECISION_TARGET, "recall": RECALL_TARGET},
-    }, indent=1)  # fmt: skip
+    document = json.dumps(
+        {
+            "wall_s": round(result["wall_s"], 1),
+            "incidents_unavailable": result["unavailable"],
+            "simulation_failures": result["failures"],
+            "scenarios": [s.to_json() for s in scores],
+            "overall": total.to_json(),
+            "targets": {"precision": PRECISION_TARGET, "recall": RECALL_TARGET},
+        },
+        indent=1,
+    )
     if args.json_out:
         args.json_out.write_text(document + "\n")
     if args.json:

@@ -105,9 +105,14 @@ class H2Connection(asyncio.Protocol):
         self.pending_bytes = 0
         self.goaway = False
         self._handlers: dict[int, Callable[[int, int, bytes], None]] = {
-            DATA: self._data, HEADERS: self._headers_frame, RST_STREAM: self._reset, SETTINGS: self._settings_frame,
-            PING: self._ping, GOAWAY: self._goaway, WINDOW_UPDATE: self._window_update,
-        }  # fmt: skip
+            DATA: self._data,
+            HEADERS: self._headers_frame,
+            RST_STREAM: self._reset,
+            SETTINGS: self._settings_frame,
+            PING: self._ping,
+            GOAWAY: self._goaway,
+            WINDOW_UPDATE: self._window_update,
+        }
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

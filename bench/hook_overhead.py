@@ -58,14 +58,32 @@ WORKER = ROOT / "tests" / "hook_workers" / "train_ddp.py"
 WORKLOADS: dict[str, list[str]] = {
     "sleep": ["--compute-ms", "20", "--allreduce-bytes", str(1 << 20)],
     "compute": [
-        "--compute-ms", "0", "--allreduce-bytes", "4",
-        "--mlp-width", "1024", "--mlp-depth", "4", "--batch", "32",
+        "--compute-ms",
+        "0",
+        "--allreduce-bytes",
+        "4",
+        "--mlp-width",
+        "1024",
+        "--mlp-depth",
+        "4",
+        "--batch",
+        "32",
     ],
     "gpu": [
-        "--device", "cuda", "--compute-ms", "0", "--allreduce-bytes", "4",
-        "--mlp-width", "4096", "--mlp-depth", "8", "--batch", "512",
+        "--device",
+        "cuda",
+        "--compute-ms",
+        "0",
+        "--allreduce-bytes",
+        "4",
+        "--mlp-width",
+        "4096",
+        "--mlp-depth",
+        "8",
+        "--batch",
+        "512",
     ],
-}  # fmt: skip
+}
 DEFAULT_STEPS = {"sleep": 300, "compute": 120, "gpu": 300}
 
 
@@ -97,10 +115,24 @@ def run_job(
 ) -> Job:
     out = tmp / tag
     argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        str(WORKER), "--out-dir", str(out), "--job", "bench", "--steps", str(steps + warmup_steps),
-        "--warmup-steps", str(warmup_steps), "--heartbeat-s", "1", *workload,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(WORKER),
+        "--out-dir",
+        str(out),
+        "--job",
+        "bench",
+        "--steps",
+        str(steps + warmup_steps),
+        "--warmup-steps",
+        str(warmup_steps),
+        "--heartbeat-s",
+        "1",
+        *workload,
+    ]
     if not monitored:
         argv.append("--no-monitor")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CLUSTERWATCH_AGENT_SOCKET": str(socket)}
@@ -166,10 +198,14 @@ def report(workload: str, results: dict[str, list[Job]]) -> None:
         cpu = statistics.median(j.cpu_s_per_step for j in jobs)
         step_pairs = [(b.step_s / a.step_s - 1) * 100 for a, b in zip(off, jobs, strict=True)]
         cpu_pairs = [(b.cpu_s_per_step / a.cpu_s_per_step - 1) * 100 for a, b in zip(off, jobs, strict=True)]
-        print(f"  {arm:6} step {step * 1e3:8.3f} ms: {(step / step_off - 1) * 100:+.2f} % of the medians; "
-              f"per-round pairs {spread(step_pairs)}")  # fmt: skip
-        print(f"  {arm:6} CPU  {cpu * 1e3:8.3f} ms: {(cpu - cpu_off) * 1e6:+.0f} us per step per rank, "
-              f"{(cpu / cpu_off - 1) * 100:+.2f} % of the medians; per-round pairs {spread(cpu_pairs)}")  # fmt: skip
+        print(
+            f"  {arm:6} step {step * 1e3:8.3f} ms: {(step / step_off - 1) * 100:+.2f} % of the medians; "
+            f"per-round pairs {spread(step_pairs)}"
+        )
+        print(
+            f"  {arm:6} CPU  {cpu * 1e3:8.3f} ms: {(cpu - cpu_off) * 1e6:+.0f} us per step per rank, "
+            f"{(cpu / cpu_off - 1) * 100:+.2f} % of the medians; per-round pairs {spread(cpu_pairs)}"
+        )
     print("  CPU per step per rank by thread, median over rounds (us):")
     groups = sorted({g for jobs in results.values() for j in jobs for g in j.thread_cpu_s_per_step})
     for arm, jobs in results.items():
@@ -215,8 +251,23 @@ def main() -> int:
         results = {w: {arm: list[Job]() for arm in arms} for w in workloads}
         try:
             deadline = time.monotonic() + 30
-            agent = subprocess.Popen([*cw, "agent", "--insecure", "--coordinator", coordinator.address, "--node-id", "bench",
-                                      "--socket", str(socket), "--gpu-backend", "none", "--log-level", "error"])  # fmt: skip
+            agent = subprocess.Popen(
+                [
+                    *cw,
+                    "agent",
+                    "--insecure",
+                    "--coordinator",
+                    coordinator.address,
+                    "--node-id",
+                    "bench",
+                    "--socket",
+                    str(socket),
+                    "--gpu-backend",
+                    "none",
+                    "--log-level",
+                    "error",
+                ]
+            )
             while not socket.exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
             for i in range(args.rounds):
@@ -225,10 +276,16 @@ def main() -> int:
                     line = []
                     for arm in order:
                         job = run_job(
-                            tmp, f"{workload}-{arm}{i}", socket=socket, nproc=args.nproc,
-                            steps=args.steps or DEFAULT_STEPS[workload], warmup_steps=args.warmup_steps,
-                            workload=WORKLOADS[workload], monitored=arm != "off", tree=trees[arm],
-                        )  # fmt: skip
+                            tmp,
+                            f"{workload}-{arm}{i}",
+                            socket=socket,
+                            nproc=args.nproc,
+                            steps=args.steps or DEFAULT_STEPS[workload],
+                            warmup_steps=args.warmup_steps,
+                            workload=WORKLOADS[workload],
+                            monitored=arm != "off",
+                            tree=trees[arm],
+                        )
                         results[workload][arm].append(job)
                         line.append(
                             f"{arm} {job.step_s * 1e3:.3f} ms / {job.cpu_s_per_step * 1e3:.3f} ms CPU"

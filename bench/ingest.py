@@ -41,9 +41,14 @@ CONNECT = "/clusterwatch.v1.AgentService/Connect"
 
 
 async def synthetic_agent(
-    channel: grpc.aio.Channel, node_id: str, payload: PreSerialized, *, window: int, interval_s: float,
+    channel: grpc.aio.Channel,
+    node_id: str,
+    payload: PreSerialized,
+    *,
+    window: int,
+    interval_s: float,
     stop: asyncio.Event,
-) -> None:  # fmt: skip
+) -> None:
     # Raw bytes both ways: the generator must cost far less than the coordinator.
     call = channel.stream_stream(CONNECT, request_serializer=lambda b: b, response_deserializer=lambda b: b)()  # type: ignore[call-arg]
     # A saturating agent declares the shortest interval the coordinator accepts: its rate limit
@@ -123,10 +128,18 @@ async def measure(address: str, pid: int, args: argparse.Namespace) -> dict[str,
     ]
     interval_s = 1 / args.rate if args.rate else 0.0
     tasks = [
-        asyncio.create_task(synthetic_agent(channels[i % len(channels)], f"bench-{i:05d}", payloads[i % len(payloads)],
-                                            window=args.window, interval_s=interval_s, stop=stop))
+        asyncio.create_task(
+            synthetic_agent(
+                channels[i % len(channels)],
+                f"bench-{i:05d}",
+                payloads[i % len(payloads)],
+                window=args.window,
+                interval_s=interval_s,
+                stop=stop,
+            )
+        )
         for i in range(args.agents)
-    ]  # fmt: skip
+    ]
     await asyncio.sleep(min(5.0, args.seconds / 4))  # warm-up: every stream open and flowing
     process = psutil.Process(pid)
     cpu0, count0, wall0 = (

@@ -104,8 +104,19 @@ class Stats(threading.Thread):
                 self.done += 1
 
     def total(self) -> dict[str, float]:
-        keys = ("sent", "skipped_window", "skipped_late", "late", "acks", "commands", "streams_opened",
-                "streams_closed", "reconnects", "pending_bytes", "sent_bytes")  # fmt: skip
+        keys = (
+            "sent",
+            "skipped_window",
+            "skipped_late",
+            "late",
+            "acks",
+            "commands",
+            "streams_opened",
+            "streams_closed",
+            "reconnects",
+            "pending_bytes",
+            "sent_bytes",
+        )
         out: dict[str, float] = {k: sum(s[k] for s in self.latest.values()) for k in keys}
         out["unacked_now_max"] = max((s["unacked_now_max"] for s in self.latest.values()), default=0)
         out["max_lateness_s"] = max((s["max_lateness_s"] for s in self.latest.values()), default=0.0)
@@ -170,11 +181,21 @@ def run(args: argparse.Namespace, coord: Coordinator) -> dict[str, Any]:
     workers = []
     for worker in range(args.procs):
         spec = WorkerSpec(
-            worker=worker, host="127.0.0.1", port=coord.grpc_port, agents=tuple(range(worker, args.agents, args.procs)),
-            total_agents=args.agents, gpus=args.gpus, ranks=args.ranks, steps=args.steps, job_nodes=args.job_nodes,
-            interval_s=1.0 / args.rate, window=args.window, streams_per_connection=args.streams_per_connection,
-            ramp_s=args.ramp_s, tick_s=args.tick_s,
-        )  # fmt: skip
+            worker=worker,
+            host="127.0.0.1",
+            port=coord.grpc_port,
+            agents=tuple(range(worker, args.agents, args.procs)),
+            total_agents=args.agents,
+            gpus=args.gpus,
+            ranks=args.ranks,
+            steps=args.steps,
+            job_nodes=args.job_nodes,
+            interval_s=1.0 / args.rate,
+            window=args.window,
+            streams_per_connection=args.streams_per_connection,
+            ramp_s=args.ramp_s,
+            tick_s=args.tick_s,
+        )
         control: Any = context.Queue()
         process = context.Process(
             target=worker_main, args=(spec, control, results), name=f"load-{worker}", daemon=True
@@ -197,13 +218,22 @@ def run(args: argparse.Namespace, coord: Coordinator) -> dict[str, Any]:
         control.put(end + 1.0)
     stop = threading.Event()
     probes = ProbeAgents(
-        "127.0.0.1", coord.grpc_port, args.probes, gpus=args.gpus, ranks=args.ranks, steps=args.steps,
+        "127.0.0.1",
+        coord.grpc_port,
+        args.probes,
+        gpus=args.gpus,
+        ranks=args.ranks,
+        steps=args.steps,
         interval_s=args.probe_period_s * args.probes,
-    )  # fmt: skip
+    )
     probes.start()
     prober = Prober(
-        f"127.0.0.1:{coord.grpc_port}", probes, probe_period_s=args.probe_period_s, window=(begin, end), stop=stop,
-    )  # fmt: skip
+        f"127.0.0.1:{coord.grpc_port}",
+        probes,
+        probe_period_s=args.probe_period_s,
+        window=(begin, end),
+        stop=stop,
+    )
     scraper = Scraper(coord.metrics_port, args.scrape_interval_s, stop, count_after_unix_s=begin)
     sampler = Sampler(coord.pid, stop)
     coordinator = psutil.Process(coord.pid)
@@ -228,10 +258,21 @@ def run(args: argparse.Namespace, coord: Coordinator) -> dict[str, Any]:
     if args.py_spy_out:
         raw = ["--format", "raw"] if args.py_spy_out.suffix == ".txt" else []
         profile = subprocess.Popen(
-            [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(coord.pid), "-d",
-             str(int(args.py_spy_s)), "-o", str(args.py_spy_out), "--nonblocking", *raw],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                str(Path(sys.executable).parent / "py-spy"),
+                "record",
+                "--pid",
+                str(coord.pid),
+                "-d",
+                str(int(args.py_spy_s)),
+                "-o",
+                str(args.py_spy_out),
+                "--nonblocking",
+                *raw,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     first = reading()
     time.sleep(max(0.0, end - time.time()))
     last = reading()
@@ -279,9 +320,16 @@ def _merge(counters: Iterable[dict[str, int]]) -> dict[str, int]:
 
 
 def measure(
-    args: argparse.Namespace, *, first: dict[str, Any], last: dict[str, Any], prober: Prober, scraper: Scraper,
-    sampler: Sampler, final: dict[str, float], window: tuple[float, float],
-) -> dict[str, Any]:  # fmt: skip
+    args: argparse.Namespace,
+    *,
+    first: dict[str, Any],
+    last: dict[str, Any],
+    prober: Prober,
+    scraper: Scraper,
+    sampler: Sampler,
+    final: dict[str, float],
+    window: tuple[float, float],
+) -> dict[str, Any]:
     begin, end = window
     wall_s = last["unix_s"] - first["unix_s"]
     inside = [s for s in prober.polls if begin <= s.sent_unix_s and s.received_unix_s <= end]

@@ -124,13 +124,33 @@ def job_of(index: int, job_nodes: int) -> str:
 class Agent:
     """One simulated agent: its stream, its sequence and what the coordinator acknowledged."""
 
-    __slots__ = ("acked", "backoff", "conn", "connect_s", "name", "open", "opened_mono_s", "phase_s", "retries",
-                 "sequence", "stats", "stream_acked", "stream_id", "template")  # fmt: skip
+    __slots__ = (
+        "acked",
+        "backoff",
+        "conn",
+        "connect_s",
+        "name",
+        "open",
+        "opened_mono_s",
+        "phase_s",
+        "retries",
+        "sequence",
+        "stats",
+        "stream_acked",
+        "stream_id",
+        "template",
+    )
 
     def __init__(
-        self, name: str, phase_s: float, connect_s: float, template: StampedReport, stats: WorkerStats, *,
+        self,
+        name: str,
+        phase_s: float,
+        connect_s: float,
+        template: StampedReport,
+        stats: WorkerStats,
+        *,
         retries: list[tuple[float, str, Agent]] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``retries``: where a closed stream schedules its reconnect (a heap); None: no reconnects."""
         self.name = name
         self.retries = retries
@@ -218,9 +238,16 @@ def _varint_at(data: bytes, offset: int) -> tuple[int, int]:
 
 
 def node_template(
-    name: str, body: node_pb2.NodeReport, *, ranks: int, steps: int, step_s: float, job: str, index_in_job: int,
+    name: str,
+    body: node_pb2.NodeReport,
+    *,
+    ranks: int,
+    steps: int,
+    step_s: float,
+    job: str,
+    index_in_job: int,
     job_nodes: int,
-) -> StampedReport:  # fmt: skip
+) -> StampedReport:
     """The report template of node ``name``: ``body`` plus ``ranks`` ranks of ``job`` (node
     ``index_in_job`` of ``job_nodes``), each with ``steps`` steps per report."""
     rank_list = []
@@ -250,10 +277,15 @@ def build_agents(
     for position, index in enumerate(spec.agents):
         job_start = index - index % spec.job_nodes
         template = node_template(
-            node_id(index), bodies[position % NODE_VARIANTS], ranks=spec.ranks, steps=spec.steps, step_s=step_s,
-            job=job_of(index, spec.job_nodes), index_in_job=index - job_start,
+            node_id(index),
+            bodies[position % NODE_VARIANTS],
+            ranks=spec.ranks,
+            steps=spec.steps,
+            step_s=step_s,
+            job=job_of(index, spec.job_nodes),
+            index_in_job=index - job_start,
             job_nodes=min(spec.job_nodes, spec.total_agents - job_start),
-        )  # fmt: skip
+        )
         fraction = index / spec.total_agents
         agents.append(
             Agent(
@@ -272,9 +304,13 @@ class Scheduler:
     """Opens the agents' streams over the ramp and sends every report due, in phase order, round after round."""
 
     def __init__(
-        self, spec: WorkerSpec, agents: list[Agent], stats: WorkerStats, retries: list[tuple[float, str, Agent]],
+        self,
+        spec: WorkerSpec,
+        agents: list[Agent],
+        stats: WorkerStats,
+        retries: list[tuple[float, str, Agent]],
         start_mono: float,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._spec = spec
         self._agents = agents
         self._retries = retries
@@ -336,9 +372,14 @@ class Scheduler:
 
 
 async def run(
-    spec: WorkerSpec, agents: list[Agent], stats: WorkerStats, retries: list[tuple[float, str, Agent]], *,
-    window_unix_s: tuple[float, float], report: Any,
-) -> None:  # fmt: skip
+    spec: WorkerSpec,
+    agents: list[Agent],
+    stats: WorkerStats,
+    retries: list[tuple[float, str, Agent]],
+    *,
+    window_unix_s: tuple[float, float],
+    report: Any,
+) -> None:
     """Run ``agents`` from the start to the stop of ``window_unix_s``; ``report(dict)`` every second."""
     start_mono = time.monotonic() + (window_unix_s[0] - time.time())
     stop_mono = time.monotonic() + (window_unix_s[1] - time.time())

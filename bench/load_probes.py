@@ -68,9 +68,15 @@ class ProbeAgents:
         self.agents = []
         for k in range(count):
             template = node_template(
-                f"probe-{k}", bodies[k % len(bodies)], ranks=ranks, steps=steps, step_s=interval_s / max(1, steps),
-                job="load-probe", index_in_job=k, job_nodes=count,
-            )  # fmt: skip
+                f"probe-{k}",
+                bodies[k % len(bodies)],
+                ranks=ranks,
+                steps=steps,
+                step_s=interval_s / max(1, steps),
+                job="load-probe",
+                index_in_job=k,
+                job_nodes=count,
+            )
             self.agents.append(Agent(f"probe-{k}", 0.0, 0.0, template, self.stats))
         self._reports = 0
         self._loop = asyncio.new_event_loop()
@@ -125,9 +131,14 @@ class Prober(threading.Thread):
     """
 
     def __init__(
-        self, address: str, probes: ProbeAgents, *, probe_period_s: float, window: tuple[float, float],
+        self,
+        address: str,
+        probes: ProbeAgents,
+        *,
+        probe_period_s: float,
+        window: tuple[float, float],
         stop: threading.Event,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(name="prober", daemon=True)
         self._address = address
         self._probes = probes
@@ -182,9 +193,15 @@ class Prober(threading.Thread):
                 self._finish.wait(max(0.0, next_probe - time.time()))
 
     def _population(
-        self, snapshot: cluster_pb2.ClusterSnapshot, *, sent: float, received: float, last_sequence: dict[str, int],
-        begin: float, end: float,
-    ) -> None:  # fmt: skip
+        self,
+        snapshot: cluster_pb2.ClusterSnapshot,
+        *,
+        sent: float,
+        received: float,
+        last_sequence: dict[str, int],
+        begin: float,
+        end: float,
+    ) -> None:
         up = total = 0
         for node in snapshot.nodes:
             total += node.reports_received_total

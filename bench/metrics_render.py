@@ -82,21 +82,28 @@ def main() -> int:
     small_samples = sum(1 for line in small.splitlines() if line and not line.startswith(b"#"))
     ours_small = min(_timed(lambda: render(views(args.compare_nodes))) for _ in range(3))
     theirs_small = prometheus_client_seconds(small)
-    print(json.dumps({
-        "nodes": args.nodes,
-        "gpus": args.nodes * 8,
-        "samples": samples,
-        "page_bytes": len(page),
-        "gzip_bytes": len(compressed),
-        "render_seconds_median": round(statistics.median(times), 3),
-        "render_seconds_min": round(min(times), 3),
-        "gzip_seconds": round(gzip_s, 3),
-        "render_us_per_sample": round(statistics.median(times) / samples * 1e6, 3),
-        "compare_nodes": args.compare_nodes,
-        "compare_samples": small_samples,
-        "prometheus_client_generate_latest_us_per_sample": round(theirs_small / small_samples * 1e6, 3),
-        "ours_including_view_build_us_per_sample": round(ours_small / small_samples * 1e6, 3),
-    }, indent=2))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "nodes": args.nodes,
+                "gpus": args.nodes * 8,
+                "samples": samples,
+                "page_bytes": len(page),
+                "gzip_bytes": len(compressed),
+                "render_seconds_median": round(statistics.median(times), 3),
+                "render_seconds_min": round(min(times), 3),
+                "gzip_seconds": round(gzip_s, 3),
+                "render_us_per_sample": round(statistics.median(times) / samples * 1e6, 3),
+                "compare_nodes": args.compare_nodes,
+                "compare_samples": small_samples,
+                "prometheus_client_generate_latest_us_per_sample": round(
+                    theirs_small / small_samples * 1e6, 3
+                ),
+                "ours_including_view_build_us_per_sample": round(ours_small / small_samples * 1e6, 3),
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

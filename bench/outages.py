@@ -58,15 +58,23 @@ class Agent:
         self.sequence = 0
         self.connected_at: list[float] = []
         self.uplink = Uplink(
-            target, self._hello, self.buffer, CommandHandler(), cap_s,
+            target,
+            self._hello,
+            self.buffer,
+            CommandHandler(),
+            cap_s,
             on_connection=lambda up: self.connected_at.append(time.monotonic()) if up else None,
-        )  # fmt: skip
+        )
 
     def _hello(self, acked_sequence: int) -> agent_pb2.Hello:
         return agent_pb2.Hello(
-            node_id=self.node_id, hostname=self.node_id, agent_version="bench", instance_id=f"bench-{self.node_id}",
-            interval_seconds=self.interval_s, last_acked_sequence=acked_sequence,
-        )  # fmt: skip
+            node_id=self.node_id,
+            hostname=self.node_id,
+            agent_version="bench",
+            instance_id=f"bench-{self.node_id}",
+            interval_seconds=self.interval_s,
+            last_acked_sequence=acked_sequence,
+        )
 
     def collect(self) -> None:
         self.sequence += 1
@@ -143,8 +151,9 @@ async def run(args: argparse.Namespace, cap_s: float) -> dict[str, Any]:
             listening_at = second.ready_at_s
             await wait_until(
                 lambda: all(len(a.connected_at) > n for a, n in zip(agents, before, strict=True)),
-                BACK_TIMEOUT_S, "every agent to reconnect",
-            )  # fmt: skip
+                BACK_TIMEOUT_S,
+                "every agent to reconnect",
+            )
             delays = [a.connected_at[n] - listening_at for a, n in zip(agents, before, strict=True)]
             await wait_until(lambda: all(len(a.buffer) <= 2 for a in agents), BACK_TIMEOUT_S, "the replays")
             missed = await asyncio.to_thread(missed_reports, target)

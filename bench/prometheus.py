@@ -54,10 +54,16 @@ class PrometheusServer:
         self.log_path = workdir / "prometheus.log"
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
-                 "--web.listen-address=127.0.0.1:0", "--log.level=warn"],
-                stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    binary,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={workdir / 'data'}",
+                    "--web.listen-address=127.0.0.1:0",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         self.url = f"http://127.0.0.1:{self._until(self._listening_port, 'listen')}"
         self._until(self._ready, "be ready")
 

@@ -31,8 +31,20 @@ DEMO_TIMEOUT_S = 600
 
 
 def run_demo(steps: int, inject: list[str], summary_path: Path) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "clusterwatch", "demo", "--grpc-port", "0", "--metrics-port", "0",
-            "--steps", str(steps), "--summary-json", str(summary_path)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "clusterwatch",
+        "demo",
+        "--grpc-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--steps",
+        str(steps),
+        "--summary-json",
+        str(summary_path),
+    ]
     argv += [arg for spec in inject for arg in ("--inject", spec)]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, check=False)
     if result.returncode != 0:

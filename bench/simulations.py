@@ -44,10 +44,24 @@ def start_simulation(coordinator: str, scenario: Path, job: str, tmp: Path, extr
     log_path = tmp / f"{job}.log"
     with log_path.open("wb") as log:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "clusterwatch", "simulate", "--coordinator", coordinator,
-             "--scenario", str(scenario), "--job", job, "--ground-truth-out", str(truth_path), *extra],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "clusterwatch",
+                "simulate",
+                "--coordinator",
+                coordinator,
+                "--scenario",
+                str(scenario),
+                "--job",
+                job,
+                "--ground-truth-out",
+                str(truth_path),
+                *extra,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     return Run(scenario, job, truth_path, log_path, popen)
 
 

@@ -144,10 +144,23 @@ def run_seeds(
                 path = tmp / f"stragglers-{seed}.toml"
                 path.write_text(text, encoding="utf-8")
                 run = start_simulation(
-                    coordinator, path, f"{args.job_prefix}stragglers-{seed}", tmp,
-                    ["--nodes", str(nodes), "--gpus-per-node", str(gpus), "--step-s", str(args.step_s),
-                     "--interval-s", str(args.interval_s), "--duration-s", f"{duration_s:.1f}"],
-                )  # fmt: skip
+                    coordinator,
+                    path,
+                    f"{args.job_prefix}stragglers-{seed}",
+                    tmp,
+                    [
+                        "--nodes",
+                        str(nodes),
+                        "--gpus-per-node",
+                        str(gpus),
+                        "--step-s",
+                        str(args.step_s),
+                        "--interval-s",
+                        str(args.interval_s),
+                        "--duration-s",
+                        f"{duration_s:.1f}",
+                    ],
+                )
                 active.append(StragglerRun(seed, run, ranks, time.monotonic()))
             time.sleep(args.poll_s)
             poller.poll()
@@ -308,8 +321,18 @@ def _cell(value: float | None) -> str:
 
 
 def table(doc: dict[str, Any]) -> str:
-    header = ("STRAGGLER", "SEEDS", "NAMED", "RIGHT RANK", "CAUSE compute", "WITHIN TARGET",
-              "LATENCY p50/p95/max", "DETECTOR p50/p95/max", "REPORTS p50/p95/max", "ROUND p50/p95/max")  # fmt: skip
+    header = (
+        "STRAGGLER",
+        "SEEDS",
+        "NAMED",
+        "RIGHT RANK",
+        "CAUSE compute",
+        "WITHIN TARGET",
+        "LATENCY p50/p95/max",
+        "DETECTOR p50/p95/max",
+        "REPORTS p50/p95/max",
+        "ROUND p50/p95/max",
+    )
     rows: list[tuple[str, ...]] = [header]
     for name, s in doc["stragglers"].items():
         parts = [
@@ -317,9 +340,16 @@ def table(doc: dict[str, Any]) -> str:
             for part in ("latency", "detector", "reports", "round")
         ]
         rows.append(
-            (f"{name} (<= {s['target_steps']} steps)", str(s["seeds"]), str(s["named"]), str(s["right_rank"]),
-             str(s["cause_compute"]), str(s["within_target"]), *parts)
-        )  # fmt: skip
+            (
+                f"{name} (<= {s['target_steps']} steps)",
+                str(s["seeds"]),
+                str(s["named"]),
+                str(s["right_rank"]),
+                str(s["cause_compute"]),
+                str(s["within_target"]),
+                *parts,
+            )
+        )
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows

@@ -59,9 +59,14 @@ def replay(seed: int, ranks: int, settings: StragglerSettings, cv: float = 0.03)
     scenario = parse_scenario(tomllib.loads(text))
     nodes = [f"n{j}" for j in range(ranks // GPUS_PER_NODE)]
     model = JobModel(
-        "replay", nodes, GPUS_PER_NODE, STEP_S, scenario, start_unix_s=0.0,
+        "replay",
+        nodes,
+        GPUS_PER_NODE,
+        STEP_S,
+        scenario,
+        start_unix_s=0.0,
         gpu_uuids=[[f"GPU-{j}-{g}" for g in range(GPUS_PER_NODE)] for j in range(len(nodes))],
-    )  # fmt: skip
+    )
     job = JobRecord("replay", ranks)
     for rank in range(ranks):
         identity = training_pb2.RankIdentity(
@@ -90,19 +95,27 @@ def replay(seed: int, ranks: int, settings: StragglerSettings, cv: float = 0.03)
         return flagged[rank][0] - ONSET_STEP + 1 if rank in flagged else None
 
     return SeedResult(
-        seed, slow_steps(rank_10), slow_steps(rank_5), statistics.fmean(excess_5) if excess_5 else math.nan,
+        seed,
+        slow_steps(rank_10),
+        slow_steps(rank_5),
+        statistics.fmean(excess_5) if excess_5 else math.nan,
         flagged[rank_5][1] if rank_5 in flagged else None,
         tuple(sorted(rank for rank in flagged if rank not in (rank_10, rank_5))),
-    )  # fmt: skip
+    )
 
 
 def _feed(job: JobRecord, step: Step) -> None:
     for rank, record in job.ranks.items():
         start_s, compute_end_s, end_s = step.start_s[rank], step.compute_end_s[rank], step.end_s[rank]
         record.steps.extend(
-            StepColumns((step.number,), (start_s,), (end_s - start_s,), (compute_end_s - start_s,),
-                        (end_s - compute_end_s,))
-        )  # fmt: skip
+            StepColumns(
+                (step.number,),
+                (start_s,),
+                (end_s - start_s,),
+                (compute_end_s - start_s,),
+                (end_s - compute_end_s,),
+            )
+        )
 
 
 def _excess(step: Step, rank: int) -> float:

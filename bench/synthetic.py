@@ -31,16 +31,31 @@ def node_report(node_id: str, sequence: int = 1, gpus: int = GPUS_PER_NODE) -> n
     host.memory_available_bytes, host.processes = 1200 * 2**30, 1834
     for i in range(NICS_PER_NODE):
         report.nics.add(
-            device=f"eth{i}", receive_bytes_total=10**12 + i * sequence, transmit_bytes_total=2 * 10**12 + sequence,
-            receive_packets_total=10**9, transmit_packets_total=10**9, up=True, speed_bytes_per_second=12.5e9,
-        )  # fmt: skip
+            device=f"eth{i}",
+            receive_bytes_total=10**12 + i * sequence,
+            transmit_bytes_total=2 * 10**12 + sequence,
+            receive_packets_total=10**9,
+            transmit_packets_total=10**9,
+            up=True,
+            speed_bytes_per_second=12.5e9,
+        )
     for i in range(IB_PORTS_PER_NODE):
         report.ib_ports.add(
-            device=f"mlx5_{i}", port=1, receive_bytes_total=4 * 10**13 + sequence, transmit_bytes_total=4 * 10**13,
-            receive_packets_total=10**10, transmit_packets_total=10**10, transmit_wait_total=123456,
-            symbol_errors_total=0, link_downed_total=0, receive_errors_total=0, state="ACTIVE",
-            physical_state="LinkUp", rate_bytes_per_second=50e9, link_layer="InfiniBand",
-        )  # fmt: skip
+            device=f"mlx5_{i}",
+            port=1,
+            receive_bytes_total=4 * 10**13 + sequence,
+            transmit_bytes_total=4 * 10**13,
+            receive_packets_total=10**10,
+            transmit_packets_total=10**10,
+            transmit_wait_total=123456,
+            symbol_errors_total=0,
+            link_downed_total=0,
+            receive_errors_total=0,
+            state="ACTIVE",
+            physical_state="LinkUp",
+            rate_bytes_per_second=50e9,
+            link_layer="InfiniBand",
+        )
     for name in ("gpu", "host", "network", "infiniband"):
         report.collectors.add(name=name, success=True, duration_seconds=0.001)
     backend.close()
@@ -71,22 +86,34 @@ def rank_reports(
         report.identity.hostname, report.identity.backend = f"node-{node_index}", "nccl"
         heartbeat = report.heartbeat
         heartbeat.timestamp_unix_seconds, heartbeat.step = now + steps * 0.02, first_step + steps
-        heartbeat.flight_recorder.add(group_name="0", last_enqueued_collective=7, last_started_collective=7,
-                                      last_completed_collective=7)  # fmt: skip
+        heartbeat.flight_recorder.add(
+            group_name="0", last_enqueued_collective=7, last_started_collective=7, last_completed_collective=7
+        )
         for i in range(steps):
             report.steps.add(
-                step=first_step + i, start_unix_seconds=now + i * 0.02, step_seconds=0.02,
-                communication_seconds=0.005, compute_seconds=0.015,
-            )  # fmt: skip
+                step=first_step + i,
+                start_unix_seconds=now + i * 0.02,
+                step_seconds=0.02,
+                communication_seconds=0.005,
+                compute_seconds=0.015,
+            )
         for op, per_step_calls, size, seconds in STEP_COLLECTIVES if steps else ():
             calls = per_step_calls * steps
             buckets = [0] * (len(COLLECTIVE_DURATION_BUCKETS_S) + 1)
             buckets[duration_bucket_index(seconds)] = calls
             report.collectives.add(
-                op=op, group_name="0", group_size=world_size, dtype="bfloat16", size_bucket_bytes=size,
-                count=calls, bytes_total=calls * size, duration_seconds_total=calls * seconds,
-                duration_seconds_max=seconds, last_sequence=calls, duration_bucket_counts=buckets,
-            )  # fmt: skip
+                op=op,
+                group_name="0",
+                group_size=world_size,
+                dtype="bfloat16",
+                size_bucket_bytes=size,
+                count=calls,
+                bytes_total=calls * size,
+                duration_seconds_total=calls * seconds,
+                duration_seconds_max=seconds,
+                last_sequence=calls,
+                duration_bucket_counts=buckets,
+            )
         out.append(report)
     return out
 
@@ -224,16 +251,25 @@ def hgx_topology(
         nvlink_halves: GPUs 0-3 and 4-7 are two NVLink domains, joined across the sockets.
     """
     nvlink, pix, numa, sys_ = (
-        node_pb2.LINK_TYPE_NVLINK, node_pb2.LINK_TYPE_PIX, node_pb2.LINK_TYPE_NODE, node_pb2.LINK_TYPE_SYS,
-    )  # fmt: skip
+        node_pb2.LINK_TYPE_NVLINK,
+        node_pb2.LINK_TYPE_PIX,
+        node_pb2.LINK_TYPE_NODE,
+        node_pb2.LINK_TYPE_SYS,
+    )
     gpus = len(uuids)
     topo = node_pb2.NodeTopology(cpu_sockets=2)
     socket_cpus = ("0-55,112-167", "56-111,168-223")
     for numa_id, cpus in enumerate(socket_cpus):
         topo.numa_nodes.add(id=numa_id, cpus=cpus)
     for gpu, uuid in enumerate(uuids):
-        topo.gpus.add(index=gpu, uuid=uuid, name="NVIDIA H100 80GB HBM3", numa_node=gpu * 2 // gpus,
-                      pci_bus_id=f"0000:{0x18 + 0x10 * gpu:02x}:00.0", local_cpus=socket_cpus[gpu * 2 // gpus])  # fmt: skip
+        topo.gpus.add(
+            index=gpu,
+            uuid=uuid,
+            name="NVIDIA H100 80GB HBM3",
+            numa_node=gpu * 2 // gpus,
+            pci_bus_id=f"0000:{0x18 + 0x10 * gpu:02x}:00.0",
+            local_cpus=socket_cpus[gpu * 2 // gpus],
+        )
         for peer in range(gpu + 1, gpus):
             if nvlink_halves and gpu * 2 // gpus != peer * 2 // gpus:
                 topo.gpu_links.add(gpu=gpu, peer_gpu=peer, link=sys_)
@@ -243,9 +279,14 @@ def hgx_topology(
     for i in nics:
         rate = SLOW_NIC_BYTES_PER_S if f"mlx5_{i}" == slow_nic else HGX_NIC_BYTES_PER_S
         topo.nics.add(
-            device=f"mlx5_{i}", kind="infiniband", numa_node=i // 2, interfaces=[f"ib{i}"],
-            rate_bytes_per_second=rate, state="ACTIVE", pci_bus_id=f"0000:{0x1a + 0x20 * i:02x}:00.0",
-        )  # fmt: skip
+            device=f"mlx5_{i}",
+            kind="infiniband",
+            numa_node=i // 2,
+            interfaces=[f"ib{i}"],
+            rate_bytes_per_second=rate,
+            state="ACTIVE",
+            pci_bus_id=f"0000:{0x1A + 0x20 * i:02x}:00.0",
+        )
     for gpu in range(gpus):
         for i in nics:
             link = pix if gpu // 2 == i else numa if gpu // 4 == i // 2 else sys_

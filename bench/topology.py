@@ -72,13 +72,28 @@ def _groups(rank: int, dp: int, ranks: int) -> list[training_pb2.ProcessGroupMem
     d = (rank % stage_size) // GPUS_PER_NODE
     membership = training_pb2.ProcessGroupMembership
     return [
-        membership(group_name=f"tp{tp_first}", description="mesh_tp", first_rank=tp_first, stride=1,
-                   size=GPUS_PER_NODE),
-        membership(group_name=f"dp{rank // stage_size}.{t}", description="mesh_dp",
-                   first_rank=(rank // stage_size) * stage_size + t, stride=GPUS_PER_NODE, size=dp),
-        membership(group_name=f"pp{d}.{t}", description="mesh_pp", first_rank=d * GPUS_PER_NODE + t,
-                   stride=stage_size, size=PIPELINE_STAGES),
-    ]  # fmt: skip
+        membership(
+            group_name=f"tp{tp_first}",
+            description="mesh_tp",
+            first_rank=tp_first,
+            stride=1,
+            size=GPUS_PER_NODE,
+        ),
+        membership(
+            group_name=f"dp{rank // stage_size}.{t}",
+            description="mesh_dp",
+            first_rank=(rank // stage_size) * stage_size + t,
+            stride=GPUS_PER_NODE,
+            size=dp,
+        ),
+        membership(
+            group_name=f"pp{d}.{t}",
+            description="mesh_pp",
+            first_rank=d * GPUS_PER_NODE + t,
+            stride=stage_size,
+            size=PIPELINE_STAGES,
+        ),
+    ]
 
 
 def measure(ranks: int, repeat: int) -> dict[str, object]:

@@ -155,8 +155,19 @@ def main(argv: list[str] | None = None) -> int:
     width, height = (int(n) for n in args.size.split("x"))
     with tempfile.TemporaryDirectory() as scratch:
         port_file = Path(scratch) / "port.json"
-        server = subprocess.Popen([sys.executable, "-m", "bench.tui", "--serve", str(port_file),
-                                   "--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node)])  # fmt: skip
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.tui",
+                "--serve",
+                str(port_file),
+                "--nodes",
+                str(args.nodes),
+                "--gpus-per-node",
+                str(args.gpus_per_node),
+            ]
+        )
         try:
             deadline = time.monotonic() + 300
             while not port_file.exists():
@@ -169,9 +180,13 @@ def main(argv: list[str] | None = None) -> int:
             server.terminate()
             server.wait(10)
     report = {
-        "nodes": args.nodes, "gpus": args.nodes * args.gpus_per_node, "ranks": args.nodes * args.gpus_per_node,
-        "snapshot_bytes": info["snapshot_bytes"], "terminal": args.size, "views": views,
-    }  # fmt: skip
+        "nodes": args.nodes,
+        "gpus": args.nodes * args.gpus_per_node,
+        "ranks": args.nodes * args.gpus_per_node,
+        "snapshot_bytes": info["snapshot_bytes"],
+        "terminal": args.size,
+        "views": views,
+    }
     print(json.dumps(report, indent=2))
     return 0
 

@@ -198,8 +198,11 @@ class RecoverySettings:
     when the coordinator starts again.
     """
 
-    hang_action: str = setting("restart", "on a hung job (it cannot checkpoint: resumes from the last complete one)",
-                               choices=POLICY_ACTIONS)  # fmt: skip
+    hang_action: str = setting(
+        "restart",
+        "on a hung job (it cannot checkpoint: resumes from the last complete one)",
+        choices=POLICY_ACTIONS,
+    )
     rank_failure_action: str = setting(
         "alert",
         "on a rank that died (torchrun restarts the group itself; recovery is measured)",

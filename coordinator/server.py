@@ -232,8 +232,10 @@ class CoordinatorServer:
             self.metrics_port = self._http.port
         logger.info(
             "coordinator serving gRPC on port %d, /metrics on %s, state in %s",
-            self.grpc_port, self.metrics_port or "(off)", self.settings.state_dir,
-        )  # fmt: skip
+            self.grpc_port,
+            self.metrics_port or "(off)",
+            self.settings.state_dir,
+        )
         self._tasks = [
             asyncio.create_task(self.core.watch_liveness(), name="liveness"),
             asyncio.create_task(self.core.tick_acks(), name="acks"),

@@ -41,8 +41,9 @@ def main() -> int:
     path = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/top.svg")
     demo = subprocess.Popen(
         [sys.executable, "-m", "clusterwatch", "demo", "--grpc-port", "0", "--metrics-port", "0"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         address = None
         for line in demo.stdout or ():

@@ -89,9 +89,19 @@ class DemoRun:
         self._closing = threading.Event()
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(
-                clusterwatch_cmd("demo", "--grpc-port", "0", "--metrics-port", "0", "--summary-json", str(self.summary_path)),
-                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(self.tmpdir)},
-            )  # fmt: skip
+                clusterwatch_cmd(
+                    "demo",
+                    "--grpc-port",
+                    "0",
+                    "--metrics-port",
+                    "0",
+                    "--summary-json",
+                    str(self.summary_path),
+                ),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "TMPDIR": str(self.tmpdir)},
+            )
         self._watcher = threading.Thread(target=self._watch, name="demo-run-watcher", daemon=True)
         self._watcher.start()
 
@@ -190,17 +200,34 @@ def fabric_hardware(xids: int) -> node_pb2.NodeReport:
     """What the demo's machine lacks: InfiniBand ports (one down), an XID, ECC errors."""
     report = node_pb2.NodeReport()
     report.gpus.add(
-        index=0, uuid="GPU-fabric-0", name="NVIDIA H100 80GB HBM3", utilization_ratio=0.9,
-        memory_used_bytes=60 << 30, memory_total_bytes=80 << 30, temperature_celsius=71.0, power_watts=500.0,
-        power_limit_watts=700.0, sm_clock_hertz=1.98e9, sm_clock_max_hertz=1.98e9,
-        ecc_corrected_errors_total=3, ecc_uncorrected_errors_total=0,
-    )  # fmt: skip
+        index=0,
+        uuid="GPU-fabric-0",
+        name="NVIDIA H100 80GB HBM3",
+        utilization_ratio=0.9,
+        memory_used_bytes=60 << 30,
+        memory_total_bytes=80 << 30,
+        temperature_celsius=71.0,
+        power_watts=500.0,
+        power_limit_watts=700.0,
+        sm_clock_hertz=1.98e9,
+        sm_clock_max_hertz=1.98e9,
+        ecc_corrected_errors_total=3,
+        ecc_uncorrected_errors_total=0,
+    )
     report.gpus[0].xid_errors.add(xid=79, count=xids)
     for port, up in ((0, True), (1, False)):
         report.ib_ports.add(
-            device=f"mlx5_{port}", port=1, receive_bytes_total=10**12, transmit_bytes_total=10**12,
-            transmit_wait_total=10**6, symbol_errors_total=0, link_downed_total=0 if up else 1,
-            receive_errors_total=0, state="ACTIVE" if up else "DOWN",
-            physical_state="LinkUp" if up else "Disabled", rate_bytes_per_second=50e9, link_layer="InfiniBand",
-        )  # fmt: skip
+            device=f"mlx5_{port}",
+            port=1,
+            receive_bytes_total=10**12,
+            transmit_bytes_total=10**12,
+            transmit_wait_total=10**6,
+            symbol_errors_total=0,
+            link_downed_total=0 if up else 1,
+            receive_errors_total=0,
+            state="ACTIVE" if up else "DOWN",
+            physical_state="LinkUp" if up else "Disabled",
+            rate_bytes_per_second=50e9,
+            link_layer="InfiniBand",
+        )
     return report

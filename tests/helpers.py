@@ -210,10 +210,21 @@ class Cluster:
         n = len(self.processes)
         ready = self.tmp_path / f"coordinator-{n}.ready"
         argv = clusterwatch_cmd(
-            "coordinator", "--listen", f"127.0.0.1:{grpc_port}", "--metrics-listen", "127.0.0.1:0",
-            "--state-dir", str(self.state_dir), "--ready-file", str(ready),
-            "--unreachable-after-intervals", str(unreachable_after), "--log-level", "debug", *extra,
-        )  # fmt: skip
+            "coordinator",
+            "--listen",
+            f"127.0.0.1:{grpc_port}",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--state-dir",
+            str(self.state_dir),
+            "--ready-file",
+            str(ready),
+            "--unreachable-after-intervals",
+            str(unreachable_after),
+            "--log-level",
+            "debug",
+            *extra,
+        )
         coordinator = Coordinator(argv, self.tmp_path / f"coordinator-{n}.log", ready_file=ready)
         self.processes.append(coordinator)
         self.coordinators.append(coordinator)
@@ -225,10 +236,21 @@ class Cluster:
 
     def agent(self, coordinator: Coordinator, node_id: str, *extra: str, interval_s: float = 0.2) -> Process:
         argv = clusterwatch_cmd(
-            "agent", "--coordinator", coordinator.address, "--node-id", node_id,
-            "--interval", str(interval_s), "--reconnect-max-s", "0.5", "--log-level", "debug",
-            "--socket", str(self.socket_path(node_id)), *extra,
-        )  # fmt: skip
+            "agent",
+            "--coordinator",
+            coordinator.address,
+            "--node-id",
+            node_id,
+            "--interval",
+            str(interval_s),
+            "--reconnect-max-s",
+            "0.5",
+            "--log-level",
+            "debug",
+            "--socket",
+            str(self.socket_path(node_id)),
+            *extra,
+        )
         agent = Process(argv, self.tmp_path / f"agent-{node_id}-{len(self.processes)}.log")
         self.processes.append(agent)
         return agent.start()
@@ -263,15 +285,24 @@ class Cluster:
         else:
             endpoint, run_id = elastic
             launch = [
-                "--nnodes=1:2", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+                "--nnodes=1:2",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={endpoint}",
+                f"--rdzv-id={run_id}",
                 # The store lives in the test, so either node can go; re-form as soon as one is
                 # there, and forget a node gone for 2 s (torchrun's default: 15 s).
                 "--rdzv-conf=is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2",
-            ]  # fmt: skip
+            ]
         argv = [
-            sys.executable, "-m", "torch.distributed.run", *launch,
-            f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", str(script), *args,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *launch,
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}",
+            str(script),
+            *args,
+        ]
         job_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         job_env.pop("CLUSTERWATCH_AGENT_SOCKET", None)
         if socket is not None:

@@ -150,10 +150,14 @@ async def serve_scripted(coordinator: ScriptedCoordinator) -> tuple[grpc.aio.Ser
 
 def agent_settings(coordinator_port: int, socket_path: Path, **overrides: Any) -> AgentSettings:
     values: dict[str, Any] = {
-        "coordinator": f"127.0.0.1:{coordinator_port}", "node_id": "n1", "interval_s": 0.05,
-        "collectors": [], "reconnect_max_s": 0.5, "socket": str(socket_path),
+        "coordinator": f"127.0.0.1:{coordinator_port}",
+        "node_id": "n1",
+        "interval_s": 0.05,
+        "collectors": [],
+        "reconnect_max_s": 0.5,
+        "socket": str(socket_path),
         "metrics_listen": "127.0.0.1:0",
-    }  # fmt: skip
+    }
     values.update(overrides)
     return AgentSettings(**values)
 
@@ -238,12 +242,21 @@ async def test_first_message_must_be_a_hello(harness: Harness) -> None:
     ("message", "field_name"),
     [
         ({"steps": steps(3, compute_s=-0.1)}, "steps[0].compute_seconds"),
-        ({"heartbeat": training_pb2.Heartbeat(step_elapsed_seconds=float("nan"))}, "heartbeat.step_elapsed_seconds"),
-        ({"identity": training_pb2.RankIdentity(job="j", rank=0, world_size=0, pid=os.getpid(), instance_id="j-0")},
-         "identity.world_size"),
+        (
+            {"heartbeat": training_pb2.Heartbeat(step_elapsed_seconds=float("nan"))},
+            "heartbeat.step_elapsed_seconds",
+        ),
+        (
+            {
+                "identity": training_pb2.RankIdentity(
+                    job="j", rank=0, world_size=0, pid=os.getpid(), instance_id="j-0"
+                )
+            },
+            "identity.world_size",
+        ),
         ({"hello": rank(0)}, "hello"),
     ],
-)  # fmt: skip
+)
 async def test_invalid_field_ends_the_stream_naming_it_and_earlier_data_is_kept(
     harness: Harness, message: dict[str, Any], field_name: str
 ) -> None:
@@ -317,9 +330,15 @@ os._exit(int(mode))
 
 async def spawn_hook(socket_path: Path, rank_number: int, mode: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CHILD_HOOK, str(socket_path), "j", str(rank_number), mode,
+        sys.executable,
+        "-c",
+        CHILD_HOOK,
+        str(socket_path),
+        "j",
+        str(rank_number),
+        mode,
         stdin=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+    )
 
 
 async def release(process: asyncio.subprocess.Process) -> None:
@@ -590,8 +609,9 @@ async def test_a_flooding_hook_is_refused_and_the_node_reports_on_time_and_valid
         assert sum(sent) * 2048 < 2 * ITEM_BURST + ITEMS_PER_S * flood_s
         await eventually(
             lambda: all(e.state.name == "DISCONNECTED" for e in harness.agent.ranks.entries()),
-            20, "every flooding stream to be ended",
-        )  # fmt: skip
+            20,
+            "every flooding stream to be ended",
+        )
         samples = await asyncio.to_thread(harness.metrics)
         refused = samples_named(samples, "clusterwatch_agent_hook_denied_total", code="resource_exhausted")
         assert refused[0].value == 10  # 6 hellos, then the 4 streams

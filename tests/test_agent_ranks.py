@@ -123,10 +123,18 @@ def test_collectives_are_merged_per_report_and_survive_dropped_steps(registry: R
         summary = step(n)
         for op, size in (("all_reduce", 1 << 20), ("all_reduce", 1 << 20), ("broadcast", 1024)):
             summary.collectives.add(
-                op=op, group_name="0", group_size=4, dtype="torch.float32", size_bucket_bytes=size, count=1,
-                bytes_total=size, duration_seconds_total=0.01 * n, duration_seconds_max=0.01 * n,
-                last_sequence=10 * n, duration_bucket_counts=[0, 1] + [0] * (DURATION_BUCKETS - 2),
-            )  # fmt: skip
+                op=op,
+                group_name="0",
+                group_size=4,
+                dtype="torch.float32",
+                size_bucket_bytes=size,
+                count=1,
+                bytes_total=size,
+                duration_seconds_total=0.01 * n,
+                duration_seconds_max=0.01 * n,
+                last_sequence=10 * n,
+                duration_bucket_counts=[0, 1] + [0] * (DURATION_BUCKETS - 2),
+            )
         return summary
 
     registry.hello(identity())
@@ -308,11 +316,16 @@ def test_collective_kinds_are_bounded_per_rank_and_report(registry: RankRegistry
     batch = step(1)
     batch.collectives.extend(
         training_pb2.CollectiveSummary(
-            op="all_reduce", group_name=f"g{n}", group_size=2, dtype="float32", size_bucket_bytes=1024, count=1,
+            op="all_reduce",
+            group_name=f"g{n}",
+            group_size=2,
+            dtype="float32",
+            size_bucket_bytes=1024,
+            count=1,
             duration_bucket_counts=[1] + [0] * (DURATION_BUCKETS - 1),
         )
         for n in range(1000)
-    )  # fmt: skip
+    )
     registry.add_steps("i0-100", [batch])
     (sent,) = report(registry)
     assert len(sent.collectives) == MAX_COLLECTIVE_KINDS

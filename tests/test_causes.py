@@ -57,13 +57,18 @@ def build_job(
         duration_s = (collective_s or {}).get(node, COLLECTIVE_S)
         reports = [
             rank_report(
-                rank, world_size=world,
-                steps=[step(n, start=T0 + n, step_s=0.6, compute_s=COMPUTE_S * (1.25 if rank in slow else 1.0))
-                       for n in range(1, 21)],
-                collectives=[collective(group_size=world, bytes_total=COLLECTIVE_BYTES, duration_s=duration_s)],
+                rank,
+                world_size=world,
+                steps=[
+                    step(n, start=T0 + n, step_s=0.6, compute_s=COMPUTE_S * (1.25 if rank in slow else 1.0))
+                    for n in range(1, 21)
+                ],
+                collectives=[
+                    collective(group_size=world, bytes_total=COLLECTIVE_BYTES, duration_s=duration_s)
+                ],
             )
             for rank in range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE)
-        ]  # fmt: skip
+        ]
         outcome = store.ingest(f"node-{node}", reports, now_mono=1.0, now_unix=T0)
         assert outcome.applied == RANKS_PER_NODE
     return store.jobs["train"]
@@ -87,19 +92,31 @@ def node_report(
     report = node_pb2.NodeReport(sequence=1, timestamp_unix_seconds=at_unix_s, interval_seconds=1.0)
     for rank in range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE):
         gpu = report.gpus.add(
-            index=rank % RANKS_PER_NODE, uuid=f"GPU-{rank:04d}", name="NVIDIA H100", sm_clock_hertz=1.98 * GHZ,
-            sm_clock_max_hertz=1.98 * GHZ, temperature_celsius=65.0, power_watts=550.0, power_limit_watts=700.0,
+            index=rank % RANKS_PER_NODE,
+            uuid=f"GPU-{rank:04d}",
+            name="NVIDIA H100",
+            sm_clock_hertz=1.98 * GHZ,
+            sm_clock_max_hertz=1.98 * GHZ,
+            temperature_celsius=65.0,
+            power_watts=550.0,
+            power_limit_watts=700.0,
             clocks_event_reasons=0,
-        )  # fmt: skip
+        )
         _apply(gpu, (gpus or {}).get(rank, {}))
     _apply(
         report.host,
         {
-            "cpu_utilization_ratio": 0.35, "cpu_count": 64, "load1": 20.0, "memory_total_bytes": 1024 * GIB,
-            "memory_available_bytes": 700 * GIB, "memory_used_bytes": 324 * GIB, "swap_used_bytes": 0,
-            "swap_total_bytes": 8 * GIB, **(host or {}),
+            "cpu_utilization_ratio": 0.35,
+            "cpu_count": 64,
+            "load1": 20.0,
+            "memory_total_bytes": 1024 * GIB,
+            "memory_available_bytes": 700 * GIB,
+            "memory_used_bytes": 324 * GIB,
+            "swap_used_bytes": 0,
+            "swap_total_bytes": 8 * GIB,
+            **(host or {}),
         },
-    )  # fmt: skip
+    )
     for device, state in (("mlx5_0", "ACTIVE"), ("mlx5_1", "DOWN")):
         routine = ROUTINE_WAIT_PER_S if state == "ACTIVE" else 0.0
         rates = {"transmit_wait_total": routine, **(ib_rates or {}).get(device, {})}
@@ -121,8 +138,10 @@ def node_report(
     return report
 
 
-def _apply(message: node_pb2.GpuSample | node_pb2.HostSample | node_pb2.IbPortSample | node_pb2.NicSample,
-           fields: Fields) -> None:  # fmt: skip
+def _apply(
+    message: node_pb2.GpuSample | node_pb2.HostSample | node_pb2.IbPortSample | node_pb2.NicSample,
+    fields: Fields,
+) -> None:
     for name, value in fields.items():
         if value is None:
             message.ClearField(name)  # type: ignore[arg-type]
@@ -175,9 +194,18 @@ def cause_of(
 
 def test_a_hot_gpu_running_slow_clocks_is_gpu_thermal() -> None:
     nodes = cluster(
-        {1: {"gpus": {STRAGGLER: {"sm_clock_hertz": 1.30 * GHZ, "temperature_celsius": 91.0,
-                                  "clocks_event_reasons": THERMAL | HW_SLOWDOWN}}}}
-    )  # fmt: skip
+        {
+            1: {
+                "gpus": {
+                    STRAGGLER: {
+                        "sm_clock_hertz": 1.30 * GHZ,
+                        "temperature_celsius": 91.0,
+                        "clocks_event_reasons": THERMAL | HW_SLOWDOWN,
+                    }
+                }
+            }
+        }
+    )
     cause = cause_of(nodes)
     assert cause.name == CauseName.GPU_THERMAL
     assert cause.name == "gpu_thermal"
@@ -417,15 +445,32 @@ def test_missing_data_skips_rules_and_never_crashes() -> None:
     assert straggler_cause(job, STRAGGLER, state.nodes).name == CauseName.COMPUTE
     # Every optional field unset: GPUs known by UUID only, a host with only its CPU count.
     bare_gpu: Fields = dict.fromkeys(
-        ("sm_clock_hertz", "sm_clock_max_hertz", "temperature_celsius", "power_watts", "power_limit_watts",
-         "clocks_event_reasons")
-    )  # fmt: skip
+        (
+            "sm_clock_hertz",
+            "sm_clock_max_hertz",
+            "temperature_celsius",
+            "power_watts",
+            "power_limit_watts",
+            "clocks_event_reasons",
+        )
+    )
     bare_host: Fields = dict.fromkeys(
-        ("cpu_utilization_ratio", "load1", "memory_total_bytes", "memory_available_bytes", "memory_used_bytes",
-         "swap_used_bytes", "swap_total_bytes")
-    )  # fmt: skip
-    bare_ib: Fields = {"transmit_wait_total": None, "symbol_errors_total": None, "link_downed_total": None,
-                       "receive_errors_total": None}  # fmt: skip
+        (
+            "cpu_utilization_ratio",
+            "load1",
+            "memory_total_bytes",
+            "memory_available_bytes",
+            "memory_used_bytes",
+            "swap_used_bytes",
+            "swap_total_bytes",
+        )
+    )
+    bare_ib: Fields = {
+        "transmit_wait_total": None,
+        "symbol_errors_total": None,
+        "link_downed_total": None,
+        "receive_errors_total": None,
+    }
     bare = {
         node: {"gpus": dict.fromkeys(range(WORLD), bare_gpu), "host": bare_host, "ib": {"mlx5_0": bare_ib}}
         for node in range(NODES)

@@ -174,10 +174,13 @@ async def test_restart_from_the_cli_stops_the_workers_on_every_node_of_the_job(c
             run_cli, "restart", "--job", "train", "--exclude", "node-b", "--coordinator", coordinator.address
         )
         stops = {
-            stream.node_id: [m.command.stop_workers for m in stream.of_kind("command")
-                             if m.command.WhichOneof("action") == "stop_workers"]
+            stream.node_id: [
+                m.command.stop_workers
+                for m in stream.of_kind("command")
+                if m.command.WhichOneof("action") == "stop_workers"
+            ]
             for stream in (node_a, node_b)
-        }  # fmt: skip
+        }
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("exclude_node_and_restart-")
     assert [(s.job, s.stop_launcher) for s in stops["node-a"]] == [("train", False)]

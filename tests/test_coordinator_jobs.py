@@ -26,8 +26,11 @@ def test_step_ring_keeps_the_newest_steps_in_order() -> None:
     assert list(ring.step) == [2, 3, 4, 5]
     assert ring.samples(last=2) == [StepSample(4, 13.0, 1.0, 0.7, 0.3), StepSample(5, 14.0, 1.0, 0.6, 0.4)]
     assert ring.compute_s_by_step() == {2: 0.8, 3: 0.8, 4: 0.7, 5: 0.6}
-    ring.extend(StepColumns(tuple(range(6, 16)), tuple(map(float, range(15, 25))), (1.0,) * 10, (0.5,) * 10,
-                            (0.5,) * 10))  # fmt: skip
+    ring.extend(
+        StepColumns(
+            tuple(range(6, 16)), tuple(map(float, range(15, 25))), (1.0,) * 10, (0.5,) * 10, (0.5,) * 10
+        )
+    )
     assert list(ring.step) == [12, 13, 14, 15]
 
 
@@ -226,8 +229,9 @@ def test_another_node_cannot_take_a_rank_that_runs_and_reports_elsewhere() -> No
     assert job.ranks[1].node_id == "rogue"
     assert not job.conflicts(T0 + 14)
     # Same node, newer instance: a restart in place, never a conflict.
-    assert not store.ingest("honest", [rank_report(0, instance_id="again", restart_count=8)], now_mono=15.0,
-                            now_unix=T0 + 14).rejections  # fmt: skip
+    assert not store.ingest(
+        "honest", [rank_report(0, instance_id="again", restart_count=8)], now_mono=15.0, now_unix=T0 + 14
+    ).rejections
 
 
 def test_a_new_world_size_drops_ranks_beyond_it() -> None:
@@ -283,10 +287,12 @@ def test_finished_and_silent_jobs_expire() -> None:
 def test_heartbeat_health_is_kept() -> None:
     store = JobStore()
     heartbeat = training_pb2.Heartbeat(
-        timestamp_unix_seconds=T0, step=7, in_step=True,
+        timestamp_unix_seconds=T0,
+        step=7,
+        in_step=True,
         collective=training_pb2.CollectiveInFlight(op="all_reduce", sequence=42, elapsed_seconds=3.0),
         health=training_pb2.HookHealth(errors_total=2, messages_dropped_total=5),
-    )  # fmt: skip
+    )
     store.ingest("a", [rank_report(0, heartbeat=heartbeat)], now_mono=1.0, now_unix=T0)
     rank = store.jobs["train"].ranks[0]
     assert (rank.hook_errors_total, rank.hook_messages_dropped_total, rank.current_step) == (2, 5, 7)
@@ -338,8 +344,12 @@ def test_a_late_report_from_before_a_shrinking_restart_is_stale() -> None:
     job = store.jobs["train"]
     assert (job.world_size, sorted(job.ranks)) == (2, [0, 1])
     # Once that generation has exited, a fresh launch (restart count 0 again) takes over.
-    store.ingest("a", [rank_report(r, world_size=2, restart_count=1, state=EXITED) for r in range(2)],
-                 now_mono=4.0, now_unix=T0)  # fmt: skip
+    store.ingest(
+        "a",
+        [rank_report(r, world_size=2, restart_count=1, state=EXITED) for r in range(2)],
+        now_mono=4.0,
+        now_unix=T0,
+    )
     fresh = [rank_report(r, world_size=3, instance_id=f"fresh-{r}") for r in range(3)]
     assert not store.ingest("a", fresh, now_mono=5.0, now_unix=T0).rejections
     assert (job.world_size, sorted(job.ranks), job.ranks[0].identity.instance_id) == (3, [0, 1, 2], "fresh-0")

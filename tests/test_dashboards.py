@@ -93,8 +93,11 @@ def test_the_committed_dashboards_are_what_the_generator_writes() -> None:
     root = Path(__file__).parent.parent
     result = subprocess.run(
         [sys.executable, str(root / "scripts" / "gen_dashboards.py"), "--check"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert len(DASHBOARDS) == 5
 
@@ -152,9 +155,12 @@ def test_every_panel_of_every_dashboard_returns_data_from_a_real_prometheus(demo
         return max(samples[m][MIN_SAMPLES - 1] for m in metrics)
 
     at_s = wait_for_demo(
-        ready_at, 200, f"Prometheus to hold {MIN_SAMPLES} samples of every metric the dashboards use", demo_run,
+        ready_at,
+        200,
+        f"Prometheus to hold {MIN_SAMPLES} samples of every metric the dashboards use",
+        demo_run,
         detail=lambda: f"short of samples: {short()}",
-    )  # fmt: skip
+    )
     failures = check_every_query(prometheus, dashboards, (scraped_since_s, at_s))
     fabric = f"the fabric node's stream failed: {demo_run.fabric_error!r}\n" if demo_run.fabric_error else ""
     assert not failures, "\n".join(failures) + f"\n{fabric}--- demo log ---\n{demo_run.tail()}"

@@ -33,8 +33,13 @@ def test_the_demo_detects_and_recovers_from_a_straggler_and_a_hang(demo_run: Dem
     assert "demo-node-0" in status.stdout
     assert "(sim)" in status.stdout
     output = demo_run.log.read_text()
-    for expected in ("detected  straggler: rank 1 on demo-node-0", "exclude node and restart: checkpoint complete",
-                     "detected  hang", "resumed   every rank past step", "finished  all 150 steps"):  # fmt: skip
+    for expected in (
+        "detected  straggler: rank 1 on demo-node-0",
+        "exclude node and restart: checkpoint complete",
+        "detected  hang",
+        "resumed   every rank past step",
+        "finished  all 150 steps",
+    ):
         assert expected in output, output
     summary = json.loads(demo_run.summary_path.read_text())
     assert summary["final_world_size"] == 2, output  # demo-node-0 was left out
@@ -54,9 +59,17 @@ def test_without_training_the_demo_runs_the_services_until_its_duration(
 ) -> None:
     tmpdir = tmp_path_factory.mktemp("idle")  # short: the agents' sockets go in a directory under it
     result = run_cli(
-        "demo", "--grpc-port", "0", "--metrics-port", "0", "--duration", "2", "--no-train", timeout_s=60,
+        "demo",
+        "--grpc-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--duration",
+        "2",
+        "--no-train",
+        timeout_s=60,
         env={**os.environ, "TMPDIR": str(tmpdir)},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr
     assert "stopped" in result.stdout
     assert demo_processes(tmpdir) == []
@@ -69,9 +82,15 @@ def test_a_fault_is_tied_to_the_slot_of_the_rank_it_names() -> None:
 
 @pytest.mark.parametrize(
     "spec",
-    ["crash@step=1,rank=0", "hang@step=1", "hang@step=1,rank=4", "straggler@step=1,rank=0,factor=0.5",
-     "hang@step=x,rank=0", "hang@step=1,rank=0,when=now"],
-)  # fmt: skip
+    [
+        "crash@step=1,rank=0",
+        "hang@step=1",
+        "hang@step=1,rank=4",
+        "straggler@step=1,rank=0,factor=0.5",
+        "hang@step=x,rank=0",
+        "hang@step=1,rank=0,when=now",
+    ],
+)
 def test_a_bad_fault_is_refused_naming_the_flag(spec: str) -> None:
     with pytest.raises(ConfigError, match="--inject"):
         parse_fault(spec, 2, 2)

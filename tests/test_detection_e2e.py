@@ -59,9 +59,18 @@ def test_a_stopped_rank_is_a_hang_naming_it_with_a_healthy_ranks_stack(
     coordinator, socket = start(cluster)
     until = tmp_path / "stop"
     job = cluster.torchrun(
-        TRAIN, "--out-dir", str(tmp_path / "out"), "--job", "stopped", "--until-file", str(until),
-        "--compute-ms", "20", nproc=2, socket=socket,
-    )  # fmt: skip
+        TRAIN,
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--job",
+        "stopped",
+        "--until-file",
+        str(until),
+        "--compute-ms",
+        "20",
+        nproc=2,
+        socket=socket,
+    )
     wait_for_ranks_past(coordinator, "stopped", 2, 10, 120)
     victim = ranks_of(coordinator, "stopped")[1].identity.pid
     stopped_at_unix_s = time.time()
@@ -95,8 +104,9 @@ def test_a_stopped_rank_is_a_hang_naming_it_with_a_healthy_ranks_stack(
     # Progress again: the hang resolves by itself.
     resolved = wait_for(
         lambda: next((i for i in incidents(coordinator) if i.id == hang.id and i.state == RESOLVED), None),
-        60, "the hang to resolve once rank 1 runs again",
-    )  # fmt: skip
+        60,
+        "the hang to resolve once rank 1 runs again",
+    )
     assert resolved.resolved_unix_seconds >= resolved.opened_unix_seconds
     until.touch()
     assert job.wait(120) == 0, job.log()
@@ -108,9 +118,22 @@ def test_a_slowed_rank_is_a_compute_straggler(cluster: Cluster, tmp_path: Path) 
     coordinator, socket = start(cluster)
     until = tmp_path / "stop"
     job = cluster.torchrun(
-        TRAIN, "--out-dir", str(tmp_path / "out"), "--job", "slow", "--until-file", str(until),
-        "--compute-ms", "40", "--slow-rank", "2", "--slow-factor", "1.3", nproc=3, socket=socket,
-    )  # fmt: skip
+        TRAIN,
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--job",
+        "slow",
+        "--until-file",
+        str(until),
+        "--compute-ms",
+        "40",
+        "--slow-rank",
+        "2",
+        "--slow-factor",
+        "1.3",
+        nproc=3,
+        socket=socket,
+    )
     straggler = wait_for(
         lambda: incident_of(coordinator, "straggler", 2), 120, "a straggler incident for rank 2"
     )
@@ -138,9 +161,16 @@ def test_a_slowed_rank_is_a_compute_straggler(cluster: Cluster, tmp_path: Path) 
 def test_a_killed_rank_is_a_failure_naming_it_and_the_signal(cluster: Cluster, tmp_path: Path) -> None:
     coordinator, socket = start(cluster)
     job = cluster.torchrun(
-        TRAIN, "--out-dir", str(tmp_path / "out"), "--job", "killed", "--until-file", str(tmp_path / "never"),
-        nproc=2, socket=socket,
-    )  # fmt: skip
+        TRAIN,
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--job",
+        "killed",
+        "--until-file",
+        str(tmp_path / "never"),
+        nproc=2,
+        socket=socket,
+    )
     wait_for_ranks_past(coordinator, "killed", 2, 5, 120)
     os.kill(ranks_of(coordinator, "killed")[1].identity.pid, signal.SIGKILL)
     failure = wait_for(
@@ -163,9 +193,18 @@ def detection_rounds(coordinator: Coordinator) -> int:
 def test_a_healthy_run_opens_no_incident(cluster: Cluster, tmp_path: Path) -> None:
     coordinator, socket = start(cluster, "--hang-floor-s", "1")
     job = cluster.torchrun(
-        TRAIN, "--out-dir", str(tmp_path / "out"), "--job", "healthy", "--steps", "300", "--compute-ms", "40",
-        nproc=3, socket=socket,
-    )  # fmt: skip
+        TRAIN,
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--job",
+        "healthy",
+        "--steps",
+        "300",
+        "--compute-ms",
+        "40",
+        nproc=3,
+        socket=socket,
+    )
     assert job.wait(180) == 0, job.log()
     wait_for(lambda: {r.state for r in ranks_of(coordinator, "healthy").values()} == {EXITED}, 30, "exits")
     ranks = ranks_of(coordinator, "healthy")

@@ -65,9 +65,15 @@ def running(cluster: Cluster) -> Cluster:
     for node in NODES:
         # Real /proc; a fixture /sys so InfiniBand ports exist on a machine without them.
         cluster.agent(
-            coordinator, node, "--gpu-backend", "sim", "--sim-gpus", str(SIM_GPUS),
-            "--sys-root", str(FIXTURES / "node_a" / "sys"),
-        )  # fmt: skip
+            coordinator,
+            node,
+            "--gpu-backend",
+            "sim",
+            "--sim-gpus",
+            str(SIM_GPUS),
+            "--sys-root",
+            str(FIXTURES / "node_a" / "sys"),
+        )
 
     def all_nodes_have_rates() -> bool:
         nodes = coordinator.snapshot().nodes
@@ -104,8 +110,9 @@ def test_every_series_exists_for_both_nodes_with_sane_values(running: Cluster) -
                 samples, "clusterwatch_collector_success", node=node, collector=collector
             )
             assert success.value == 1, f"collector {collector} failed on {node}"
-            (duration,) = samples_named(samples, "clusterwatch_collector_duration_seconds", node=node,
-                                        collector=collector)  # fmt: skip
+            (duration,) = samples_named(
+                samples, "clusterwatch_collector_duration_seconds", node=node, collector=collector
+            )
             assert 0 <= duration.value < 5
 
         # Sane values, not just presence.
@@ -123,8 +130,9 @@ def test_every_series_exists_for_both_nodes_with_sane_values(running: Cluster) -
         (mem_total,) = samples_named(samples, "clusterwatch_node_memory_total_bytes", node=node)
         assert mem_total.value > 100 * 2**20
         # The fixture port counts 4-byte words; the metric is bytes.
-        (ib_rx,) = samples_named(samples, "clusterwatch_infiniband_port_receive_bytes_total", node=node,
-                                 device="mlx5_0", port="1")  # fmt: skip
+        (ib_rx,) = samples_named(
+            samples, "clusterwatch_infiniband_port_receive_bytes_total", node=node, device="mlx5_0", port="1"
+        )
         words = int(
             (FIXTURES / "node_a/sys/class/infiniband/mlx5_0/ports/1/counters/port_rcv_data").read_text()
         )
@@ -138,14 +146,18 @@ def test_counters_only_go_up_between_scrapes(running: Cluster) -> None:
     first = scrape(coordinator.metrics_url)
 
     def energy(samples: list[Sample]) -> dict[tuple[str, str], float]:
-        return {(s.labels["node"], s.labels["gpu"]): s.value
-                for s in samples if s.name == "clusterwatch_gpu_energy_joules_total"}  # fmt: skip
+        return {
+            (s.labels["node"], s.labels["gpu"]): s.value
+            for s in samples
+            if s.name == "clusterwatch_gpu_energy_joules_total"
+        }
 
     before = energy(first)
     after = wait_for(
         lambda: (e := energy(scrape(coordinator.metrics_url))) != before and e,
-        15, "energy counters to move",
-    )  # fmt: skip
+        15,
+        "energy counters to move",
+    )
     assert before.keys() == after.keys()
     assert all(after[k] >= before[k] for k in before)
 
@@ -173,19 +185,29 @@ def test_status_shows_both_nodes(running: Cluster) -> None:
 
 def test_agent_serves_its_own_metrics(cluster: Cluster) -> None:
     coordinator = cluster.coordinator()
-    agent = cluster.agent(coordinator, "solo", "--gpu-backend", "sim", "--sim-gpus", "1",
-                          "--metrics-listen", "127.0.0.1:0")  # fmt: skip
+    agent = cluster.agent(
+        coordinator, "solo", "--gpu-backend", "sim", "--sim-gpus", "1", "--metrics-listen", "127.0.0.1:0"
+    )
     port = wait_for(agent.logged_metrics_port, 30, "the agent's metrics port in its log")
     samples = wait_for(
-        lambda: (s := scrape(f"http://127.0.0.1:{port}/metrics")) and samples_named(
-            s, "clusterwatch_gpu_utilization_ratio") and s,
-        30, "the agent's first report in its /metrics",
-    )  # fmt: skip
+        lambda: (
+            (s := scrape(f"http://127.0.0.1:{port}/metrics"))
+            and samples_named(s, "clusterwatch_gpu_utilization_ratio")
+            and s
+        ),
+        30,
+        "the agent's first report in its /metrics",
+    )
     assert {s.labels["node"] for s in samples if "node" in s.labels} == {"solo"}
     assert samples_named(samples, "clusterwatch_gpu_info", node="solo", gpu="0", simulated="true")
     connected = wait_for(
-        lambda: samples_named(scrape(f"http://127.0.0.1:{port}/metrics"), "clusterwatch_agent_connected",
-                              node="solo")[0].value == 1,
-        30, "the agent to report itself connected",
-    )  # fmt: skip
+        lambda: (
+            samples_named(
+                scrape(f"http://127.0.0.1:{port}/metrics"), "clusterwatch_agent_connected", node="solo"
+            )[0].value
+            == 1
+        ),
+        30,
+        "the agent to report itself connected",
+    )
     assert connected

@@ -62,8 +62,14 @@ def _agent_metric(port: int, name: str, node: str) -> float:
 
 
 def _start_rank(cluster: Cluster, socket: Path, hang_file: Path) -> Process:
-    env = {**os.environ, "CLUSTERWATCH_AGENT_SOCKET": str(socket), "RANK": "0", "LOCAL_RANK": "0",
-           "WORLD_SIZE": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "CLUSTERWATCH_AGENT_SOCKET": str(socket),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     rank = Process(
         [sys.executable, "-c", STUBBORN_RANK, str(hang_file)], cluster.tmp_path / "solo.log", env=env
     )
@@ -88,21 +94,32 @@ def test_coordinator_sigkill_mid_action_loses_nothing_and_does_nothing_twice(
     first = cluster.coordinator(*flags)
     agents = {
         node: cluster.agent(
-            first, node, "--gpu-backend", "sim", "--sim-gpus", "1", "--metrics-listen", "127.0.0.1:0",
-            "--reconnect-max-s", RECONNECT_MAX_S,
+            first,
+            node,
+            "--gpu-backend",
+            "sim",
+            "--sim-gpus",
+            "1",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--reconnect-max-s",
+            RECONNECT_MAX_S,
         )
         for node in NODES
-    }  # fmt: skip
+    }
     ports = {node: wait_for(a.logged_metrics_port, 30, f"{node} metrics port") for node, a in agents.items()}
     wait_for(cluster.socket_path("node-a").exists, 30, "node-a's hook socket")
     hang_file = tmp_path / "hang"
     rank = _start_rank(cluster, cluster.socket_path("node-a"), hang_file)
     with first.client() as client:
         wait_for(
-            lambda: any(job.job == "solo" and job.latest_complete_checkpoint_step == CHECKPOINT_STEP
-                        for job in client.snapshot().jobs),
-            60, "solo's checkpoint to complete",
-        )  # fmt: skip
+            lambda: any(
+                job.job == "solo" and job.latest_complete_checkpoint_step == CHECKPOINT_STEP
+                for job in client.snapshot().jobs
+            ),
+            60,
+            "solo's checkpoint to complete",
+        )
     hang_file.touch()
 
     def restart_in_flight() -> cluster_pb2.ActionRecord | None:
@@ -118,10 +135,12 @@ def test_coordinator_sigkill_mid_action_loses_nothing_and_does_nothing_twice(
     first.kill()  # SIGKILL, mid-action: the agent is stopping the worker (it waits out the grace period)
     for node, port in ports.items():
         wait_for(
-            lambda node=node, port=port: _agent_metric(port, "clusterwatch_agent_reports_buffered", node)
-            >= BUFFERED_DURING_OUTAGE,
-            30, f"{node} to buffer reports during the outage",
-        )  # fmt: skip
+            lambda node=node, port=port: (
+                _agent_metric(port, "clusterwatch_agent_reports_buffered", node) >= BUFFERED_DURING_OUTAGE
+            ),
+            30,
+            f"{node} to buffer reports during the outage",
+        )
 
     second = cluster.coordinator(*flags, grpc_port=first.grpc_port)
     back_at = time.monotonic()  # its ready file is there: it listens
@@ -130,9 +149,12 @@ def test_coordinator_sigkill_mid_action_loses_nothing_and_does_nothing_twice(
     print(f"agents reconnected {reconnect_s:.2f} s after the coordinator was back (cap {RECONNECT_MAX_S} s)")
     for node, port in ports.items():
         wait_for(
-            lambda node=node, port=port: _agent_metric(port, "clusterwatch_agent_reports_buffered", node) <= 2,
-            30, f"{node} to replay its buffer",
-        )  # fmt: skip
+            lambda node=node, port=port: (
+                _agent_metric(port, "clusterwatch_agent_reports_buffered", node) <= 2
+            ),
+            30,
+            f"{node} to replay its buffer",
+        )
     lost = 0
     for node, port in ports.items():
         status = second.node(node)

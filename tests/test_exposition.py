@@ -69,8 +69,14 @@ def sample_report() -> node_pb2.NodeReport:
     report.host.cpu_utilization_ratio = 0.25
     report.host.cpu_count = 8
     report.nics.add(device="eth0", receive_bytes_total=1000, transmit_bytes_total=2000, up=True)
-    port = report.ib_ports.add(device="mlx5_0", port=1, receive_bytes_total=4096, state="ACTIVE",
-                               physical_state="LinkUp", link_layer="InfiniBand")  # fmt: skip
+    port = report.ib_ports.add(
+        device="mlx5_0",
+        port=1,
+        receive_bytes_total=4096,
+        state="ACTIVE",
+        physical_state="LinkUp",
+        link_layer="InfiniBand",
+    )
     port.hw_counters["np_cnp_sent"] = 7
     report.collectors.add(name="gpu", success=False, duration_seconds=0.01, error="boom")
     return report
@@ -84,9 +90,18 @@ def test_node_report_becomes_the_expected_samples() -> None:
     n = {"node": "node-1"}
     g = {**n, "gpu": "0"}
     assert m["clusterwatch_gpu_info"] == [
-        ({**g, "uuid": "GPU-1", "name": 'H100 "SXM"', "pci_bus_id": "00000000:18:00.0",
-          "driver_version": "550.54", "simulated": "false"}, 1.0)
-    ]  # fmt: skip
+        (
+            {
+                **g,
+                "uuid": "GPU-1",
+                "name": 'H100 "SXM"',
+                "pci_bus_id": "00000000:18:00.0",
+                "driver_version": "550.54",
+                "simulated": "false",
+            },
+            1.0,
+        )
+    ]
     assert m["clusterwatch_gpu_utilization_ratio"] == [(g, 0.75)]
     assert "clusterwatch_gpu_power_watts" not in m  # unset stays absent, not zero
     reasons = {lbl["reason"]: v for lbl, v in m["clusterwatch_gpu_clocks_event_active"]}
@@ -123,10 +138,14 @@ def test_a_gpu_assigned_to_a_pod_carries_pod_labels_on_every_series() -> None:
     pod = {"pod": 'train "0"', "namespace": "ml", "container": "trainer"}
     per_gpu = [(name, lbl) for name, samples in m.items() for lbl, _ in samples if "gpu" in lbl]
     assert {name for name, lbl in per_gpu if lbl["gpu"] == "0"} >= {
-        "clusterwatch_gpu_info", "clusterwatch_gpu_utilization_ratio", "clusterwatch_gpu_clocks_event_active",
-        "clusterwatch_gpu_nvlink_transmit_bytes_total", "clusterwatch_gpu_ecc_errors_total",
-        "clusterwatch_gpu_xid_errors_total", "clusterwatch_gpu_processes",
-    }  # fmt: skip
+        "clusterwatch_gpu_info",
+        "clusterwatch_gpu_utilization_ratio",
+        "clusterwatch_gpu_clocks_event_active",
+        "clusterwatch_gpu_nvlink_transmit_bytes_total",
+        "clusterwatch_gpu_ecc_errors_total",
+        "clusterwatch_gpu_xid_errors_total",
+        "clusterwatch_gpu_processes",
+    }
     for name, lbl in per_gpu:
         if lbl["gpu"] == "0":
             assert {k: lbl[k] for k in pod} == pod, name

@@ -85,8 +85,12 @@ def test_a_crashed_rank_not_yet_replaced_after_the_restart_is_no_new_failure() -
     assert rank_failure(job) is None
 
 
-def node(node_id: str, report: node_pb2.NodeReport | None, previous: node_pb2.NodeReport | None = None,
-         state: int = NodeState.NODE_STATE_UP) -> NodeRecord:  # fmt: skip
+def node(
+    node_id: str,
+    report: node_pb2.NodeReport | None,
+    previous: node_pb2.NodeReport | None = None,
+    state: int = NodeState.NODE_STATE_UP,
+) -> NodeRecord:
     return NodeRecord(node_id=node_id, state=state, report=report, previous=previous, last_sequence=7)
 
 
@@ -102,10 +106,12 @@ def gpus(*uuids: str, xids: dict[str, dict[int, int]] | None = None) -> node_pb2
 def test_an_unreachable_node_hosting_ranks_is_critical_and_names_them() -> None:
     job = job_with({})
     findings = NodeFailureDetector().update(
-        {"node-1": node("node-1", None, state=NodeState.NODE_STATE_UNREACHABLE),
-         "idle": node("idle", None, state=NodeState.NODE_STATE_UNREACHABLE)},
+        {
+            "node-1": node("node-1", None, state=NodeState.NODE_STATE_UNREACHABLE),
+            "idle": node("idle", None, state=NodeState.NODE_STATE_UNREACHABLE),
+        },
         {"train": job},
-    )  # fmt: skip
+    )
     by_node = {f.nodes[0]: f for f in findings}
     assert by_node["node-1"].severity == Severity.CRITICAL
     assert (by_node["node-1"].job, by_node["node-1"].ranks) == ("train", (1,))
@@ -134,8 +140,15 @@ def test_a_gpu_that_disappears_is_lost_until_it_comes_back() -> None:
 
 def ib(state: str = "ACTIVE", downed: int = 0, symbol_errors: int = 0) -> node_pb2.NodeReport:
     report = node_pb2.NodeReport(sequence=1)
-    report.ib_ports.add(device="mlx5_0", port=1, state=state, physical_state="LinkUp", link_downed_total=downed,
-                        symbol_errors_total=symbol_errors, receive_errors_total=0)  # fmt: skip
+    report.ib_ports.add(
+        device="mlx5_0",
+        port=1,
+        state=state,
+        physical_state="LinkUp",
+        link_downed_total=downed,
+        symbol_errors_total=symbol_errors,
+        receive_errors_total=0,
+    )
     return report
 
 

@@ -324,9 +324,14 @@ def served(tmp_path: Path, *, with_agent: bool = False) -> Iterator[Served]:
         if with_agent:
             socket_path = tmp_path / "hooks.sock"
             settings = AgentSettings(
-                coordinator=address, node_id="fuzzed-hooks", interval_s=0.2, collectors=["host"], reconnect_max_s=0.5,
-                socket=str(socket_path), metrics_listen="",
-            )  # fmt: skip
+                coordinator=address,
+                node_id="fuzzed-hooks",
+                interval_s=0.2,
+                collectors=["host"],
+                reconnect_max_s=0.5,
+                socket=str(socket_path),
+                metrics_listen="",
+            )
             agent_task = asyncio.create_task(Agent(settings).run(stop))
             deadline = time.monotonic() + 20
             while not socket_path.exists():

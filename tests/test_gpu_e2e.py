@@ -48,9 +48,22 @@ def test_a_nccl_rank_on_a_real_gpu_is_sampled_placed_and_timed(cluster: Cluster,
     until = tmp_path / "stop"
     out = tmp_path / "out"
     job = cluster.torchrun(
-        TRAIN, "--out-dir", str(out), "--job", JOB, "--device", "cuda", "--until-file", str(until),
-        "--mlp-width", "1024", "--compute-ms", "0", nproc=1, socket=socket,
-    )  # fmt: skip
+        TRAIN,
+        "--out-dir",
+        str(out),
+        "--job",
+        JOB,
+        "--device",
+        "cuda",
+        "--until-file",
+        str(until),
+        "--mlp-width",
+        "1024",
+        "--compute-ms",
+        "0",
+        nproc=1,
+        socket=socket,
+    )
 
     def rank_with_collectives() -> cluster_pb2.RankStatus | None:
         rank = ranks_of(coordinator, JOB).get(0)

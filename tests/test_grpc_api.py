@@ -25,9 +25,11 @@ OK = agent_pb2.CommandResult.Status.STATUS_OK
 @pytest.fixture
 async def server(tmp_path: Path) -> AsyncIterator[CoordinatorServer]:
     settings = CoordinatorSettings(
-        listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", state_dir=tmp_path,
+        listen="127.0.0.1:0",
+        metrics_listen="127.0.0.1:0",
+        state_dir=tmp_path,
         admin_token_file=str(ADMIN_TOKEN_FILE),
-    )  # fmt: skip
+    )
     srv = CoordinatorServer(settings)
     await srv.start()
     yield srv
@@ -36,9 +38,15 @@ async def server(tmp_path: Path) -> AsyncIterator[CoordinatorServer]:
 
 def agent_settings(srv: CoordinatorServer, node_id: str) -> AgentSettings:
     return AgentSettings(
-        coordinator=f"127.0.0.1:{srv.grpc_port}", node_id=node_id, interval_s=0.1, gpu_backend="sim",
-        sim_gpus=1, collectors=["gpu", "host"], reconnect_max_s=0.5, socket="",
-    )  # fmt: skip
+        coordinator=f"127.0.0.1:{srv.grpc_port}",
+        node_id=node_id,
+        interval_s=0.1,
+        gpu_backend="sim",
+        sim_gpus=1,
+        collectors=["gpu", "host"],
+        reconnect_max_s=0.5,
+        socket="",
+    )
 
 
 async def wait_for(predicate: object, timeout_s: float, what: str) -> None:

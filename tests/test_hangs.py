@@ -44,10 +44,17 @@ def job_after_steps(store: JobStore, world_size: int, steps: int, step_s: float 
     for rank in range(world_size):
         store.ingest(
             f"node-{rank}",
-            [rank_report(rank, world_size=world_size, steps=[step(n, step_s=step_s, compute_s=0.8 * step_s) for n in range(steps)],
-                         heartbeat=heartbeat(1000.0, enqueued=2 * steps))],
-            now_mono=100.0, now_unix=1000.0,
-        )  # fmt: skip
+            [
+                rank_report(
+                    rank,
+                    world_size=world_size,
+                    steps=[step(n, step_s=step_s, compute_s=0.8 * step_s) for n in range(steps)],
+                    heartbeat=heartbeat(1000.0, enqueued=2 * steps),
+                )
+            ],
+            now_mono=100.0,
+            now_unix=1000.0,
+        )
 
 
 def beat(
@@ -115,10 +122,18 @@ def test_an_exited_rank_comes_first() -> None:
     job_after_steps(store, 2, 10)
     store.ingest(
         "node-1",
-        [rank_report(1, world_size=2, state=EXITED, heartbeat=heartbeat(1000.0, enqueued=19),
-                     exit=training_pb2.RankExit(signal=9, description="killed by signal 9 (SIGKILL)"))],
-        now_mono=101.0, now_unix=0.0,
-    )  # fmt: skip
+        [
+            rank_report(
+                1,
+                world_size=2,
+                state=EXITED,
+                heartbeat=heartbeat(1000.0, enqueued=19),
+                exit=training_pb2.RankExit(signal=9, description="killed by signal 9 (SIGKILL)"),
+            )
+        ],
+        now_mono=101.0,
+        now_unix=0.0,
+    )
     beat(store, 0, 2, 119.0, heartbeat(1019.0, enqueued=21, collective=("all_reduce", 21)))  # alive, waiting
     finding = detect_hang(store.jobs["train"], now_mono_s=120.0, settings=SETTINGS)
     assert finding is not None
@@ -146,10 +161,17 @@ def test_a_job_with_no_rank_left_running_is_not_hung() -> None:
     for rank in range(2):
         store.ingest(
             f"node-{rank}",
-            [rank_report(rank, world_size=2, state=EXITED,
-                         exit=training_pb2.RankExit(exit_code=0, clean=True, description="exit code 0"))],
-            now_mono=101.0, now_unix=0.0,
-        )  # fmt: skip
+            [
+                rank_report(
+                    rank,
+                    world_size=2,
+                    state=EXITED,
+                    exit=training_pb2.RankExit(exit_code=0, clean=True, description="exit code 0"),
+                )
+            ],
+            now_mono=101.0,
+            now_unix=0.0,
+        )
     assert detect_hang(store.jobs["train"], now_mono_s=500.0, settings=SETTINGS) is None
 
 

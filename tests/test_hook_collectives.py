@@ -63,9 +63,15 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[Rank]:
     out_dir = tmp_path_factory.mktemp("collectives")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     argv = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "--max-restarts=0", str(WORKER), str(out_dir),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=0",
+        str(WORKER),
+        str(out_dir),
+    ]
     job = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=100, check=False)
     assert job.returncode == 0, (
         f"worker failed ({job.returncode}):\n{job.stdout[-5000:]}\n{job.stderr[-5000:]}"

@@ -40,9 +40,18 @@ def test_four_rank_job_reports_steps_and_all_reduces(cluster: Cluster, tmp_path:
     coordinator, socket = start_node(cluster)
     until = tmp_path / "stop"
     job = cluster.torchrun(
-        TRAIN, "--out-dir", str(tmp_path / "out"), "--job", "e2e", "--until-file", str(until),
-        "--allreduce-bytes", str(ALLREDUCE_BYTES), nproc=4, socket=socket,
-    )  # fmt: skip
+        TRAIN,
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--job",
+        "e2e",
+        "--until-file",
+        str(until),
+        "--allreduce-bytes",
+        str(ALLREDUCE_BYTES),
+        nproc=4,
+        socket=socket,
+    )
 
     def every_rank_past_step(n: int) -> dict[int, cluster_pb2.RankStatus] | None:
         ranks = ranks_of(coordinator, "e2e")
@@ -80,8 +89,11 @@ def test_four_rank_job_reports_steps_and_all_reduces(cluster: Cluster, tmp_path:
 
     samples = scrape(coordinator.metrics_url)
     assert {s.labels["rank"] for s in samples_named(samples, "clusterwatch_rank_step", job="e2e")} == {
-        "0", "1", "2", "3"
-    }  # fmt: skip
+        "0",
+        "1",
+        "2",
+        "3",
+    }
     info = samples_named(samples, "clusterwatch_rank_info", job="e2e", rank="2")
     assert info
     assert info[0].labels["node"] == "node-a"
@@ -100,8 +112,12 @@ def test_four_rank_job_reports_steps_and_all_reduces(cluster: Cluster, tmp_path:
     )
     assert histogram
     assert histogram[0].value == count
-    for name in ("clusterwatch_rank_step_duration_seconds", "clusterwatch_rank_compute_seconds",
-                 "clusterwatch_rank_communication_seconds", "clusterwatch_rank_last_progress_timestamp_seconds"):  # fmt: skip
+    for name in (
+        "clusterwatch_rank_step_duration_seconds",
+        "clusterwatch_rank_compute_seconds",
+        "clusterwatch_rank_communication_seconds",
+        "clusterwatch_rank_last_progress_timestamp_seconds",
+    ):
         assert len(samples_named(samples, name, job="e2e")) == 4, name
     assert samples_named(samples, "clusterwatch_job_step_rate", job="e2e")[0].value > 0
 
@@ -122,9 +138,22 @@ def test_a_rank_blocked_in_a_collective_keeps_heartbeating(cluster: Cluster, tmp
     coordinator, socket = start_node(cluster)
     release = tmp_path / "release"
     job = cluster.torchrun(
-        TRAIN, "--out-dir", str(tmp_path / "out"), "--job", "stall", "--steps", "8",
-        "--stall-rank", "1", "--stall-step", "5", "--stall-until-file", str(release), nproc=2, socket=socket,
-    )  # fmt: skip
+        TRAIN,
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--job",
+        "stall",
+        "--steps",
+        "8",
+        "--stall-rank",
+        "1",
+        "--stall-step",
+        "5",
+        "--stall-until-file",
+        str(release),
+        nproc=2,
+        socket=socket,
+    )
 
     def stalled() -> dict[int, cluster_pb2.RankStatus] | None:
         ranks = ranks_of(coordinator, "stall")
@@ -177,9 +206,17 @@ def test_a_failure_inside_the_hook_is_counted_and_training_goes_on(cluster: Clus
     out = tmp_path / "out"
     until = tmp_path / "stop"
     job = cluster.torchrun(
-        TRAIN, "--out-dir", str(out), "--job", "broken", "--until-file", str(until), "--break-hook",
-        nproc=2, socket=socket,
-    )  # fmt: skip
+        TRAIN,
+        "--out-dir",
+        str(out),
+        "--job",
+        "broken",
+        "--until-file",
+        str(until),
+        "--break-hook",
+        nproc=2,
+        socket=socket,
+    )
 
     def errors_reported() -> bool:
         ranks = ranks_of(coordinator, "broken")

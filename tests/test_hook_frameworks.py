@@ -25,9 +25,16 @@ def test_lightning_ddp_steps_and_buckets_reach_the_coordinator(cluster: Cluster,
     out = tmp_path / "out"
     until = tmp_path / "stop"
     job = cluster.torchrun(
-        WORKERS / "train_lightning.py", "--out-dir", str(out), "--max-steps", "100000", "--until-file", str(until),
-        nproc=2, socket=socket,
-    )  # fmt: skip
+        WORKERS / "train_lightning.py",
+        "--out-dir",
+        str(out),
+        "--max-steps",
+        "100000",
+        "--until-file",
+        str(until),
+        nproc=2,
+        socket=socket,
+    )
 
     wait_for_ranks_past(coordinator, "lightning-job", 2, step=5, timeout_s=180)
     ranks = ranks_of(coordinator, "lightning-job")
@@ -49,9 +56,16 @@ def test_hugging_face_trainer_steps_and_checkpoints(cluster: Cluster, tmp_path: 
     out = tmp_path / "out"
     until = tmp_path / "stop"
     job = cluster.torchrun(
-        WORKERS / "train_hf.py", "--out-dir", str(out), "--max-steps", "100000", "--until-file", str(until),
-        nproc=2, socket=socket,
-    )  # fmt: skip
+        WORKERS / "train_hf.py",
+        "--out-dir",
+        str(out),
+        "--max-steps",
+        "100000",
+        "--until-file",
+        str(until),
+        nproc=2,
+        socket=socket,
+    )
 
     wait_for_ranks_past(coordinator, "hf-job", 2, step=3, timeout_s=180)
     target = checkpoint_and_wait(coordinator, "hf-job", 90)

@@ -162,10 +162,19 @@ def test_an_unknown_group_is_a_config_error_naming_the_setting(tmp_path: Path) -
 
 def test_cli_agent_with_an_unknown_group_exits_2_with_one_line(tmp_path: Path) -> None:
     result = run_cli(
-        "agent", "--socket", str(tmp_path / "a.sock"), "--socket-group", "no-such-group",
-        "--insecure", "--gpu-backend", "none", "--coordinator", "127.0.0.1:1",
-        "--log-level", "error",  # the start-up's own log lines (plaintext warning) out of the way
-    )  # fmt: skip
+        "agent",
+        "--socket",
+        str(tmp_path / "a.sock"),
+        "--socket-group",
+        "no-such-group",
+        "--insecure",
+        "--gpu-backend",
+        "none",
+        "--coordinator",
+        "127.0.0.1:1",
+        "--log-level",
+        "error",  # the start-up's own log lines (plaintext warning) out of the way
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -197,9 +206,15 @@ link.close(goodbye="exit")
 async def child_hook(node: Node, instance: str, *prefix: str) -> AsyncIterator[tuple[int, int]]:
     """A child process hooked with the real transport; yields (its os.getpid(), the Popen pid)."""
     process = await asyncio.create_subprocess_exec(
-        *prefix, sys.executable, "-c", CHILD_HOOK, str(node.path), instance,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        *prefix,
+        sys.executable,
+        "-c",
+        CHILD_HOOK,
+        str(node.path),
+        instance,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
     assert process.stdin is not None
     assert process.stdout is not None
     try:
@@ -409,9 +424,13 @@ async def test_a_refused_hook_warns_once_and_keeps_retrying(
     clock = itertools.count(0.0, 100.0)  # every nonce has expired by its hello
     async with hook_node(tmp_path, nonces=NonceBook(ttl_s=10.0, clock=lambda: next(clock))) as node:
         link = AgentLink(
-            str(node.path), lambda: identity(0), training_pb2.Heartbeat, lambda command: None, HookHealth(),
+            str(node.path),
+            lambda: identity(0),
+            training_pb2.Heartbeat,
+            lambda command: None,
+            HookHealth(),
             reconnect_max_s=0.2,
-        )  # fmt: skip
+        )
         link.start()
         try:
             await eventually(
@@ -491,12 +510,16 @@ async def test_a_rank_acknowledges_the_request_it_was_sent_and_its_own_saves(
 @pytest.mark.parametrize(
     ("result", "problem"),
     [
-        (training_pb2.CheckpointResult(command_id="ck-9", step=100, ok=True),
-         "checkpoint_result.command_id: ck-9 was not sent to this process as rank 1 of job j"),
-        (training_pb2.CheckpointResult(command_id="ck-1", step=7, ok=True),
-         "checkpoint_result.step: command ck-1 asked for step 100, not 7"),
+        (
+            training_pb2.CheckpointResult(command_id="ck-9", step=100, ok=True),
+            "checkpoint_result.command_id: ck-9 was not sent to this process as rank 1 of job j",
+        ),
+        (
+            training_pb2.CheckpointResult(command_id="ck-1", step=7, ok=True),
+            "checkpoint_result.step: command ck-1 asked for step 100, not 7",
+        ),
     ],
-)  # fmt: skip
+)
 async def test_a_stream_cannot_acknowledge_what_it_was_not_asked(
     node: Node, clients: Callable[[], Client], result: training_pb2.CheckpointResult, problem: str
 ) -> None:

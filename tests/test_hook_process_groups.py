@@ -114,12 +114,14 @@ def test_each_rank_reports_the_groups_it_belongs_to(
     job = cluster.torchrun(WORKER, str(stop), nproc=4, socket=socket)
     try:
         beats = wait_for(
-            lambda: {rank: servicer.after_groups(rank) for rank in range(4)} if all(
-                servicer.after_groups(rank) for rank in range(4)
-            ) else None,
+            lambda: (
+                {rank: servicer.after_groups(rank) for rank in range(4)}
+                if all(servicer.after_groups(rank) for rank in range(4))
+                else None
+            ),
             100,
             "a heartbeat with process groups from every rank after its groups were made",
-        )  # fmt: skip
+        )
     finally:
         stop.touch()
     assert job.wait(60) == 0, job.log()[-5000:]
@@ -311,7 +313,7 @@ def group(name: str = "1", **fields: Any) -> training_pb2.ProcessGroupMembership
         ([group("0", first_rank=0, stride=1, size=2)] * 2, "heartbeat.process_groups"),
         ([group(str(i), first_rank=0, stride=1, size=2) for i in range(1025)], "heartbeat.process_groups"),
     ],
-)  # fmt: skip
+)
 def test_the_agent_refuses_malformed_groups_naming_the_field(
     groups: list[training_pb2.ProcessGroupMembership], field_name: str
 ) -> None:

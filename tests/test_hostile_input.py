@@ -67,9 +67,12 @@ def address(srv: CoordinatorServer) -> str:
 
 def hello(node_id: str, interval_s: float = 1.0, instance: str = "") -> agent_pb2.Hello:
     return agent_pb2.Hello(
-        node_id=node_id, hostname=node_id, agent_version="test", instance_id=instance or f"{node_id}-agent",
+        node_id=node_id,
+        hostname=node_id,
+        agent_version="test",
+        instance_id=instance or f"{node_id}-agent",
         interval_seconds=interval_s,
-    )  # fmt: skip
+    )
 
 
 def honest_report(sequence: int) -> node_pb2.NodeReport:
@@ -638,9 +641,14 @@ async def test_a_real_agent_reconnects_after_its_bad_report_and_its_replay_skips
     """The agent's own uplink against the policy: refused (INVALID_ARGUMENT), held off
     (RESOURCE_EXHAUSTED) while the penalty runs, back with its backoff; report 3 never applied."""
     settings = AgentSettings(
-        coordinator=address(server), node_id="glitchy", interval_s=0.1, collectors=["host"], reconnect_max_s=0.5,
-        socket="", metrics_listen="",
-    )  # fmt: skip
+        coordinator=address(server),
+        node_id="glitchy",
+        interval_s=0.1,
+        collectors=["host"],
+        reconnect_max_s=0.5,
+        socket="",
+        metrics_listen="",
+    )
     agent = Agent(settings)
     collect = agent._collect
 
@@ -749,9 +757,14 @@ async def hook_socket(server: Any, tmp_path: Path) -> AsyncIterator[Path]:
     """A real agent reporting to the coordinator above, serving hooks on a Unix socket in tmp_path."""
     socket_path = tmp_path / "hooks.sock"
     settings = AgentSettings(
-        coordinator=address(server), node_id="hooked", interval_s=0.1, collectors=["host"], reconnect_max_s=0.5,
-        socket=str(socket_path), metrics_listen="",
-    )  # fmt: skip
+        coordinator=address(server),
+        node_id="hooked",
+        interval_s=0.1,
+        collectors=["host"],
+        reconnect_max_s=0.5,
+        socket=str(socket_path),
+        metrics_listen="",
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(Agent(settings).run(stop))
     try:

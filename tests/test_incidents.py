@@ -16,18 +16,31 @@ pytestmark = pytest.mark.timeout(30)
 
 def straggler(rank: int = 3, ratio: float = 1.3, cause: str = "compute") -> Finding:
     return Finding(
-        key=("straggler", "train", 0, rank), kind=Kind.STRAGGLER, severity=Severity.WARNING,
-        summary=f"rank {rank} slower by {ratio}", cause=cause, job="train", ranks=(rank,), nodes=("n1",),
-        gpus=("GPU-1",), evidence={"slowdown_ratio": ratio},
-    )  # fmt: skip
+        key=("straggler", "train", 0, rank),
+        kind=Kind.STRAGGLER,
+        severity=Severity.WARNING,
+        summary=f"rank {rank} slower by {ratio}",
+        cause=cause,
+        job="train",
+        ranks=(rank,),
+        nodes=("n1",),
+        gpus=("GPU-1",),
+        evidence={"slowdown_ratio": ratio},
+    )
 
 
 def xid(count: int) -> Finding:
     return Finding(
-        key=("gpu_xid", "n1", "GPU-1", 79), kind=Kind.GPU_XID, severity=Severity.CRITICAL,
-        summary=f"XID 79 x{count}", cause="xid", nodes=("n1",), gpus=("GPU-1",),
-        evidence={"count": float(count)}, latch_value=float(count),
-    )  # fmt: skip
+        key=("gpu_xid", "n1", "GPU-1", 79),
+        kind=Kind.GPU_XID,
+        severity=Severity.CRITICAL,
+        summary=f"XID 79 x{count}",
+        cause="xid",
+        nodes=("n1",),
+        gpus=("GPU-1",),
+        evidence={"count": float(count)},
+        latch_value=float(count),
+    )
 
 
 def test_a_finding_opens_one_incident_and_repeats_update_it() -> None:
@@ -96,9 +109,14 @@ def test_an_acknowledged_incident_keeps_its_state_while_the_condition_holds() ->
 def test_a_diagnosed_cause_outlives_detector_rounds_until_the_culprits_change() -> None:
     book = IncidentBook()
     hang = Finding(
-        key=("hang", "train", 0), kind=Kind.HANG, severity=Severity.CRITICAL, summary="hung",
-        cause="heartbeat_stopped", job="train", ranks=(1,),
-    )  # fmt: skip
+        key=("hang", "train", 0),
+        kind=Kind.HANG,
+        severity=Severity.CRITICAL,
+        summary="hung",
+        cause="heartbeat_stopped",
+        job="train",
+        ranks=(1,),
+    )
     (change,) = book.observe([hang], 100.0)
     stopped = training_pb2.ProcessDiagnosis(job="train", rank=1, process_state="stopped")
     book.attach_diagnoses(change.incident.id, [stopped], "process_stopped", 101.0)

@@ -57,9 +57,16 @@ async def test_incidents_are_listed_acknowledged_resolved_and_counted(cluster: C
     assert [s.value for s in opened] == [1.0]
     (info,) = samples_named(metrics, "clusterwatch_incident_info", incident=incident.id)
     assert info.labels | {"incident": ""} == {
-        "incident": "", "kind": "rank_failure", "severity": "critical", "state": "open", "job": "train",
-        "ranks": "1", "nodes": "node-a", "gpus": info.labels["gpus"], "cause": incident.cause,
-    }  # fmt: skip
+        "incident": "",
+        "kind": "rank_failure",
+        "severity": "critical",
+        "state": "open",
+        "job": "train",
+        "ranks": "1",
+        "nodes": "node-a",
+        "gpus": info.labels["gpus"],
+        "cause": incident.cause,
+    }
     assert [s.value for s in samples_named(metrics, "clusterwatch_rank_failures_total", job="train")] == [1.0]
 
     shown = run_cli("incidents", "--coordinator", coordinator.address).stdout
@@ -110,8 +117,10 @@ def test_thresholds_change_at_run_time_by_api_and_by_sighup(cluster: Cluster, tm
     coordinator = cluster.coordinator("--config", str(config))
     assert settings(coordinator)["hang_floor_s"] == "7.0"
     assert settings(coordinator, straggler_threshold_ratio="0.1")["straggler_threshold_ratio"] == "0.1"
-    for bad, says in (({"straggler_threshold_ratio": "-1"}, "detection.straggler_threshold_ratio"),
-                      ({"no_such": "1"}, "detection.no_such")):  # fmt: skip
+    for bad, says in (
+        ({"straggler_threshold_ratio": "-1"}, "detection.straggler_threshold_ratio"),
+        ({"no_such": "1"}, "detection.no_such"),
+    ):
         with pytest.raises(grpc.RpcError) as rejected:
             settings(coordinator, **bad)
         assert rejected.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -117,10 +117,28 @@ _RELABEL_CONFIG = {
     "properties": {
         "action": {
             "enum": [
-                "replace", "Replace", "keep", "Keep", "drop", "Drop", "hashmod", "HashMod",
-                "labelmap", "LabelMap", "labeldrop", "LabelDrop", "labelkeep", "LabelKeep",
-                "lowercase", "Lowercase", "uppercase", "Uppercase", "keepequal", "KeepEqual",
-                "dropequal", "DropEqual",
+                "replace",
+                "Replace",
+                "keep",
+                "Keep",
+                "drop",
+                "Drop",
+                "hashmod",
+                "HashMod",
+                "labelmap",
+                "LabelMap",
+                "labeldrop",
+                "LabelDrop",
+                "labelkeep",
+                "LabelKeep",
+                "lowercase",
+                "Lowercase",
+                "uppercase",
+                "Uppercase",
+                "keepequal",
+                "KeepEqual",
+                "dropequal",
+                "DropEqual",
             ]
         },
         "regex": {"type": "string"},
@@ -129,7 +147,7 @@ _RELABEL_CONFIG = {
         "sourceLabels": {"type": "array", "items": _LABEL_NAME},
         "targetLabel": {"type": "string"},
     },
-}  # fmt: skip
+}
 # The monitoring.coreos.com/v1 ServiceMonitor fields this repository uses, as the CRD types them.
 SERVICE_MONITOR_SCHEMA = {
     "type": "object",
@@ -462,8 +480,9 @@ def coordinator_page() -> Iterator[str]:
     """A /metrics page of one node whose GPU 0 is assigned to a training pod; its host:port."""
     report = node_pb2.NodeReport(sequence=1, timestamp_unix_seconds=1.0)
     report.gpu_inventory.backend = "nvml"
-    report.gpus.add(index=0, uuid="GPU-0", utilization_ratio=0.9, pod="llama-0", namespace="training",
-                    container="pytorch")  # fmt: skip
+    report.gpus.add(
+        index=0, uuid="GPU-0", utilization_ratio=0.9, pod="llama-0", namespace="training", container="pytorch"
+    )
     report.gpus.add(index=1, uuid="GPU-1", utilization_ratio=0.1)
     exp = Exposition()
     write_node(exp, NODE_NAME, report)
@@ -491,25 +510,38 @@ def test_prometheus_keeps_the_training_pods_labels_and_not_the_coordinators(
     coordinator_page: str, tmp_path: Path
 ) -> None:
     monitor = find("ServiceMonitor", "clusterwatch-coordinator")
-    coordinator_pod = {"namespace": NAMESPACE, "service": "clusterwatch-coordinator",
-                       "pod": "clusterwatch-coordinator-5d8f7-x2x9k", "container": "coordinator",
-                       "endpoint": "metrics"}  # fmt: skip
+    coordinator_pod = {
+        "namespace": NAMESPACE,
+        "service": "clusterwatch-coordinator",
+        "pod": "clusterwatch-coordinator-5d8f7-x2x9k",
+        "container": "coordinator",
+        "endpoint": "metrics",
+    }
     config_path = tmp_path / "prometheus.yml"
     config_path.write_text(
         json.dumps({"scrape_configs": [scrape_config_from(monitor, coordinator_page, coordinator_pod)]})
     )
     with (tmp_path / "prometheus.log").open("wb") as log:
         prometheus = subprocess.Popen(
-            [require("prometheus"), f"--config.file={config_path}", f"--storage.tsdb.path={tmp_path / 'data'}",
-             "--web.listen-address=127.0.0.1:0", "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                require("prometheus"),
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                "--web.listen-address=127.0.0.1:0",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
 
         def listening_port() -> int | None:
             assert prometheus.poll() is None, (tmp_path / "prometheus.log").read_text()
-            ports = [c.laddr.port for c in psutil.Process(prometheus.pid).net_connections("tcp")
-                     if c.status == "LISTEN"]  # fmt: skip
+            ports = [
+                c.laddr.port
+                for c in psutil.Process(prometheus.pid).net_connections("tcp")
+                if c.status == "LISTEN"
+            ]
             return ports[0] if ports else None
 
         port = wait_for(listening_port, 30, "Prometheus to listen")

@@ -11,7 +11,12 @@ pytestmark = pytest.mark.timeout(30)
 
 ROOT = Path(__file__).resolve().parent.parent
 # Top-level folders that import as clusterwatch.* (clusterwatch/ itself, and the components).
-COMPONENTS = {"clusterwatch": "clusterwatch", "agent": "clusterwatch.agent", "coordinator": "clusterwatch.coordinator", "tui": "clusterwatch.tui"}  # fmt: skip
+COMPONENTS = {
+    "clusterwatch": "clusterwatch",
+    "agent": "clusterwatch.agent",
+    "coordinator": "clusterwatch.coordinator",
+    "tui": "clusterwatch.tui",
+}
 
 
 def _setuptools() -> dict[str, object]:

@@ -59,13 +59,23 @@ def hang_named(
     port = unused_port()
     launched = [
         test_cluster.torchrun(
-            WORKER, "--job", job, "--desync", desync, "--desync-rank", str(ODD_RANK),
-            "--desync-step", str(DESYNC_STEP), "--desync-file", str(desync_file),
-            nproc=RANKS_PER_NODE, socket=test_cluster.socket_path(node_id),
+            WORKER,
+            "--job",
+            job,
+            "--desync",
+            desync,
+            "--desync-rank",
+            str(ODD_RANK),
+            "--desync-step",
+            str(DESYNC_STEP),
+            "--desync-file",
+            str(desync_file),
+            nproc=RANKS_PER_NODE,
+            socket=test_cluster.socket_path(node_id),
             nodes=(len(NODES), node_rank, f"127.0.0.1:{port}"),
         )
         for node_rank, node_id in enumerate(NODES)
-    ]  # fmt: skip
+    ]
     workers: set[int] = set()
     try:
 

@@ -100,17 +100,30 @@ class RecordingLauncher:
 
 def hang(job: str, state: IncidentState, opened_unix_s: float) -> Incident:
     return Incident(
-        id=f"hang-{job}", key=("hang", job, 0), kind=Kind.HANG, severity=Severity.CRITICAL,
-        summary=f"job {job} made no progress", cause="heartbeat_stopped", state=state,
-        opened_unix_s=opened_unix_s, updated_unix_s=opened_unix_s, job=job, ranks=(1,),
-    )  # fmt: skip
+        id=f"hang-{job}",
+        key=("hang", job, 0),
+        kind=Kind.HANG,
+        severity=Severity.CRITICAL,
+        summary=f"job {job} made no progress",
+        cause="heartbeat_stopped",
+        state=state,
+        opened_unix_s=opened_unix_s,
+        updated_unix_s=opened_unix_s,
+        job=job,
+        ranks=(1,),
+    )
 
 
 def record(incident: Incident, outcome: str, decided_unix_s: float) -> cluster_pb2.ActionRecord:
     return cluster_pb2.ActionRecord(
-        id=f"restart-{incident.job}", job=incident.job, action="restart", reason=incident.summary,
-        incident_id=incident.id, outcome=outcome, decided_unix_seconds=decided_unix_s,
-    )  # fmt: skip
+        id=f"restart-{incident.job}",
+        job=incident.job,
+        action="restart",
+        reason=incident.summary,
+        incident_id=incident.id,
+        outcome=outcome,
+        decided_unix_seconds=decided_unix_s,
+    )
 
 
 async def unexpected_send(
@@ -141,10 +154,15 @@ async def test_a_restarted_coordinator_does_not_redo_or_redecide_what_the_previo
     watchdog = Watchdog(DetectionSettings(), log, unexpected_send, time.monotonic, time.time)
     launcher = RecordingLauncher()
     recovery = Recovery(
-        RecoverySettings(cooldown_s=0), watchdog=watchdog, event_log=log, jobs=lambda: {},
-        latest_checkpoint=lambda job: None, checkpoint_now=unexpected_checkpoint, launcher=launcher,
+        RecoverySettings(cooldown_s=0),
+        watchdog=watchdog,
+        event_log=log,
+        jobs=lambda: {},
+        latest_checkpoint=lambda job: None,
+        checkpoint_now=unexpected_checkpoint,
+        launcher=launcher,
         wall_clock=time.time,
-    )  # fmt: skip
+    )
     rounds = asyncio.create_task(recovery.run(period_s=0.01))
     try:
         # Every live incident is looked at in each round: once "m" is decided, "j" and "k" were looked at too.
@@ -189,10 +207,15 @@ async def test_recovery_alerts_instead_of_acting_on_a_job_two_nodes_claim(tmp_pa
     watchdog = Watchdog(DetectionSettings(), log, unexpected_send, time.monotonic, time.time)
     launcher = RecordingLauncher()
     recovery = Recovery(
-        RecoverySettings(cooldown_s=0), watchdog=watchdog, event_log=log, jobs=lambda: store.jobs,
-        latest_checkpoint=lambda job: None, checkpoint_now=unexpected_checkpoint, launcher=launcher,
+        RecoverySettings(cooldown_s=0),
+        watchdog=watchdog,
+        event_log=log,
+        jobs=lambda: store.jobs,
+        latest_checkpoint=lambda job: None,
+        checkpoint_now=unexpected_checkpoint,
+        launcher=launcher,
         wall_clock=time.time,
-    )  # fmt: skip
+    )
     recovery.round()
     await poll_until(lambda: log.actions(job="j"), 10, "the hang to be decided")
     ((action, outcome, detail),) = [(a.action, a.outcome, a.detail) for a in log.actions(job="j")]

@@ -32,8 +32,9 @@ def report_steps(store: JobStore, node: str, rank: int, steps: range, at_mono_s:
     store.ingest(
         node,
         [rank_report(rank, steps=[step(n) for n in steps], heartbeat=beat(at_mono_s))],
-        now_mono=at_mono_s, now_unix=at_mono_s,
-    )  # fmt: skip
+        now_mono=at_mono_s,
+        now_unix=at_mono_s,
+    )
 
 
 def nodes() -> dict[str, NodeRecord]:

@@ -68,9 +68,18 @@ def test_agent_sigkill_and_restart_keeps_the_ranks_once_and_loses_no_report(
     wait_for(socket.exists, 30, "the agent's hook socket")
     until = tmp_path / "stop"
     job = cluster.torchrun(
-        TRAIN, "--out-dir", str(tmp_path / "out"), "--job", "steady", "--until-file", str(until),
-        "--compute-ms", "20", nproc=2, socket=socket,
-    )  # fmt: skip
+        TRAIN,
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--job",
+        "steady",
+        "--until-file",
+        str(until),
+        "--compute-ms",
+        "20",
+        nproc=2,
+        socket=socket,
+    )
     wait_for_ranks_past(coordinator, "steady", 2, 5, 120)
     pids = {rank: r.identity.pid for rank, r in ranks_of(coordinator, "steady").items()}
     assert lost_reports(coordinator, old_agent, "node-a") == 0
@@ -118,10 +127,21 @@ def rendezvous_endpoint() -> Iterator[str]:
 def torchrun_node(cluster: Cluster, endpoint: str, job: str, node: str, *args: str) -> Process:
     """One node's torchrun of a two-node job (``--nnodes 2``, one gloo rank each), hooked to its agent."""
     argv = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--max-restarts=0",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}", "--rdzv-conf=is_host=false",
-        str(TRAIN), "--job", job, *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--max-restarts=0",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={job}",
+        "--rdzv-conf=is_host=false",
+        str(TRAIN),
+        "--job",
+        job,
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env["CLUSTERWATCH_AGENT_SOCKET"] = str(cluster.socket_path(node))
     process = Process(argv, cluster.tmp_path / f"torchrun-{node}.log", env=env)
@@ -139,7 +159,7 @@ def test_a_partitioned_node_is_unreachable_but_its_training_job_is_not_hung(
 ) -> None:
     coordinator = cluster.coordinator(
         "--hang-floor-s", str(HANG_FLOOR_S), "--heartbeat-stale-s", "1.5", "--dry-run"
-    )  # fmt: skip
+    )
     with TcpProxy(coordinator.address) as proxy:
         cluster.agent(coordinator, "node-a")
         agent_b = cluster.agent(
@@ -150,11 +170,19 @@ def test_a_partitioned_node_is_unreachable_but_its_training_job_is_not_hung(
         until = tmp_path / "stop"
         launchers = {
             node: torchrun_node(
-                cluster, rendezvous_endpoint, "split", node, "--out-dir", str(tmp_path / node),
-                "--until-file", str(until), "--compute-ms", "30",
+                cluster,
+                rendezvous_endpoint,
+                "split",
+                node,
+                "--out-dir",
+                str(tmp_path / node),
+                "--until-file",
+                str(until),
+                "--compute-ms",
+                "30",
             )
             for node in ("node-a", "node-b")
-        }  # fmt: skip
+        }
         wait_for_ranks_past(coordinator, "split", 2, 5, 120)
         ranks_on = {
             node: sorted(
@@ -175,10 +203,13 @@ def test_a_partitioned_node_is_unreachable_but_its_training_job_is_not_hung(
         wait_for(lambda: silent_for_s() > 3 * HANG_FLOOR_S, 60, "node-b silent for three hang timeouts")
         reachable_step = furthest_step(coordinator, "split", "node-a")
         wait_for(
-            lambda: min(ranks_of(coordinator, "split")[r].last_step.step for r in ranks_on["node-a"])
-            > reachable_step + 10,
-            60, "node-a's ranks to go on stepping",
-        )  # fmt: skip
+            lambda: (
+                min(ranks_of(coordinator, "split")[r].last_step.step for r in ranks_on["node-a"])
+                > reachable_step + 10
+            ),
+            60,
+            "node-a's ranks to go on stepping",
+        )
         assert incidents(coordinator, "hang") == []
         with coordinator.client() as client:
             assert client.actions(job="split") == []  # nothing restarted, nothing excluded
@@ -209,8 +240,9 @@ def test_a_partitioned_node_is_unreachable_but_its_training_job_is_not_hung(
         wait_for(lambda: coordinator.node("node-b").state == UP, 60, "node-b back up")  # type: ignore[union-attr]
         wait_for(
             lambda: agent_metric(agent_b, "clusterwatch_agent_reports_buffered", "node-b") <= 2,
-            60, "node-b to replay its buffer",
-        )  # fmt: skip
+            60,
+            "node-b to replay its buffer",
+        )
         assert lost_reports(coordinator, agent_b, "node-b") == 0
         wait_for_ranks_past(coordinator, "split", 2, reachable_step + 20, 120)
         until.touch()

@@ -52,10 +52,17 @@ def event(node: str, detail: str = "") -> Event:
 
 def incident(state: IncidentState = IncidentState.OPEN) -> Incident:
     return Incident(
-        id="node_unreachable-1", key=("node_unreachable", "node-b"), kind=Kind.NODE_UNREACHABLE,
-        severity=Severity.WARNING, summary="node node-b stopped reporting", cause="node_unreachable",
-        state=state, opened_unix_s=1000.0, updated_unix_s=1000.0, nodes=("node-b",),
-    )  # fmt: skip
+        id="node_unreachable-1",
+        key=("node_unreachable", "node-b"),
+        kind=Kind.NODE_UNREACHABLE,
+        severity=Severity.WARNING,
+        summary="node node-b stopped reporting",
+        cause="node_unreachable",
+        state=state,
+        opened_unix_s=1000.0,
+        updated_unix_s=1000.0,
+        nodes=("node-b",),
+    )
 
 
 def stored(path: Path, query: str) -> list[tuple[object, ...]]:
@@ -100,8 +107,11 @@ def test_writes_that_fail_are_queued_served_from_memory_and_caught_up(
         assert log.retry_pending()
     health = log.health()
     assert (health.writable, health.pending_writes, health.dropped_writes_total, health.last_error) == (
-        True, 0, 0, ""
-    )  # fmt: skip
+        True,
+        0,
+        0,
+        "",
+    )
     assert "can be written again after 4.0 s: 3 queued write(s) caught up" in caplog.text
     assert stored(log.path, "SELECT node_id FROM events ORDER BY id") == [("node-a",), ("node-b",)]
     assert stored(log.path, "SELECT id, state FROM incidents") == [("node_unreachable-1", "resolved")]
@@ -157,10 +167,20 @@ class PipedCoordinator(Coordinator, PipedProcess):
 def piped_coordinator(cluster: Cluster) -> Coordinator:
     ready = cluster.tmp_path / "piped.ready"
     argv = clusterwatch_cmd(
-        "coordinator", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-        "--state-dir", str(cluster.state_dir), "--ready-file", str(ready),
-        "--unreachable-after-intervals", "3", "--log-level", "debug",
-    )  # fmt: skip
+        "coordinator",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--state-dir",
+        str(cluster.state_dir),
+        "--ready-file",
+        str(ready),
+        "--unreachable-after-intervals",
+        "3",
+        "--log-level",
+        "debug",
+    )
     coordinator = PipedCoordinator(argv, cluster.tmp_path / "coordinator.log", ready_file=ready)
     cluster.processes.append(coordinator)
     cluster.coordinators.append(coordinator)

@@ -202,15 +202,25 @@ def test_gpu_series_on_the_coordinator_carry_pod_labels(
     servicer, path = kubelet
     node = "node-k8s"
     first, _second = sim_uuids(node, 2)
-    servicer.response.pod_resources.extend([
-        pod("llama-worker-0", "training", ("pytorch", GPU, [first])),
-        pod("other", "training", ("pytorch", GPU, ["GPU-on-another-node"])),
-    ])  # fmt: skip
+    servicer.response.pod_resources.extend(
+        [
+            pod("llama-worker-0", "training", ("pytorch", GPU, [first])),
+            pod("other", "training", ("pytorch", GPU, ["GPU-on-another-node"])),
+        ]
+    )
     coordinator = cluster.coordinator()
     agent = cluster.agent(
-        coordinator, node, "--gpu-backend", "sim", "--sim-gpus", "2",
-        "--pod-resources-socket", str(path), "--metrics-listen", "127.0.0.1:0",
-    )  # fmt: skip
+        coordinator,
+        node,
+        "--gpu-backend",
+        "sim",
+        "--sim-gpus",
+        "2",
+        "--pod-resources-socket",
+        str(path),
+        "--metrics-listen",
+        "127.0.0.1:0",
+    )
     labels = {"pod": "llama-worker-0", "namespace": "training", "container": "pytorch"}
 
     def labelled(url: str) -> list[Sample] | None:

@@ -13,12 +13,27 @@ from clusterwatch.coordinator.recovery.policy import Policy, checkpoints_first, 
 pytestmark = pytest.mark.timeout(30)
 
 
-def incident(kind: Kind = Kind.HANG, n: int = 1, opened: float = 100.0, job: str = "train",
-             severity: Severity = Severity.CRITICAL) -> Incident:  # fmt: skip
+def incident(
+    kind: Kind = Kind.HANG,
+    n: int = 1,
+    opened: float = 100.0,
+    job: str = "train",
+    severity: Severity = Severity.CRITICAL,
+) -> Incident:
     return Incident(
-        id=f"{kind.value}-{n}", key=(kind.value, job, n), kind=kind, severity=severity, summary="s", cause="c",
-        state=IncidentState.OPEN, opened_unix_s=opened, updated_unix_s=opened, job=job, ranks=(1,), nodes=("n1",),
-    )  # fmt: skip
+        id=f"{kind.value}-{n}",
+        key=(kind.value, job, n),
+        kind=kind,
+        severity=severity,
+        summary="s",
+        cause="c",
+        state=IncidentState.OPEN,
+        opened_unix_s=opened,
+        updated_unix_s=opened,
+        job=job,
+        ranks=(1,),
+        nodes=("n1",),
+    )
 
 
 def test_each_kind_gets_its_configured_action_once() -> None:

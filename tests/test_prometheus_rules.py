@@ -62,7 +62,11 @@ def test_a_broken_rule_fails_its_unit_test(tmp_path: Path) -> None:
     (tmp_path / "tests" / RULE_TESTS.name).write_text(RULE_TESTS.read_text())
     result = subprocess.run(
         [require("promtool"), "test", "rules", f"tests/{RULE_TESTS.name}"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=50, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=50,
+        check=False,
+    )
     assert result.returncode != 0
     assert "ClusterwatchHang" in result.stdout + result.stderr

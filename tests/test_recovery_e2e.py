@@ -57,11 +57,28 @@ def hanging_job(
     """Two ranks; rank 1 stalls at step 60 of the first launch only (a restarted group runs on)."""
     until = tmp_path / "stop"
     process = cluster.torchrun(
-        TRAIN, "--out-dir", str(tmp_path / "out"), "--job", job, "--until-file", str(until),
-        "--compute-ms", "40", "--checkpoint-dir", str(tmp_path / "ckpt"), "--stall-rank", "1",
-        "--stall-step", STALL_STEP, "--stall-until-file", str(tmp_path / "never"),
-        nproc=2, socket=socket, max_restarts=max_restarts, env=RESTARTABLE_GLOO,
-    )  # fmt: skip
+        TRAIN,
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--job",
+        job,
+        "--until-file",
+        str(until),
+        "--compute-ms",
+        "40",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--stall-rank",
+        "1",
+        "--stall-step",
+        STALL_STEP,
+        "--stall-until-file",
+        str(tmp_path / "never"),
+        nproc=2,
+        socket=socket,
+        max_restarts=max_restarts,
+        env=RESTARTABLE_GLOO,
+    )
     return until, process
 
 
@@ -112,10 +129,26 @@ def test_a_rank_crash_is_restarted_by_torchrun_and_its_recovery_measured(
     coordinator, socket = start(cluster)
     until = tmp_path / "stop"
     job = cluster.torchrun(
-        TRAIN, "--out-dir", str(tmp_path / "out"), "--job", "crashes", "--until-file", str(until),
-        "--compute-ms", "40", "--checkpoint-dir", str(tmp_path / "ckpt"), "--crash-rank", "1",
-        "--crash-step", CRASH_STEP, nproc=2, socket=socket, max_restarts=1, env=RESTARTABLE_GLOO,
-    )  # fmt: skip
+        TRAIN,
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--job",
+        "crashes",
+        "--until-file",
+        str(until),
+        "--compute-ms",
+        "40",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--crash-rank",
+        "1",
+        "--crash-step",
+        CRASH_STEP,
+        nproc=2,
+        socket=socket,
+        max_restarts=1,
+        env=RESTARTABLE_GLOO,
+    )
     wait_for_ranks_past(coordinator, "crashes", 2, 5, 120)
     first_pids = {r.identity.pid for r in ranks_of(coordinator, "crashes").values()}
     saved = checkpoint_and_wait(coordinator, "crashes", 60)
@@ -217,7 +250,7 @@ def test_a_persistent_straggler_is_checkpointed_and_its_node_left_out_of_the_ela
 ) -> None:
     coordinator = cluster.coordinator(
         "--cooldown-s", "0", "--restart-grace-s", "3", "--straggler-persist-s", "2"
-    )  # fmt: skip
+    )
     jobs: dict[str, Process] = {}
     for node in ("node-a", "node-b"):
         cluster.agent(coordinator, node)
@@ -225,11 +258,24 @@ def test_a_persistent_straggler_is_checkpointed_and_its_node_left_out_of_the_ela
     for node in ("node-a", "node-b"):
         slow = ["--slow-local-rank", "1", "--slow-factor", "1.6"] if node == "node-a" else []
         jobs[node] = cluster.torchrun(
-            TRAIN, "--out-dir", str(tmp_path / node), "--job", "elastic", "--until-file", str(tmp_path / "stop"),
-            "--compute-ms", "40", "--checkpoint-dir", str(tmp_path / "ckpt"), *slow,
-            nproc=2, socket=cluster.socket_path(node), max_restarts=2, env=RESTARTABLE_GLOO,
+            TRAIN,
+            "--out-dir",
+            str(tmp_path / node),
+            "--job",
+            "elastic",
+            "--until-file",
+            str(tmp_path / "stop"),
+            "--compute-ms",
+            "40",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            *slow,
+            nproc=2,
+            socket=cluster.socket_path(node),
+            max_restarts=2,
+            env=RESTARTABLE_GLOO,
             elastic=(rendezvous_endpoint, "elastic"),
-        )  # fmt: skip
+        )
 
     def resolved() -> cluster_pb2.Incident | None:
         return next(
@@ -260,9 +306,18 @@ def test_workers_whose_torchrun_was_killed_are_named_and_stopped(cluster: Cluste
     stops them through the agent (orphaned_ranks_action = stop_orphans, the default)."""
     coordinator, socket = start(cluster)
     job = cluster.torchrun(
-        TRAIN, "--out-dir", str(tmp_path / "out"), "--job", "orphans", "--until-file", str(tmp_path / "never"),
-        "--compute-ms", "40", nproc=4, socket=socket,
-    )  # fmt: skip
+        TRAIN,
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--job",
+        "orphans",
+        "--until-file",
+        str(tmp_path / "never"),
+        "--compute-ms",
+        "40",
+        nproc=4,
+        socket=socket,
+    )
     wait_for_ranks_past(coordinator, "orphans", 4, 3, 120)
     workers = psutil.Process(job.pid).children()
     assert len(workers) == 4
@@ -282,8 +337,11 @@ def test_workers_whose_torchrun_was_killed_are_named_and_stopped(cluster: Cluste
             return not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
 
         wait_for(all_gone, 30, "no worker of the job left")
-        (stop,) = wait_for(lambda: [a for a in actions(coordinator, "orphans") if a.outcome != "pending"], 30,
-                           "the stop to be recorded")  # fmt: skip
+        (stop,) = wait_for(
+            lambda: [a for a in actions(coordinator, "orphans") if a.outcome != "pending"],
+            30,
+            "the stop to be recorded",
+        )
         assert (stop.action, stop.outcome) == ("stop_orphans", "done"), stop.detail
         assert "(4 sigterm)" in stop.detail, stop.detail
         wait_for(lambda: orphaned() is None or orphaned().state == RESOLVED, 30, "the incident to resolve")  # type: ignore[union-attr]

@@ -105,8 +105,11 @@ async def test_sighup_rereads_recovery_settings_but_keeps_the_launcher(
         for bad, key in (
             ({"hang_action": "reboot"}, "recovery.hang_action"),
             ({"launcher": "slurm", "slurm_job_ids": ["llama=x"]}, "recovery.slurm_job_ids"),
-            ({"launcher": "kubernetes", "kubernetes_pod_selector": "job={name}"}, "recovery.kubernetes_pod_selector"),
-        ):  # fmt: skip
+            (
+                {"launcher": "kubernetes", "kubernetes_pod_selector": "job={name}"},
+                "recovery.kubernetes_pod_selector",
+            ),
+        ):
             applied = coordinator.log().count(APPLIED)
             write_recovery(config, scontrol=str(scontrol), dry_run=True, **bad)
             reload(coordinator, REJECTED)

@@ -52,9 +52,14 @@ class Pki:
     def flags(self, name: str, *, ca_dir: Path | None = None) -> list[str]:
         directory = ca_dir or self.dir
         return [
-            "--no-insecure", "--tls-cert", str(directory / f"{name}.crt"),
-            "--tls-key", str(directory / f"{name}.key"), "--tls-ca", str(self.dir / "ca.crt"),
-        ]  # fmt: skip
+            "--no-insecure",
+            "--tls-cert",
+            str(directory / f"{name}.crt"),
+            "--tls-key",
+            str(directory / f"{name}.key"),
+            "--tls-ca",
+            str(self.dir / "ca.crt"),
+        ]
 
     def channel_credentials(self, name: str, *, ca_dir: Path | None = None) -> grpc.ChannelCredentials:
         directory = ca_dir or self.dir
@@ -255,9 +260,17 @@ def hand_made(
         ).add_extension(x509.SubjectAlternativeName(sans), critical=False)
     else:
         usage = dict.fromkeys(
-            ("digital_signature", "content_commitment", "key_encipherment", "data_encipherment",
-             "key_agreement", "encipher_only", "decipher_only"), False,
-        )  # fmt: skip
+            (
+                "digital_signature",
+                "content_commitment",
+                "key_encipherment",
+                "data_encipherment",
+                "key_agreement",
+                "encipher_only",
+                "decipher_only",
+            ),
+            False,
+        )
         builder = builder.add_extension(
             x509.KeyUsage(key_cert_sign=True, crl_sign=True, **usage), critical=True
         )
@@ -371,8 +384,11 @@ async def test_a_forged_node_cannot_take_another_nodes_rank_and_steer_recovery(c
     hardware.gpus[0].xid_errors.add(xid=79, count=1)
 
     def conflicts() -> float:
-        samples = samples_named(scrape(coordinator.metrics_url), "clusterwatch_rank_reports_rejected_total",
-                                reason="rank_conflict")  # fmt: skip
+        samples = samples_named(
+            scrape(coordinator.metrics_url),
+            "clusterwatch_rank_reports_rejected_total",
+            reason="rank_conflict",
+        )
         return sum(s.value for s in samples)
 
     def xid_incident() -> cluster_pb2.Incident | None:

@@ -80,8 +80,11 @@ def test_scenario_file_parses_with_defaults_from_its_name(tmp_path: Path) -> Non
     assert scenario.noise.collective_cv == NoiseSettings().collective_cv
     straggler, crash = scenario.faults
     assert (straggler.kind, straggler.rank, straggler.slowdown_ratio, straggler.at_step) == (
-        FaultKind.COMPUTE_STRAGGLER, 1, 1.5, 3,
-    )  # fmt: skip
+        FaultKind.COMPUTE_STRAGGLER,
+        1,
+        1.5,
+        3,
+    )
     assert (crash.kind, crash.rank, crash.signal, crash.index) == (FaultKind.CRASH, 6, 9, 1)
     check_fits(scenario, nodes=2, gpus_per_node=4)
 
@@ -98,17 +101,27 @@ def test_scenario_file_parses_with_defaults_from_its_name(tmp_path: Path) -> Non
         ('[[fault]]\nkind = "hang"\nat_step = 5', "fault[0].rank"),
         ('[[fault]]\nkind = "hang"\nrank = 1', "fault[0].at_step"),
         ('[[fault]]\nkind = "hang"\nrank = 1\nat_step = 1', "fault[0].at_step"),
-        ('[[fault]]\nkind = "compute_straggler"\nrank = 1\nat_step = 5\nslowdown_ratio = 0.9', "fault[0].slowdown_ratio"),
+        (
+            '[[fault]]\nkind = "compute_straggler"\nrank = 1\nat_step = 5\nslowdown_ratio = 0.9',
+            "fault[0].slowdown_ratio",
+        ),
         ('[[fault]]\nkind = "compute_straggler"\nrank = 1\nat_step = 5', "fault[0].slowdown_ratio"),
-        ('[[fault]]\nkind = "thermal_throttle"\nnode = 1\nat_step = 5\nslowdown_ratio = 1.2', "fault[0].rank"),
-        ('[[fault]]\nkind = "thermal_throttle"\nrank = 1\nnode = 0\ngpu = 1\nat_step = 5\nslowdown_ratio = 1.2',
-         "fault[0].rank"),
+        (
+            '[[fault]]\nkind = "thermal_throttle"\nnode = 1\nat_step = 5\nslowdown_ratio = 1.2',
+            "fault[0].rank",
+        ),
+        (
+            '[[fault]]\nkind = "thermal_throttle"\nrank = 1\nnode = 0\ngpu = 1\nat_step = 5\nslowdown_ratio = 1.2',
+            "fault[0].rank",
+        ),
         ('[[fault]]\nkind = "crash"\nrank = 1\nat_step = 5\nsignal = 99', "fault[0].signal"),
         ('[[fault]]\nkind = "node_loss"\nat_step = 5\nrank = 1', "fault[0].rank"),
-        ('[[fault]]\nkind = "hang"\nrank = 1\nat_step = 5\n[[fault]]\nkind = "node_loss"\nat_step = 5',
-         "fault[1].node"),
+        (
+            '[[fault]]\nkind = "hang"\nrank = 1\nat_step = 5\n[[fault]]\nkind = "node_loss"\nat_step = 5',
+            "fault[1].node",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_scenario_names_the_key(doc: str, key: str) -> None:
     with pytest.raises(ConfigError) as raised:
         _scenario(doc)
@@ -255,9 +268,13 @@ def test_a_simulator_that_falls_behind_still_reports_every_node_each_interval() 
         return now[0]
 
     settings = resolve_settings(
-        _scenario("seed = 2\nstep_s = 0.5"), coordinator="127.0.0.1:1", nodes=20, gpus_per_node=2,
-        interval_s=1.0, duration_s=30.0,
-    )  # fmt: skip
+        _scenario("seed = 2\nstep_s = 0.5"),
+        coordinator="127.0.0.1:1",
+        nodes=20,
+        gpus_per_node=2,
+        interval_s=1.0,
+        duration_s=30.0,
+    )
     simulation = Simulation(settings, clock=slow_clock, wall_clock=lambda: 1000.0)
     outboxes = [_Outbox() for _ in range(settings.nodes)]
     simulation.streams = outboxes  # type: ignore[assignment]
@@ -315,9 +332,15 @@ def test_frozen_heartbeat_stops_and_crash_exits_once() -> None:
 
 
 def _incident(
-    id_: str, kind: str, cause: str, opened: float, *, ranks: tuple[int, ...] = (), nodes: tuple[str, ...] = (),
+    id_: str,
+    kind: str,
+    cause: str,
+    opened: float,
+    *,
+    ranks: tuple[int, ...] = (),
+    nodes: tuple[str, ...] = (),
     job: str = "j",
-) -> IncidentHistory:  # fmt: skip
+) -> IncidentHistory:
     history = IncidentHistory()
     history.add(opened, SeenIncident(id_, kind, cause, job, ranks, nodes, opened))
     return history
@@ -328,10 +351,20 @@ def test_the_ground_truth_keeps_step_ends_exact(tmp_path: Path) -> None:
     # A straggler's onset is its own end of the step before, here 10 us after
     # the first rank's: the steps done by then must still count that step.
     truth = GroundTruth(
-        scenario="s", job="j", nodes=["n0"], gpus_per_node=8, world_size=8, step_s=0.5, interval_s=1.0,
-        compute_cv=0.03, seed=1, started_unix_s=1000.0, faults=[],
-        step_ends_unix_s=[1000.50006], step_reported_unix_s=[1001.00006],
-    )  # fmt: skip
+        scenario="s",
+        job="j",
+        nodes=["n0"],
+        gpus_per_node=8,
+        world_size=8,
+        step_s=0.5,
+        interval_s=1.0,
+        compute_cv=0.03,
+        seed=1,
+        started_unix_s=1000.0,
+        faults=[],
+        step_ends_unix_s=[1000.50006],
+        step_reported_unix_s=[1001.00006],
+    )
     truth.write(tmp_path / "truth.json")
     read = GroundTruth.read(tmp_path / "truth.json")
     assert read.steps_done_by(1000.50007) == 1
@@ -340,14 +373,37 @@ def test_the_ground_truth_keeps_step_ends_exact(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(10)
 def test_scoring_matches_incidents_to_the_ground_truth() -> None:
-    truth = GroundTruth.from_json({
-        "scenario": "s", "job": "j", "nodes": ["n0", "n1"], "gpus_per_node": 4, "world_size": 8, "step_s": 1.0,
-        "interval_s": 1.0, "compute_cv": 0.02, "seed": 1, "started_unix_s": 100.0, "ended_unix_s": 200.0,
-        "step_ends_unix_s": [101.0 + i for i in range(19)],  # the job stops in step 20
-        "faults": [{"index": 0, "kind": "crash", "at_step": 20, "ranks": [6], "nodes": ["n1"], "gpus": ["GPU-6"],
-                    "expected_kind": "rank_failure", "expected_cause": "process_exited", "onset_unix_s": 120.5,
-                    "onset_step": 20, "signal": 9}],
-    })  # fmt: skip
+    truth = GroundTruth.from_json(
+        {
+            "scenario": "s",
+            "job": "j",
+            "nodes": ["n0", "n1"],
+            "gpus_per_node": 4,
+            "world_size": 8,
+            "step_s": 1.0,
+            "interval_s": 1.0,
+            "compute_cv": 0.02,
+            "seed": 1,
+            "started_unix_s": 100.0,
+            "ended_unix_s": 200.0,
+            "step_ends_unix_s": [101.0 + i for i in range(19)],  # the job stops in step 20
+            "faults": [
+                {
+                    "index": 0,
+                    "kind": "crash",
+                    "at_step": 20,
+                    "ranks": [6],
+                    "nodes": ["n1"],
+                    "gpus": ["GPU-6"],
+                    "expected_kind": "rank_failure",
+                    "expected_cause": "process_exited",
+                    "onset_unix_s": 120.5,
+                    "onset_step": 20,
+                    "signal": 9,
+                }
+            ],
+        }
+    )
     histories = [
         _incident("early", "straggler", "compute", 110.0, ranks=(6,), nodes=("n1",)),  # before the onset: FP
         _incident("fail", "rank_failure", "process_exited", 121.0, ranks=(6,), nodes=("n1",)),
@@ -399,13 +455,39 @@ def test_simulated_job_streams_to_a_real_coordinator(cluster: Cluster, tmp_path:
     loss_file.write_text(NODE_LOSS)
     truth_path = tmp_path / "truth.json"
     job = _simulate(
-        cluster, coordinator, straggler_file, "--nodes", "2", "--gpus-per-node", "4", "--duration-s", "7",
-        "--interval-s", "0.25", "--job", "simjob", "--ground-truth-out", str(truth_path),
-    )  # fmt: skip
+        cluster,
+        coordinator,
+        straggler_file,
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "4",
+        "--duration-s",
+        "7",
+        "--interval-s",
+        "0.25",
+        "--job",
+        "simjob",
+        "--ground-truth-out",
+        str(truth_path),
+    )
     loss = _simulate(
-        cluster, coordinator, loss_file, "--nodes", "2", "--gpus-per-node", "2", "--duration-s", "7",
-        "--interval-s", "0.2", "--job", "lossjob", "--node-prefix", "lossy-",
-    )  # fmt: skip
+        cluster,
+        coordinator,
+        loss_file,
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--duration-s",
+        "7",
+        "--interval-s",
+        "0.2",
+        "--job",
+        "lossjob",
+        "--node-prefix",
+        "lossy-",
+    )
 
     def straggling() -> dict[int, cluster_pb2.RankStatus] | None:
         ranks = ranks_of(coordinator, "simjob")

@@ -97,11 +97,14 @@ class SyncJob:
             for first in range(0, self.ranks, self.ranks_per_node):
                 reports = [
                     rank_report(
-                        rank, job=self.name, world_size=self.ranks, restart_count=self.restart_count,
+                        rank,
+                        job=self.name,
+                        world_size=self.ranks,
+                        restart_count=self.restart_count,
                         steps=[step(n, start=T0 + self.clock_s, step_s=step_s, compute_s=computes[rank])],
                     )
                     for rank in range(first, min(first + self.ranks_per_node, self.ranks))
-                ]  # fmt: skip
+                ]
                 self.store.ingest(
                     f"node-{first // self.ranks_per_node}", reports, self.clock_s, T0 + self.clock_s
                 )
@@ -214,9 +217,14 @@ def append_sync_steps(
     ]
     for record, compute in zip(job.ranks.values(), computes, strict=True):
         record.steps.extend(
-            StepColumns(steps, tuple(T0 + n for n in steps), tuple(step_times), tuple(compute),
-                        tuple(s - c for s, c in zip(step_times, compute, strict=True)))
-        )  # fmt: skip
+            StepColumns(
+                steps,
+                tuple(T0 + n for n in steps),
+                tuple(step_times),
+                tuple(compute),
+                tuple(s - c for s, c in zip(step_times, compute, strict=True)),
+            )
+        )
 
 
 def test_no_finding_over_1000_healthy_steps_of_1024_ranks_at_3_percent_cv() -> None:
@@ -372,8 +380,15 @@ def test_only_steps_every_running_rank_reported_are_judged() -> None:
     slow = 2.0 * COMPUTE_S
     for rank, record in job.ranks.items():
         steps = (6, 8) if rank == 3 else (6, 7, 8)
-        record.steps.extend(StepColumns(steps, (T0,) * len(steps), (slow + 0.1,) * len(steps),
-                                        (slow,) * len(steps), (0.1,) * len(steps)))  # fmt: skip
+        record.steps.extend(
+            StepColumns(
+                steps,
+                (T0,) * len(steps),
+                (slow + 0.1,) * len(steps),
+                (slow,) * len(steps),
+                (0.1,) * len(steps),
+            )
+        )
     assert detector.update(job) is None  # steps 6 and 8 judged: two slow steps
     for record in job.ranks.values():
         record.steps.extend(StepColumns((9,), (T0,), (slow + 0.1,), (slow,), (0.1,)))

@@ -108,10 +108,17 @@ def job_json(coordinator: Coordinator, job: str) -> dict[str, Any] | None:
 def srun_task(cluster: Cluster, socket_path: Path, rank: int, stop_file: Path) -> Process:
     """One task of `srun --ntasks 2 python slurm_task.py` (no torchrun): SLURM's variables only."""
     env = {
-        **os.environ, **SLURMD_ENV, "SLURM_JOB_NAME": "llama", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
-        "SLURM_NTASKS": "2", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
-        "CLUSTERWATCH_AGENT_SOCKET": str(socket_path), "PYTHONUNBUFFERED": "1",
-    }  # fmt: skip
+        **os.environ,
+        **SLURMD_ENV,
+        "SLURM_JOB_NAME": "llama",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+        "CLUSTERWATCH_AGENT_SOCKET": str(socket_path),
+        "PYTHONUNBUFFERED": "1",
+    }
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "CLUSTERWATCH_JOB"):
         env.pop(name, None)
     task = Process(

@@ -73,8 +73,11 @@ def test_a_registered_job_is_starting_until_its_ranks_report(core: Coordinator, 
     assert view is not None
     status = job_status(view)
     assert (status.phase, status.world_size, list(status.nodes), list(status.ranks)) == (
-        STARTING, 0, ["gpu01", "gpu02"], [],
-    )  # fmt: skip
+        STARTING,
+        0,
+        ["gpu01", "gpu02"],
+        [],
+    )
     assert dict(status.labels) == {
         "slurm_job_id": "4242",
         "slurm_job_name": "from-prolog",
@@ -103,9 +106,11 @@ def test_the_ranks_labels_win_and_their_nodes_join(core: Coordinator, clock: Clo
     exp = Exposition()
     write_training(exp, training_view(core.jobs, core.checkpoints, clock.mono_s))
     (info,) = [
-        s for f in text_string_to_metric_families(exp.render().decode()) for s in f.samples
+        s
+        for f in text_string_to_metric_families(exp.render().decode())
+        for s in f.samples
         if s.name == "clusterwatch_job_info"
-    ]  # fmt: skip
+    ]
     assert info.labels == {"job": "4242", "slurm_job_id": "4242", "slurm_job_name": "llama"}
     assert info.value == 1
 

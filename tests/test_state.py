@@ -16,8 +16,13 @@ S = cluster_pb2.NodeState
 def hello(
     node: str = "n1", instance: str = "i1", last_acked: int = 0, interval_s: float = 1.0
 ) -> agent_pb2.Hello:
-    return agent_pb2.Hello(node_id=node, instance_id=instance, interval_seconds=interval_s,
-                           last_acked_sequence=last_acked, hostname="h")  # fmt: skip
+    return agent_pb2.Hello(
+        node_id=node,
+        instance_id=instance,
+        interval_seconds=interval_s,
+        last_acked_sequence=last_acked,
+        hostname="h",
+    )
 
 
 def report(seq: int) -> node_pb2.NodeReport:

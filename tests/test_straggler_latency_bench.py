@@ -33,19 +33,36 @@ def test_each_seed_puts_its_two_stragglers_on_different_nodes(seed: int) -> None
 def _truth() -> GroundTruth:
     # Step n (from 1) ends at 100 + n; every rank has reported it 1.5 s later.
     return GroundTruth(
-        scenario="s", job="j", nodes=["n0"], gpus_per_node=8, world_size=8, step_s=1.0, interval_s=1.0,
-        compute_cv=0.03, seed=1, started_unix_s=100.0, faults=[],
+        scenario="s",
+        job="j",
+        nodes=["n0"],
+        gpus_per_node=8,
+        world_size=8,
+        step_s=1.0,
+        interval_s=1.0,
+        compute_cv=0.03,
+        seed=1,
+        started_unix_s=100.0,
+        faults=[],
         step_ends_unix_s=[100.0 + n for n in range(1, 80)],
         step_reported_unix_s=[101.5 + n for n in range(1, 80)],
-    )  # fmt: skip
+    )
 
 
 def _score(opened_unix_s: float | None) -> FaultScore:
     fault = FaultTruth(
-        index=0, kind="compute_straggler", at_step=40, ranks=[3], nodes=["n0"], gpus=[],
-        expected_kind="straggler", expected_cause="compute", onset_unix_s=139.0, onset_step=40,
+        index=0,
+        kind="compute_straggler",
+        at_step=40,
+        ranks=[3],
+        nodes=["n0"],
+        gpus=[],
+        expected_kind="straggler",
+        expected_cause="compute",
+        onset_unix_s=139.0,
+        onset_step=40,
         slowdown_ratio=1.05,
-    )  # fmt: skip
+    )
     score = FaultScore(fault, triggered=True)
     if opened_unix_s is not None:
         score.detected_by = SeenIncident("i1", "straggler", "compute", "j", (3,), ("n0",), opened_unix_s)

@@ -43,9 +43,14 @@ def append_steps(
     for rank, record in job.ranks.items():
         compute = tuple(compute_s(rank, n) for n in steps)
         record.steps.extend(
-            StepColumns(steps, tuple(T0 + n * STEP_S for n in steps), (STEP_S,) * count, compute,
-                        tuple(STEP_S - c for c in compute))
-        )  # fmt: skip
+            StepColumns(
+                steps,
+                tuple(T0 + n * STEP_S for n in steps),
+                (STEP_S,) * count,
+                compute,
+                tuple(STEP_S - c for c in compute),
+            )
+        )
 
 
 def noisy(rng: random.Random, cv: float, slow: dict[int, float] | None = None) -> Callable[[int, int], float]:
@@ -71,13 +76,17 @@ def test_a_10_percent_straggler_reported_through_the_store_is_named_within_10_st
     detector = StragglerDetector()
     straggler = 11
     for n in range(1, 11):
-        computes = [BASE_COMPUTE_S * (1.10 if rank == straggler else 1.0) * (1 + rng.gauss(0, 0.02))
-                    for rank in range(16)]  # fmt: skip
+        computes = [
+            BASE_COMPUTE_S * (1.10 if rank == straggler else 1.0) * (1 + rng.gauss(0, 0.02))
+            for rank in range(16)
+        ]
         # The collective equalises step times: every rank reports the same one.
         step_s = max(computes) + 0.05
         for node in range(2):
-            reports = [rank_report(rank, world_size=16, steps=[step(n, step_s=step_s, compute_s=computes[rank])])
-                       for rank in range(node * 8, node * 8 + 8)]  # fmt: skip
+            reports = [
+                rank_report(rank, world_size=16, steps=[step(n, step_s=step_s, compute_s=computes[rank])])
+                for rank in range(node * 8, node * 8 + 8)
+            ]
             store.ingest(f"node-{node}", reports, now_mono=float(n), now_unix=T0 + n)
         job = store.jobs["train"]
         assert len({r.steps.step_s[-1] for r in job.ranks.values()}) == 1
@@ -253,8 +262,9 @@ def test_only_steps_every_running_rank_reported_are_compared() -> None:
     ring.extend(StepColumns((5,), (T0,), (STEP_S,), (BASE_COMPUTE_S,), (0.2,)))
     del ring.step[2], ring.start_unix_s[2], ring.step_s[2], ring.compute_s[2], ring.communication_s[2]
     for rank in range(3):
-        job.ranks[rank].steps.extend(StepColumns((5, 6, 7, 8), (T0,) * 4, (STEP_S,) * 4, (0.6 if rank == 0 else 0.4,) * 4,
-                                                 (0.0,) * 4))  # fmt: skip
+        job.ranks[rank].steps.extend(
+            StepColumns((5, 6, 7, 8), (T0,) * 4, (STEP_S,) * 4, (0.6 if rank == 0 else 0.4,) * 4, (0.0,) * 4)
+        )
     assert detector.update(job) == []  # 1, 2, 4 and 5: 4 < min_window_steps
     job.ranks[3].steps.extend(StepColumns((6,), (T0,), (STEP_S,), (BASE_COMPUTE_S,), (0.2,)))
     assert [(f.rank, f.first_flagged_step, f.steps_slow) for f in detector.update(job)] == [(0, 6, 5)]

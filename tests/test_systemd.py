@@ -108,8 +108,11 @@ def unit_root(tmp_path: Path) -> Path:
 def test_unit_passes_systemd_analyze_verify(unit_root: Path, unit: str) -> None:
     run = subprocess.run(
         [SYSTEMD_ANALYZE, "verify", f"--root={unit_root}", unit],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     output = run.stdout + run.stderr
     about_us = [line for line in output.splitlines() if "clusterwatch" in line]
     assert run.returncode == 0, output
@@ -119,10 +122,20 @@ def test_unit_passes_systemd_analyze_verify(unit_root: Path, unit: str) -> None:
 @pytest.mark.parametrize("unit", UNITS)
 def test_unit_hardening_exposure_stays_low(unit_root: Path, unit: str) -> None:
     run = subprocess.run(
-        [SYSTEMD_ANALYZE, "security", "--offline=yes", f"--root={unit_root}",
-         f"--threshold={EXPOSURE_LIMITS[unit]}", "--no-pager", unit],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            SYSTEMD_ANALYZE,
+            "security",
+            "--offline=yes",
+            f"--root={unit_root}",
+            f"--threshold={EXPOSURE_LIMITS[unit]}",
+            "--no-pager",
+            unit,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     if "--offline" in run.stderr and "unrecognized option" in run.stderr:
         pytest.skip("this systemd-analyze has no offline security analysis (systemd < 250)")
     summary = run.stdout.strip().splitlines()[-1:] or [run.stderr]
@@ -263,9 +276,20 @@ def without_systemd_environment() -> dict[str, str]:
 def start_agent(cluster: Cluster, coordinator_address: str, env: dict[str, str]) -> Process:
     """An agent like ``Cluster.agent`` starts, with systemd's variables from ``env`` only."""
     argv = clusterwatch_cmd(
-        "agent", "--coordinator", coordinator_address, "--node-id", NODE, "--interval", "0.2",
-        "--reconnect-max-s", "0.5", "--log-level", "debug", "--socket", str(cluster.socket_path(NODE)),
-    )  # fmt: skip
+        "agent",
+        "--coordinator",
+        coordinator_address,
+        "--node-id",
+        NODE,
+        "--interval",
+        "0.2",
+        "--reconnect-max-s",
+        "0.5",
+        "--log-level",
+        "debug",
+        "--socket",
+        str(cluster.socket_path(NODE)),
+    )
     agent = Process(
         argv, cluster.tmp_path / "agent-systemd.log", env={**without_systemd_environment(), **env}
     )

@@ -204,9 +204,13 @@ def ib_report(
     for i in range(4):
         device = f"mlx5_{i}"
         report.ib_ports.add(
-            device=device, port=1, state="DOWN" if device in down else "ACTIVE", link_layer="InfiniBand",
-            symbol_errors_total=int(errors_per_s.get(device, 0.0) * at_unix_s), receive_errors_total=0,
-        )  # fmt: skip
+            device=device,
+            port=1,
+            state="DOWN" if device in down else "ACTIVE",
+            link_layer="InfiniBand",
+            symbol_errors_total=int(errors_per_s.get(device, 0.0) * at_unix_s),
+            receive_errors_total=0,
+        )
     return report
 
 

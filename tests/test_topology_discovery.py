@@ -83,25 +83,35 @@ NIC_MATRIX: dict[str, list[list[str]]] = {
     "nonic": [[], []],
 }
 NEAREST: dict[str, list[tuple[list[str], str]]] = {
-    "hgx8": [(["mlx5_0"], "PIX")] * 2 + [(["mlx5_1"], "PIX")] * 2
-    + [(["mlx5_2"], "PIX")] * 2 + [(["mlx5_3"], "PIX")] * 2,
+    "hgx8": [(["mlx5_0"], "PIX")] * 2
+    + [(["mlx5_1"], "PIX")] * 2
+    + [(["mlx5_2"], "PIX")] * 2
+    + [(["mlx5_3"], "PIX")] * 2,
     "pcie4": [(["mlx4_0"], "NODE")] * 2 + [(["mlx4_0"], "PHB")] * 2,
     "cpuonly": [],
     "nonic": [([], "?")] * 2,
-}  # fmt: skip
+}
 # (index, pci_bus_id, numa_node or None, local_cpus)
 GPUS: dict[str, list[tuple[int, str, int | None, str]]] = {
     "hgx8": [
-        (0, "0000:03:00.0", 0, "0-3"), (1, "0000:04:00.0", 0, "0-3"),
-        (2, "0000:08:00.0", 0, "0-3"), (3, "0000:09:00.0", 0, "0-3"),
-        (4, "0000:83:00.0", 1, "4-7"), (5, "0000:84:00.0", 1, "4-7"),
-        (6, "0000:88:00.0", 1, "4-7"), (7, "0000:89:00.0", 1, "4-7"),
+        (0, "0000:03:00.0", 0, "0-3"),
+        (1, "0000:04:00.0", 0, "0-3"),
+        (2, "0000:08:00.0", 0, "0-3"),
+        (3, "0000:09:00.0", 0, "0-3"),
+        (4, "0000:83:00.0", 1, "4-7"),
+        (5, "0000:84:00.0", 1, "4-7"),
+        (6, "0000:88:00.0", 1, "4-7"),
+        (7, "0000:89:00.0", 1, "4-7"),
     ],
-    "pcie4": [(0, "0000:03:00.0", None, "0-7"), (1, "0000:04:00.0", None, "0-7"),
-              (2, "0000:43:00.0", None, "0-7"), (3, "0000:44:00.0", None, "0-7")],
+    "pcie4": [
+        (0, "0000:03:00.0", None, "0-7"),
+        (1, "0000:04:00.0", None, "0-7"),
+        (2, "0000:43:00.0", None, "0-7"),
+        (3, "0000:44:00.0", None, "0-7"),
+    ],
     "cpuonly": [],
     "nonic": [(0, "0000:01:00.0", 0, "0-3"), (1, "0000:02:00.0", 0, "0-3")],
-}  # fmt: skip
+}
 # (device, kind, pci_bus_id, numa_node or None, interfaces, rate or None, state)
 NICS: dict[str, list[tuple[str, str, str, int | None, list[str], float | None, str]]] = {
     "hgx8": [
@@ -155,12 +165,16 @@ def nics_of(
 ) -> list[tuple[str, str, str, int | None, list[str], float | None, str]]:
     return [
         (
-            n.device, n.kind, n.pci_bus_id, n.numa_node if n.HasField("numa_node") else None,
-            list(n.interfaces), n.rate_bytes_per_second if n.HasField("rate_bytes_per_second") else None,
+            n.device,
+            n.kind,
+            n.pci_bus_id,
+            n.numa_node if n.HasField("numa_node") else None,
+            list(n.interfaces),
+            n.rate_bytes_per_second if n.HasField("rate_bytes_per_second") else None,
             n.state,
         )
         for n in topology.nics
-    ]  # fmt: skip
+    ]
 
 
 def nearest_of(topology: node_pb2.NodeTopology) -> list[tuple[list[str], str]]:
@@ -232,14 +246,18 @@ def function(path: str, numa_node: int | None = 0) -> PciDevice:
     ("first", "second", "single_numa_node", "expected"),
     [
         # Two switches deep below a common switch: several bridges.
-        ("pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0/0000:04:00.0/0000:05:00.0",
-         "pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:01.0/0000:06:00.0", False, "PXB"),
+        (
+            "pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0/0000:04:00.0/0000:05:00.0",
+            "pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:01.0/0000:06:00.0",
+            False,
+            "PXB",
+        ),
         # Two functions of one device below a root port.
         ("pci0000:00/0000:00:01.0/0000:01:00.0", "pci0000:00/0000:00:01.0/0000:01:00.1", False, "PIX"),
         ("pci0000:00/0000:00:01.0/0000:01:00.0", "pci0000:00/0000:00:02.0/0000:02:00.0", False, "PHB"),
         ("pci0000:00/0000:00:01.0/0000:01:00.0", "pci0000:40/0000:40:01.0/0000:41:00.0", False, "NODE"),
     ],
-)  # fmt: skip
+)
 def test_pci_links_beyond_the_fixtures(
     first: str, second: str, single_numa_node: bool, expected: str
 ) -> None:
@@ -519,10 +537,17 @@ def test_topology_interval_setting_allows_zero_and_rejects_negative() -> None:
 
 def settings_on(sys_root: Path, **overrides: Any) -> AgentSettings:
     values: dict[str, Any] = {
-        "coordinator": "127.0.0.1:1", "node_id": "hgx-1", "interval_s": 0.05, "gpu_backend": "nvml",
-        "collectors": ["gpu", "infiniband"], "sys_root": sys_root, "socket": "", "metrics_listen": "",
-        "reconnect_max_s": 0.5, "pod_resources_socket": "",
-    }  # fmt: skip
+        "coordinator": "127.0.0.1:1",
+        "node_id": "hgx-1",
+        "interval_s": 0.05,
+        "gpu_backend": "nvml",
+        "collectors": ["gpu", "infiniband"],
+        "sys_root": sys_root,
+        "socket": "",
+        "metrics_listen": "",
+        "reconnect_max_s": 0.5,
+        "pod_resources_socket": "",
+    }
     values.update(overrides)
     return AgentSettings(**values)
 
@@ -604,12 +629,17 @@ def test_topology_metrics_of_a_node_without_numa_nodes_or_nvlink() -> None:
     samples = parse(exp.render())
     links = {(lbl["gpu"], lbl["peer_gpu"]): lbl["link"] for lbl, _ in samples["clusterwatch_gpu_link_info"]}
     assert links == {
-        ("0", "1"): "PIX", ("1", "0"): "PIX", ("2", "3"): "PIX", ("3", "2"): "PIX",
-        **{(a, b): "NODE" for a in "01" for b in "23"}, **{(b, a): "NODE" for a in "01" for b in "23"},
-    }  # fmt: skip
-    assert sorted((lbl["gpu"], lbl["numa_node"], lbl["link"]) for lbl, _ in samples[
-        "clusterwatch_gpu_nic_affinity_info"
-    ]) == [("0", "", "NODE"), ("1", "", "NODE"), ("2", "", "PHB"), ("3", "", "PHB")]  # fmt: skip
+        ("0", "1"): "PIX",
+        ("1", "0"): "PIX",
+        ("2", "3"): "PIX",
+        ("3", "2"): "PIX",
+        **{(a, b): "NODE" for a in "01" for b in "23"},
+        **{(b, a): "NODE" for a in "01" for b in "23"},
+    }
+    assert sorted(
+        (lbl["gpu"], lbl["numa_node"], lbl["link"])
+        for lbl, _ in samples["clusterwatch_gpu_nic_affinity_info"]
+    ) == [("0", "", "NODE"), ("1", "", "NODE"), ("2", "", "PHB"), ("3", "", "PHB")]
 
 
 class RecordingCoordinator(agent_pb2_grpc.AgentServiceServicer):

@@ -44,9 +44,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
         for node_id in NODES:
             cluster.agent(coordinator, node_id)
         cluster.agent(
-            coordinator, HGX, "--gpu-backend", "sim", "--sim-gpus", "8", "--sys-root", str(HGX_SYS),
-            "--collectors", "gpu,infiniband",
-        )  # fmt: skip
+            coordinator,
+            HGX,
+            "--gpu-backend",
+            "sim",
+            "--sim-gpus",
+            "8",
+            "--sys-root",
+            str(HGX_SYS),
+            "--collectors",
+            "gpu,infiniband",
+        )
         for node_id in NODES:
             wait_for(cluster.socket_path(node_id).exists, 30, f"{node_id}'s hook socket")
         yield cluster, coordinator
@@ -59,12 +67,18 @@ def two_node_job(cluster: Cluster, job: str, mesh: str, stop_file: Path) -> list
     port = unused_port()
     return [
         cluster.torchrun(
-            WORKER, str(stop_file), "--job", job, "--mesh", mesh,
-            nproc=RANKS_PER_NODE, socket=cluster.socket_path(node_id),
+            WORKER,
+            str(stop_file),
+            "--job",
+            job,
+            "--mesh",
+            mesh,
+            nproc=RANKS_PER_NODE,
+            socket=cluster.socket_path(node_id),
             nodes=(len(NODES), node_rank, f"127.0.0.1:{port}"),
         )
         for node_rank, node_id in enumerate(NODES)
-    ]  # fmt: skip
+    ]
 
 
 def topology(coordinator: Coordinator, *args: str) -> dict[str, Any]:

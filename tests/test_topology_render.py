@@ -36,9 +36,13 @@ from clusterwatch.v1 import cluster_pb2, node_pb2
 pytestmark = pytest.mark.timeout(60)
 
 NVLINK, PIX, PXB, PHB, NODE, SYS = (
-    node_pb2.LINK_TYPE_NVLINK, node_pb2.LINK_TYPE_PIX, node_pb2.LINK_TYPE_PXB, node_pb2.LINK_TYPE_PHB,
-    node_pb2.LINK_TYPE_NODE, node_pb2.LINK_TYPE_SYS,
-)  # fmt: skip
+    node_pb2.LINK_TYPE_NVLINK,
+    node_pb2.LINK_TYPE_PIX,
+    node_pb2.LINK_TYPE_PXB,
+    node_pb2.LINK_TYPE_PHB,
+    node_pb2.LINK_TYPE_NODE,
+    node_pb2.LINK_TYPE_SYS,
+)
 UP = cluster_pb2.NodeState.NODE_STATE_UP
 NDR_BYTES_PER_S = 400e9 / 8  # a 400 Gb/s InfiniBand port
 SOCKET_CPUS = ("0-55,112-167", "56-111,168-223")
@@ -57,7 +61,9 @@ def hgx() -> node_pb2.NodeTopology:
 def pcie() -> node_pb2.NodeTopology:
     """4 GPUs on PCIe only, pairs behind two switches; a RoCE NIC by the first pair, an ethernet port
     on the host bridge. NVML could not say how GPUs 2 and 3 connect, and sysfs gave no NUMA node."""
-    topology = node_pb2.NodeTopology(cpu_sockets=1, problems=["nvml: NotSupported in nvmlDeviceGetTopologyCommonAncestor(2, 3)"])  # fmt: skip
+    topology = node_pb2.NodeTopology(
+        cpu_sockets=1, problems=["nvml: NotSupported in nvmlDeviceGetTopologyCommonAncestor(2, 3)"]
+    )
     topology.numa_nodes.add(id=0, cpus="0-31")
     for g in range(4):
         topology.gpus.add(
@@ -65,10 +71,24 @@ def pcie() -> node_pb2.NodeTopology:
         )
     for g, peer, link in ((0, 1, PIX), (0, 2, PHB), (0, 3, PHB), (1, 2, PHB), (1, 3, PHB)):
         topology.gpu_links.add(gpu=g, peer_gpu=peer, link=link)
-    topology.nics.add(device="mlx5_0", kind="roce", pci_bus_id="0000:45:00.0", numa_node=0,
-                      interfaces=["ens1np0"], rate_bytes_per_second=100e9 / 8, state="ACTIVE")  # fmt: skip
-    topology.nics.add(device="eno1", kind="ethernet", pci_bus_id="0000:03:00.0", numa_node=0, interfaces=["eno1"],
-                      rate_bytes_per_second=25e9 / 8, state="up")  # fmt: skip
+    topology.nics.add(
+        device="mlx5_0",
+        kind="roce",
+        pci_bus_id="0000:45:00.0",
+        numa_node=0,
+        interfaces=["ens1np0"],
+        rate_bytes_per_second=100e9 / 8,
+        state="ACTIVE",
+    )
+    topology.nics.add(
+        device="eno1",
+        kind="ethernet",
+        pci_bus_id="0000:03:00.0",
+        numa_node=0,
+        interfaces=["eno1"],
+        rate_bytes_per_second=25e9 / 8,
+        state="up",
+    )
     for g in range(4):
         topology.gpu_nics.add(gpu=g, nic="mlx5_0", link=PXB if g < 2 else PHB)
         topology.gpu_nics.add(gpu=g, nic="eno1", link=PHB)
@@ -79,8 +99,15 @@ def cpu_only() -> node_pb2.NodeTopology:
     """No GPUs: a login or data-loading node with two ethernet ports, one down."""
     topology = node_pb2.NodeTopology(cpu_sockets=1)
     topology.numa_nodes.add(id=0, cpus="0-15")
-    topology.nics.add(device="eth0", kind="ethernet", pci_bus_id="0000:01:00.0", numa_node=0,
-                      interfaces=["eth0"], rate_bytes_per_second=100e9 / 8, state="up")  # fmt: skip
+    topology.nics.add(
+        device="eth0",
+        kind="ethernet",
+        pci_bus_id="0000:01:00.0",
+        numa_node=0,
+        interfaces=["eth0"],
+        rate_bytes_per_second=100e9 / 8,
+        state="up",
+    )
     topology.nics.add(
         device="eth1", kind="ethernet", pci_bus_id="0000:01:00.1", interfaces=["eth1"], state="down"
     )
@@ -96,16 +123,23 @@ def node(node_id: str, topology: node_pb2.NodeTopology | None) -> cluster_pb2.No
 
 def hgx_placements(job: str = "train") -> list[cluster_pb2.RankPlacement]:
     return [
-        cluster_pb2.RankPlacement(job=job, rank=g, node_id="gpu-a", gpu=g, nearest_nics=[f"mlx5_{g // 2}"], nic_link=PIX)
+        cluster_pb2.RankPlacement(
+            job=job, rank=g, node_id="gpu-a", gpu=g, nearest_nics=[f"mlx5_{g // 2}"], nic_link=PIX
+        )
         for g in range(8)
-    ]  # fmt: skip
+    ]
 
 
 FINDING = cluster_pb2.TopologyFinding(
-    job="train", kind="tensor_parallel_spans_nodes", severity="warning", group_name="3", group_description="mesh_tp",
-    ranks=[6, 7, 8, 9], nodes=["gpu-a", "gpu-b"],
+    job="train",
+    kind="tensor_parallel_spans_nodes",
+    severity="warning",
+    group_name="3",
+    group_description="mesh_tp",
+    ranks=[6, 7, 8, 9],
+    nodes=["gpu-a", "gpu-b"],
     message="tensor-parallel group mesh_tp (ranks 6-9) spans gpu-a and gpu-b: its all-reduces leave NVLink",
-)  # fmt: skip
+)
 
 
 def three_nodes() -> cluster_pb2.ClusterTopology:
@@ -113,12 +147,16 @@ def three_nodes() -> cluster_pb2.ClusterTopology:
         nodes=[node("gpu-a", hgx()), node("gpu-b", pcie()), node("login", cpu_only())],
         placements=[
             *hgx_placements(),
-            cluster_pb2.RankPlacement(job="train", rank=8, node_id="gpu-b", gpu=0, nearest_nics=["mlx5_0"], nic_link=PXB),
-            cluster_pb2.RankPlacement(job="train", rank=9, node_id="gpu-b", gpu=1, nearest_nics=["mlx5_0"], nic_link=PXB),
+            cluster_pb2.RankPlacement(
+                job="train", rank=8, node_id="gpu-b", gpu=0, nearest_nics=["mlx5_0"], nic_link=PXB
+            ),
+            cluster_pb2.RankPlacement(
+                job="train", rank=9, node_id="gpu-b", gpu=1, nearest_nics=["mlx5_0"], nic_link=PXB
+            ),
             cluster_pb2.RankPlacement(job="etl", rank=0, node_id="login"),
         ],
         findings=[FINDING],
-    )  # fmt: skip
+    )
 
 
 def grid(lines: list[str]) -> dict[tuple[str, str], str]:
@@ -161,8 +199,14 @@ NIC3  SYS   SYS   SYS   SYS   NODE  NODE  PIX   PIX   -     -     -     X
 
 def test_hgx_matrix_reads_like_nvidia_smi_topo_m() -> None:
     lines = matrix_lines(hgx())
-    assert lines[0].split() == [*(f"GPU{g}" for g in range(8)), *(f"NIC{n}" for n in range(4)),
-                                "CPU", "Affinity", "NUMA", "Affinity"]  # fmt: skip
+    assert lines[0].split() == [
+        *(f"GPU{g}" for g in range(8)),
+        *(f"NIC{n}" for n in range(4)),
+        "CPU",
+        "Affinity",
+        "NUMA",
+        "Affinity",
+    ]
     assert grid(lines) == grid(HGX_MATRIX.splitlines())
     # Spot checks that do not go through the expected text: the diagonal, NVLink, each NIC's own pair.
     cells = grid(lines)
@@ -206,7 +250,7 @@ def test_hgx_nic_legend_nearest_nics_and_ranks() -> None:
 
 def test_pcie_node_shows_what_discovery_missed() -> None:
     lines = node_lines(node("gpu-b", pcie()))
-    cells = grid(lines[2:2 + 1 + 4 + 2])  # fmt: skip
+    cells = grid(lines[2 : 2 + 1 + 4 + 2])
     assert [cells["GPU0", f"GPU{g}"] for g in range(4)] == ["X", "PIX", "PHB", "PHB"]
     assert cells["GPU2", "GPU3"] == cells["GPU3", "GPU2"] == "?"  # not discovered: said, not guessed
     assert [cells[f"GPU{g}", "NIC0"] for g in range(4)] == ["PXB", "PXB", "PHB", "PHB"]
@@ -253,8 +297,15 @@ def test_cluster_summary_counts_nvlink_domains_nics_and_ranks() -> None:
     table = [re.split(r" {2,}", line) for line in lines[: lines.index("")]]
     assert table[0] == ["NODE", "STATE", "GPUS", "NVLINK", "NICS", "SOCKETS/NUMA", "RANKS"]
     rows = {row[0]: dict(zip(table[0], row, strict=True)) for row in table[1:]}
-    assert rows["gpu-a"] == {"NODE": "gpu-a", "STATE": "up", "GPUS": "8", "NVLINK": f"1{TIMES}8 NV18",
-                             "NICS": "4 infiniband 50.0GB/s", "SOCKETS/NUMA": "2/2", "RANKS": "train:0-7"}  # fmt: skip
+    assert rows["gpu-a"] == {
+        "NODE": "gpu-a",
+        "STATE": "up",
+        "GPUS": "8",
+        "NVLINK": f"1{TIMES}8 NV18",
+        "NICS": "4 infiniband 50.0GB/s",
+        "SOCKETS/NUMA": "2/2",
+        "RANKS": "train:0-7",
+    }
     assert rows["gpu-b"]["NVLINK"] == "none"
     assert rows["gpu-b"]["NICS"] == "1 roce 12.5GB/s, 1 ethernet 3.1GB/s"  # RDMA first
     assert rows["gpu-b"]["RANKS"] == "train:8-9"
@@ -333,8 +384,11 @@ def test_json_round_trips() -> None:
     assert document["placements"][0]["gpu"] == 0  # printed although proto3's default: jq sees it
     assert "gpu" not in document["placements"][-1]  # a CPU rank: unset, not 0
     assert document["nodes"][0]["topology"]["gpu_links"][0] == {
-        "gpu": 0, "peer_gpu": 1, "link": "LINK_TYPE_NVLINK", "nvlinks": 18,
-    }  # fmt: skip
+        "gpu": 0,
+        "peer_gpu": 1,
+        "link": "LINK_TYPE_NVLINK",
+        "nvlinks": 18,
+    }
     assert ParseDict(document, cluster_pb2.ClusterTopology()) == original
 
 

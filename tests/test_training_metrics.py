@@ -65,25 +65,32 @@ def test_training_family_names_follow_conventions() -> None:
 def two_rank_store() -> JobStore:
     store = JobStore()
     in_collective = training_pb2.Heartbeat(
-        timestamp_unix_seconds=T0 + 9, step=3, in_step=True,
+        timestamp_unix_seconds=T0 + 9,
+        step=3,
+        in_step=True,
         collective=training_pb2.CollectiveInFlight(op="all_reduce", sequence=12, elapsed_seconds=4.0),
         health=training_pb2.HookHealth(errors_total=1, messages_dropped_total=2),
-    )  # fmt: skip
+    )
     # Two steps of one 8 MiB all-reduce each, as the agent merges them.
     rank0 = rank_report(
-        0, steps=[step(1), step(2)], collectives=[collective(calls=2, bytes_total=16 * MIB, duration_s=0.008)],
+        0,
+        steps=[step(1), step(2)],
+        collectives=[collective(calls=2, bytes_total=16 * MIB, duration_s=0.008)],
         heartbeat=in_collective,
-    )  # fmt: skip
+    )
     rank1 = rank_report(
-        1, steps=[step(n, compute_s=0.45) for n in (1, 2)],
+        1,
+        steps=[step(n, compute_s=0.45) for n in (1, 2)],
         collectives=[collective(calls=2, bytes_total=16 * MIB, duration_s=0.004)],
-    )  # fmt: skip
+    )
     store.ingest("node-a", [rank0], now_mono=1.0, now_unix=T0 + 10)
     store.ingest("node-b", [rank1], now_mono=1.0, now_unix=T0 + 10)
     store.ingest(
-        "node-b", [rank_report(0, job="old", world_size=1, state=EXITED, exit=training_pb2.RankExit(description="x"))],
-        now_mono=1.0, now_unix=T0,
-    )  # fmt: skip
+        "node-b",
+        [rank_report(0, job="old", world_size=1, state=EXITED, exit=training_pb2.RankExit(description="x"))],
+        now_mono=1.0,
+        now_unix=T0,
+    )
     bad = rank_report(0, job="bad", world_size=1)
     bad.identity.rank = 5
     store.ingest("node-c", [bad], now_mono=1.0, now_unix=T0)
@@ -116,9 +123,13 @@ def test_a_job_becomes_the_expected_samples() -> None:
     assert m["clusterwatch_job_checkpoint_results_total"] == [({**j, "result": "failed"}, 1.0)]
     outcomes = {(lbl["job"], lbl["outcome"]): v for lbl, v in m["clusterwatch_checkpoints_total"]}
     assert outcomes == {
-        ("old", "complete"): 0, ("old", "failed"): 0, ("old", "incomplete"): 0,
-        ("train", "complete"): 0, ("train", "failed"): 1, ("train", "incomplete"): 0,
-    }  # fmt: skip
+        ("old", "complete"): 0,
+        ("old", "failed"): 0,
+        ("old", "incomplete"): 0,
+        ("train", "complete"): 0,
+        ("train", "failed"): 1,
+        ("train", "incomplete"): 0,
+    }
     op = {**j, "op": "all_reduce"}
     assert m["clusterwatch_collectives_total"] == [(op, 4.0)]
     assert m["clusterwatch_collective_bytes_total"] == [(op, 32.0 * MIB)]
@@ -197,9 +208,11 @@ def job_named(coordinator: Coordinator, job: str) -> cluster_pb2.JobStatus | Non
 async def test_ranks_reach_metrics_snapshot_and_status(cluster: Cluster) -> None:
     coordinator = cluster.coordinator()
     busy = training_pb2.Heartbeat(
-        timestamp_unix_seconds=T0 + 30, step=21, in_step=True,
+        timestamp_unix_seconds=T0 + 30,
+        step=21,
+        in_step=True,
         collective=training_pb2.CollectiveInFlight(op="all_reduce", sequence=77, elapsed_seconds=12.5),
-    )  # fmt: skip
+    )
     async with (
         AgentStream(coordinator.address, "node-a") as node_a,
         AgentStream(coordinator.address, "node-b") as node_b,
@@ -212,9 +225,13 @@ async def test_ranks_reach_metrics_snapshot_and_status(cluster: Cluster) -> None
                 rank_report(1, world_size=3, steps=steps, collectives=merged),
             )
             await node_b.report(
-                rank_report(2, world_size=3, steps=steps[:5],
-                            collectives=[collective(calls=5, bytes_total=20 * MIB, duration_s=0.04)]),
-            )  # fmt: skip
+                rank_report(
+                    2,
+                    world_size=3,
+                    steps=steps[:5],
+                    collectives=[collective(calls=5, bytes_total=20 * MIB, duration_s=0.04)],
+                ),
+            )
         await node_a.report(rank_report(0, world_size=3, heartbeat=busy))
         exited = training_pb2.RankExit(timestamp_unix_seconds=T0, exit_code=1, description="exit_code 1")
         await node_b.report(rank_report(2, world_size=3, state=EXITED, exit=exited))
@@ -256,8 +273,18 @@ async def test_ranks_reach_metrics_snapshot_and_status(cluster: Cluster) -> None
         lines = text.stdout.splitlines()
         assert any(line.startswith("JOB train  world size 3") for line in lines), text.stdout
         rank_rows = {line.split()[0]: line for line in lines if line[:1].isdigit() and "node-" in line}
-        assert rank_rows["0"].split()[1:] == ["node-a", "20", "500ms", "400ms", "100ms", "524MB/s", "in",
-                                              "all_reduce", "#77", "12.50s"]  # fmt: skip
+        assert rank_rows["0"].split()[1:] == [
+            "node-a",
+            "20",
+            "500ms",
+            "400ms",
+            "100ms",
+            "524MB/s",
+            "in",
+            "all_reduce",
+            "#77",
+            "12.50s",
+        ]
         assert rank_rows["2"].endswith("exited: exit_code 1")
         jobs_section = lines[next(i for i, line in enumerate(lines) if line.startswith("JOB")) :]
         assert max(len(line) for line in jobs_section) <= 80, text.stdout

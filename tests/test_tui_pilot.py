@@ -49,9 +49,20 @@ def simulate(cluster: Cluster, coordinator: Coordinator, duration_s: float = 90)
     scenario = cluster.tmp_path / "tui.toml"
     scenario.write_text(SCENARIO)
     argv = clusterwatch_cmd(
-        "simulate", "--coordinator", coordinator.address, "--scenario", str(scenario), "--job", JOB,
-        "--node-prefix", "tui-", "--interval-s", "0.25", "--duration-s", str(duration_s),
-    )  # fmt: skip
+        "simulate",
+        "--coordinator",
+        coordinator.address,
+        "--scenario",
+        str(scenario),
+        "--job",
+        JOB,
+        "--node-prefix",
+        "tui-",
+        "--interval-s",
+        "0.25",
+        "--duration-s",
+        str(duration_s),
+    )
     process = Process(argv, cluster.tmp_path / "simulate.log")
     cluster.processes.append(process)
     return process.start()
@@ -214,8 +225,19 @@ def test_demo_top_shows_the_demo_in_a_terminal_and_quits_on_q(tmp_path: Path) ->
     pid, fd = pty.fork()
     if pid == 0:  # the child: the demo, with a terminal of its own
         os.environ.update(TERM="xterm-256color", COLUMNS="120", LINES="40")
-        argv = clusterwatch_cmd("demo", "--top", "--no-train", "--grpc-port", "0", "--metrics-port", "0",
-                                "--duration", "60", "--state-dir", str(tmp_path / "state"))  # fmt: skip
+        argv = clusterwatch_cmd(
+            "demo",
+            "--top",
+            "--no-train",
+            "--grpc-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--duration",
+            "60",
+            "--state-dir",
+            str(tmp_path / "state"),
+        )
         os.execv(argv[0], argv)  # noqa: S606 - our own CLI, no shell
     screen = bytearray()
 

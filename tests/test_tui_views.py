@@ -147,8 +147,14 @@ def test_gpu_grid_marks_throttled_gpus_and_counts_them() -> None:
 
 def test_incidents_keep_resolved_ones_and_show_evidence_and_stacks() -> None:
     state = state_after(1)
-    resolved = cluster_pb2.Incident(id="old-1", kind="hang", severity="critical", summary="long ago",
-                                    state=cluster_pb2.INCIDENT_STATE_RESOLVED, opened_unix_seconds=1.0)  # fmt: skip
+    resolved = cluster_pb2.Incident(
+        id="old-1",
+        kind="hang",
+        severity="critical",
+        summary="long ago",
+        state=cluster_pb2.INCIDENT_STATE_RESOLVED,
+        opened_unix_seconds=1.0,
+    )
     state.apply(Update(synthetic_snapshot(SyntheticCluster(), 1), [resolved]))
     rows = incidents.incident_rows(state)
     assert rows[0].key == "old-1"  # oldest first
@@ -169,9 +175,19 @@ def test_tops_slowdown_is_the_straggler_detectors_own() -> None:
     store = JobStore()
     for n in range(1, 41):  # rank 2 computes 30 % longer; every rank a little noise
         reports = [
-            rank_report(r, world_size=4, steps=[step(n, step_s=1.0, compute_s=0.4 * (1.3 if r == 2 else 1.0) * (1 + 0.01 * ((n * (r + 3)) % 5)))])
+            rank_report(
+                r,
+                world_size=4,
+                steps=[
+                    step(
+                        n,
+                        step_s=1.0,
+                        compute_s=0.4 * (1.3 if r == 2 else 1.0) * (1 + 0.01 * ((n * (r + 3)) % 5)),
+                    )
+                ],
+            )
             for r in range(4)
-        ]  # fmt: skip
+        ]
         store.ingest("node-a", reports, now_mono=float(n), now_unix=T0 + n)
     detector = StragglerDetector()
     job = store.jobs["train"]

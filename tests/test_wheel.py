@@ -57,17 +57,31 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     source = tmp_path_factory.mktemp("source")
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, check=True, capture_output=True,
-    ).stdout  # fmt: skip
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout
     for name in filter(None, listed.decode().split("\0")):
         if (ROOT / name).is_file():
             (source / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, source / name)
     dist = tmp_path_factory.mktemp("dist")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(source)],
-        check=True, cwd=dist,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(dist),
+            str(source),
+        ],
+        check=True,
+        cwd=dist,
+    )
     (built,) = dist.glob("clusterwatch-*.whl")
     return built
 
@@ -83,10 +97,14 @@ def test_wheel_installs_in_a_fresh_venv_and_imports_every_module(tmp_path: Path,
     location, count, *names = result.stdout.splitlines()
     assert location.startswith(str(env_dir)), location  # from the wheel, not this checkout
     expected = {
-        "clusterwatch.cli", "clusterwatch.v1.agent_pb2", "clusterwatch.agent.runtime",
-        "clusterwatch.agent.collectors.gpu", "clusterwatch.agent.gpu.nvml_backend",
-        "clusterwatch.coordinator.server", "clusterwatch.tui",
-    }  # fmt: skip
+        "clusterwatch.cli",
+        "clusterwatch.v1.agent_pb2",
+        "clusterwatch.agent.runtime",
+        "clusterwatch.agent.collectors.gpu",
+        "clusterwatch.agent.gpu.nvml_backend",
+        "clusterwatch.coordinator.server",
+        "clusterwatch.tui",
+    }
     assert expected <= set(names)
     # Every source module of the repository is in the wheel.
     in_repo = {
@@ -154,8 +172,11 @@ def test_the_hook_alone_installs_without_the_daemons_dependencies_and_reports(
         assert absent not in names
     missing = subprocess.run(
         [env_dir / "bin" / "clusterwatch", "agent", "--insecure", "--coordinator", "127.0.0.1:1"],
-        capture_output=True, text=True, check=False, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
     assert missing.returncode == 1
     assert "pip install 'clusterwatch[agent]'" in missing.stderr
 
@@ -164,10 +185,29 @@ def test_the_hook_alone_installs_without_the_daemons_dependencies_and_reports(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CLUSTERWATCH_AGENT_SOCKET": str(socket)}
     env.pop("PYTHONPATH", None)
     job = subprocess.run(
-        [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TRAIN),
-         "--out-dir", str(out), "--job", "slim", "--steps", "30", "--compute-ms", "20"],
-        capture_output=True, text=True, check=False, timeout=300, cwd=tmp_path, env=env,
-    )  # fmt: skip
+        [
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(TRAIN),
+            "--out-dir",
+            str(out),
+            "--job",
+            "slim",
+            "--steps",
+            "30",
+            "--compute-ms",
+            "20",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     for rank in (0, 1):
         result = json.loads((out / f"rank{rank}.json").read_text())

@@ -35,10 +35,17 @@ def collective(
     buckets = [0] * (len(COLLECTIVE_DURATION_BUCKETS_S) + 1)
     buckets[duration_bucket_index(duration_s / calls)] = calls
     return training_pb2.CollectiveSummary(
-        op=op, group_name="0", group_size=group_size, dtype="float32", count=calls, bytes_total=bytes_total,
-        duration_seconds_total=duration_s, duration_seconds_max=duration_s / calls, last_sequence=last_sequence,
+        op=op,
+        group_name="0",
+        group_size=group_size,
+        dtype="float32",
+        count=calls,
+        bytes_total=bytes_total,
+        duration_seconds_total=duration_s,
+        duration_seconds_max=duration_s / calls,
+        last_sequence=last_sequence,
         duration_bucket_counts=buckets,
-    )  # fmt: skip
+    )
 
 
 def step(
@@ -50,9 +57,12 @@ def step(
 ) -> training_pb2.StepSummary:
     """Step ``n``; by default steps start every 0.5 s from T0."""
     return training_pb2.StepSummary(
-        step=n, start_unix_seconds=T0 + n * step_s if start is None else start, step_seconds=step_s,
-        compute_seconds=compute_s, communication_seconds=step_s - compute_s,
-    )  # fmt: skip
+        step=n,
+        start_unix_seconds=T0 + n * step_s if start is None else start,
+        step_seconds=step_s,
+        compute_seconds=compute_s,
+        communication_seconds=step_s - compute_s,
+    )
 
 
 def rank_report(
@@ -71,12 +81,22 @@ def rank_report(
 ) -> training_pb2.RankReport:
     report = training_pb2.RankReport(
         identity=training_pb2.RankIdentity(
-            job=job, rank=rank, local_rank=rank % 8, world_size=world_size, pid=1000 + rank,
-            hostname=f"host-{rank // 8}", restart_count=restart_count, gpu_uuid=f"GPU-{rank:04d}",
-            instance_id=instance_id or f"{job}-{rank}-r{restart_count}", backend="gloo",
+            job=job,
+            rank=rank,
+            local_rank=rank % 8,
+            world_size=world_size,
+            pid=1000 + rank,
+            hostname=f"host-{rank // 8}",
+            restart_count=restart_count,
+            gpu_uuid=f"GPU-{rank:04d}",
+            instance_id=instance_id or f"{job}-{rank}-r{restart_count}",
+            backend="gloo",
         ),
-        state=state, steps=steps, collectives=collectives, checkpoint_results=checkpoint_results,
-    )  # fmt: skip
+        state=state,
+        steps=steps,
+        collectives=collectives,
+        checkpoint_results=checkpoint_results,
+    )
     if heartbeat is not None:
         report.heartbeat.CopyFrom(heartbeat)
     elif steps:
@@ -117,9 +137,12 @@ class AgentStream:
     async def __aenter__(self) -> AgentStream:
         self._call = agent_pb2_grpc.AgentServiceStub(self._channel).Connect()  # type: ignore[call-arg]
         hello = agent_pb2.Hello(
-            node_id=self.node_id, hostname=self.node_id, agent_version="test", instance_id=uuid.uuid4().hex,
+            node_id=self.node_id,
+            hostname=self.node_id,
+            agent_version="test",
+            instance_id=uuid.uuid4().hex,
             interval_seconds=0.2,
-        )  # fmt: skip
+        )
         await self._write(agent_pb2.AgentMessage(hello=hello))
         self._reader = asyncio.create_task(self._read())
         return self

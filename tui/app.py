@@ -36,8 +36,14 @@ from clusterwatch.v1 import cluster_pb2
 
 VIEWS = ("nodes", "gpus", "ranks", "network", "incidents")
 ACTIONS = frozenset({"checkpoint", "restart", "exclude"})
-TONE_STYLES = {Tone.MUTED: "dim", Tone.GOOD: "green", Tone.WARNING: "yellow", Tone.ERROR: "bold red",
-               Tone.ACCENT: "cyan", Tone.PLAIN: ""}  # fmt: skip
+TONE_STYLES = {
+    Tone.MUTED: "dim",
+    Tone.GOOD: "green",
+    Tone.WARNING: "yellow",
+    Tone.ERROR: "bold red",
+    Tone.ACCENT: "cyan",
+    Tone.PLAIN: "",
+}
 
 
 def line(cells: list[Cell]) -> Text:
@@ -354,25 +360,35 @@ class TopApp(App[None]):
         if job is None:
             self.notify("Select a rank, node or incident of the job first.", severity="warning")
             return
-        self._confirm(f"Checkpoint job {job}?\nEvery rank saves at a step a little ahead of the furthest one.",
-                      "Checkpoint", lambda: self.client.request_checkpoint(job))  # fmt: skip
+        self._confirm(
+            f"Checkpoint job {job}?\nEvery rank saves at a step a little ahead of the furthest one.",
+            "Checkpoint",
+            lambda: self.client.request_checkpoint(job),
+        )
 
     def action_restart(self) -> None:
         job, _ = self._selection()
         if job is None:
             self.notify("Select a rank, node or incident of the job first.", severity="warning")
             return
-        self._confirm(f"Restart job {job}?\nIts workers are stopped; the launcher restarts them from the newest "
-                      "complete checkpoint.", "Restart", lambda: self.client.restart(job))  # fmt: skip
+        self._confirm(
+            f"Restart job {job}?\nIts workers are stopped; the launcher restarts them from the newest "
+            "complete checkpoint.",
+            "Restart",
+            lambda: self.client.restart(job),
+        )
 
     def action_exclude(self) -> None:
         job, node = self._selection()
         if job is None or node is None:
             self.notify("Select a node (or a rank on it) of a job first.", severity="warning")
             return
-        self._confirm(f"Restart job {job} without node {node}?\nThe node's workers and its torchrun agent are "
-                      "stopped and it is cordoned.", "Exclude",
-                      lambda: self.client.restart(job, exclude_nodes=[node]))  # fmt: skip
+        self._confirm(
+            f"Restart job {job} without node {node}?\nThe node's workers and its torchrun agent are "
+            "stopped and it is cordoned.",
+            "Exclude",
+            lambda: self.client.restart(job, exclude_nodes=[node]),
+        )
 
     def _confirm(self, question: str, verb: str, act: Callable[[], cluster_pb2.ActionResponse]) -> None:
         def answered(yes: bool | None) -> None:

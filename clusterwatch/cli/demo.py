@@ -67,20 +67,25 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--state-dir", type=Path, default=None, help="coordinator state (default: a temp dir)"
     )
     parser.add_argument(
-        "--train", action=argparse.BooleanOptionalAction, default=importlib.util.find_spec("torch") is not None,
+        "--train",
+        action=argparse.BooleanOptionalAction,
+        default=importlib.util.find_spec("torch") is not None,
         help="run the training job with faults (default: when torch is installed)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--inject", action="append", metavar="KIND@step=N,rank=R[,factor=F]",
+        "--inject",
+        action="append",
+        metavar="KIND@step=N,rank=R[,factor=F]",
         help="a fault to inject: straggler or hang, at a step, on a rank of the first launch (repeatable; "
         f"default: {' '.join(demo_faults.DEFAULT_FAULTS)}; 'none' for none)",
-    )  # fmt: skip
+    )
     parser.add_argument("--steps", type=int, default=150, help="steps the job trains (default: 150)")
     parser.add_argument("--summary-json", type=Path, help="also write the summary to this file")
     parser.add_argument(
-        "--top", action="store_true",
+        "--top",
+        action="store_true",
         help="watch it live in clusterwatch top; the timeline and summary are printed when top quits",
-    )  # fmt: skip
+    )
     parser.set_defaults(run=run)
     return parser
 
@@ -154,20 +159,47 @@ def _start_cluster(
     errors = (workdir / "services.log").open("wb") if args.top else None
     ready_file = workdir / "coordinator.ready"
     coordinator = _start(
-        ["coordinator", "--insecure", "--listen", f"127.0.0.1:{args.grpc_port}",
-         "--metrics-listen", f"127.0.0.1:{args.metrics_port}", "--state-dir", str(args.state_dir or workdir / "state"),
-         "--ready-file", str(ready_file), *DEMO_RECOVERY],
-        log_level, errors,
-    )  # fmt: skip
+        [
+            "coordinator",
+            "--insecure",
+            "--listen",
+            f"127.0.0.1:{args.grpc_port}",
+            "--metrics-listen",
+            f"127.0.0.1:{args.metrics_port}",
+            "--state-dir",
+            str(args.state_dir or workdir / "state"),
+            "--ready-file",
+            str(ready_file),
+            *DEMO_RECOVERY,
+        ],
+        log_level,
+        errors,
+    )
     processes.append(coordinator)
     ports = _wait_ready(ready_file, coordinator)
     for node in DEMO_NODES:
-        processes.append(_start(
-            ["agent", "--insecure", "--coordinator", f"127.0.0.1:{ports['grpc_port']}", "--node-id", node,
-             "--gpu-backend", "sim", "--sim-gpus", str(args.sim_gpus), "--interval", str(args.interval),
-             "--socket", str(workdir / f"{node}.sock")],
-            log_level, errors,
-        ))  # fmt: skip
+        processes.append(
+            _start(
+                [
+                    "agent",
+                    "--insecure",
+                    "--coordinator",
+                    f"127.0.0.1:{ports['grpc_port']}",
+                    "--node-id",
+                    node,
+                    "--gpu-backend",
+                    "sim",
+                    "--sim-gpus",
+                    str(args.sim_gpus),
+                    "--interval",
+                    str(args.interval),
+                    "--socket",
+                    str(workdir / f"{node}.sock"),
+                ],
+                log_level,
+                errors,
+            )
+        )
     return ports
 
 
@@ -280,19 +312,38 @@ def _start_training(
     while not socket.exists() and time.monotonic() < deadline:  # else the hooks start unconnected
         time.sleep(0.05)
     env = {
-        **os.environ, "CLUSTERWATCH_AGENT_SOCKET": str(socket), "OMP_NUM_THREADS": "1", "CLUSTERWATCH_JOB": JOB,
-        demo_training.NODE_ENV: str(node), demo_training.DIR_ENV: str(workdir),
-        demo_training.STEPS_ENV: str(steps), demo_faults.ENV: demo_faults.to_json(faults),
+        **os.environ,
+        "CLUSTERWATCH_AGENT_SOCKET": str(socket),
+        "OMP_NUM_THREADS": "1",
+        "CLUSTERWATCH_JOB": JOB,
+        demo_training.NODE_ENV: str(node),
+        demo_training.DIR_ENV: str(workdir),
+        demo_training.STEPS_ENV: str(steps),
+        demo_faults.ENV: demo_faults.to_json(faults),
         # torch 2.13 + gloo: without it the first group torchrun restarts fails to connect (see README).
         "TORCH_GLOO_LAZY_INIT": "1",
-    }  # fmt: skip
+    }
     with (workdir / f"train-node-{node}.log").open("wb") as log:  # the child keeps its own copy
         return subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", f"--nproc-per-node={RANKS_PER_NODE}",
-             "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={JOB}", f"--rdzv-conf={RDZV_CONF}",
-             "--max-restarts=3", "--module", "clusterwatch.cli.demo_training"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=1:2",
+                f"--nproc-per-node={RANKS_PER_NODE}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={rendezvous}",
+                f"--rdzv-id={JOB}",
+                f"--rdzv-conf={RDZV_CONF}",
+                "--max-restarts=3",
+                "--module",
+                "clusterwatch.cli.demo_training",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def _ettr(metrics_url: str) -> float | None:

@@ -97,8 +97,15 @@ def main() -> int:
 
     monitor.on_checkpoint(coordinated_save)
     start = monitor.resume_step()
-    events.add("started", rank=rank, node=node, local_rank=local_rank, world_size=dist.get_world_size(),
-               resume_step=start, restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))  # fmt: skip
+    events.add(
+        "started",
+        rank=rank,
+        node=node,
+        local_rank=local_rank,
+        world_size=dist.get_world_size(),
+        resume_step=start,
+        restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    )
     step = start
     while step < steps:
         started_s = time.perf_counter()

@@ -58,10 +58,18 @@ def run(args: argparse.Namespace) -> int:
 
     scenario = load_scenario(args.scenario)
     settings = resolve_settings(
-        scenario, coordinator=args.coordinator, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-        step_s=args.step_s, interval_s=args.interval_s, duration_s=args.duration_s, job=args.job,
-        node_prefix=args.node_prefix, ground_truth_out=args.ground_truth_out, seed=args.seed,
-    )  # fmt: skip
+        scenario,
+        coordinator=args.coordinator,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        step_s=args.step_s,
+        interval_s=args.interval_s,
+        duration_s=args.duration_s,
+        job=args.job,
+        node_prefix=args.node_prefix,
+        ground_truth_out=args.ground_truth_out,
+        seed=args.seed,
+    )
     print(
         f"clusterwatch simulate: job {settings.job}, {settings.world_size} ranks on {settings.nodes} nodes "
         f"({settings.node_prefix}0..), step {settings.step_s:g} s, scenario {scenario.name} "

@@ -56,14 +56,16 @@ def node_summary(node: cluster_pb2.NodeStatus) -> dict[str, Any]:
         "gpu_utilization_mean_ratio": sum(utils) / len(utils) if utils else None,
         "gpu_memory_used_bytes": sum(g.memory_used_bytes for g in gpus),
         "gpu_memory_total_bytes": sum(g.memory_total_bytes for g in gpus),
-        "host_memory_used_bytes": node.report.host.memory_used_bytes if node.report.host.HasField(
-            "memory_used_bytes") else None,
-        "host_memory_total_bytes": node.report.host.memory_total_bytes if node.report.host.HasField(
-            "memory_total_bytes") else None,
+        "host_memory_used_bytes": node.report.host.memory_used_bytes
+        if node.report.host.HasField("memory_used_bytes")
+        else None,
+        "host_memory_total_bytes": node.report.host.memory_total_bytes
+        if node.report.host.HasField("memory_total_bytes")
+        else None,
         "last_seen_unix_seconds": node.last_seen_unix_seconds or None,
         "last_sequence": node.last_sequence,
         "reports_missed_total": node.reports_missed_total,
-    }  # fmt: skip
+    }
     for field in (
         "network_receive_bytes_per_second",
         "network_transmit_bytes_per_second",
@@ -75,24 +77,39 @@ def node_summary(node: cluster_pb2.NodeStatus) -> dict[str, Any]:
 
 
 def format_table(rows: list[dict[str, Any]], now: float) -> str:
-    header = ("NODE", "STATE", "GPUS", "GPU UTIL", "GPU MEM", "HOST MEM", "NET RX", "NET TX", "IB RX", "IB TX",
-              "LAST SEEN")  # fmt: skip
+    header = (
+        "NODE",
+        "STATE",
+        "GPUS",
+        "GPU UTIL",
+        "GPU MEM",
+        "HOST MEM",
+        "NET RX",
+        "NET TX",
+        "IB RX",
+        "IB TX",
+        "LAST SEEN",
+    )
     lines = [header]
     for r in rows:
         util = r["gpu_utilization_mean_ratio"]
-        lines.append((
-            r["node_id"],
-            r["state"],
-            f"{r['gpus']}{' (sim)' if r['gpu_simulated'] else ''}",
-            "-" if util is None else f"{util * 100:.0f}%",
-            f"{size_bytes(r['gpu_memory_used_bytes'])}/{size_bytes(r['gpu_memory_total_bytes'])}" if r["gpus"] else "-",
-            f"{size_bytes(r['host_memory_used_bytes'])}/{size_bytes(r['host_memory_total_bytes'])}",
-            size_bytes(r["network_receive_bytes_per_second"], "/s"),
-            size_bytes(r["network_transmit_bytes_per_second"], "/s"),
-            size_bytes(r["infiniband_receive_bytes_per_second"], "/s"),
-            size_bytes(r["infiniband_transmit_bytes_per_second"], "/s"),
-            ago(r["last_seen_unix_seconds"], now),
-        ))  # fmt: skip
+        lines.append(
+            (
+                r["node_id"],
+                r["state"],
+                f"{r['gpus']}{' (sim)' if r['gpu_simulated'] else ''}",
+                "-" if util is None else f"{util * 100:.0f}%",
+                f"{size_bytes(r['gpu_memory_used_bytes'])}/{size_bytes(r['gpu_memory_total_bytes'])}"
+                if r["gpus"]
+                else "-",
+                f"{size_bytes(r['host_memory_used_bytes'])}/{size_bytes(r['host_memory_total_bytes'])}",
+                size_bytes(r["network_receive_bytes_per_second"], "/s"),
+                size_bytes(r["network_transmit_bytes_per_second"], "/s"),
+                size_bytes(r["infiniband_receive_bytes_per_second"], "/s"),
+                size_bytes(r["infiniband_transmit_bytes_per_second"], "/s"),
+                ago(r["last_seen_unix_seconds"], now),
+            )
+        )
     return "\n".join(columns(lines))
 
 
@@ -123,16 +140,18 @@ def format_jobs(jobs: list[cluster_pb2.JobStatus]) -> str:
         lines: list[tuple[Any, ...]] = [("RANK", "NODE", "STEP", "TIME", "COMP", "COMM", "BUSBW", "STATE")]
         for rank in job.ranks:
             last = rank.last_step if rank.HasField("last_step") else None
-            lines.append((
-                rank.identity.rank,
-                rank.node_id,
-                "-" if last is None else last.step,
-                duration(None if last is None else last.step_seconds),
-                duration(None if last is None else last.compute_seconds),
-                duration(None if last is None else last.communication_seconds),
-                bandwidth(all_reduce_bus_bandwidth(rank)),
-                rank_state(rank),
-            ))  # fmt: skip
+            lines.append(
+                (
+                    rank.identity.rank,
+                    rank.node_id,
+                    "-" if last is None else last.step,
+                    duration(None if last is None else last.step_seconds),
+                    duration(None if last is None else last.compute_seconds),
+                    duration(None if last is None else last.communication_seconds),
+                    bandwidth(all_reduce_bus_bandwidth(rank)),
+                    rank_state(rank),
+                )
+            )
         table = "\n".join(columns(lines))
         blocks.append(f"JOB {job.job}  world size {job.world_size}  {rate}  {checkpoint}{labels}\n{table}")
     return "\n\n".join(blocks)

@@ -45,8 +45,11 @@ GPU_NVLINK_ERRORS = counter(
     "NVLink data-link errors summed over the GPU's links, by kind (crc, replay, recovery); "
     "per-link counts are in the API.",
 )
-NVLINK_ERROR_KINDS = (("crc", "crc_errors_total"), ("replay", "replay_errors_total"),
-                      ("recovery", "recovery_errors_total"))  # fmt: skip
+NVLINK_ERROR_KINDS = (
+    ("crc", "crc_errors_total"),
+    ("replay", "replay_errors_total"),
+    ("recovery", "recovery_errors_total"),
+)
 GPU_ECC = counter(
     "clusterwatch_gpu_ecc_errors_total", "ECC errors since the driver loaded (volatile), by kind."
 )
@@ -236,14 +239,33 @@ REPORT_TIMESTAMP = gauge(
 NODE_FAMILIES: tuple[Family, ...] = (
     GPU_INFO,
     *(f for f, _ in GPU_FIELDS),
-    GPU_CLOCKS_EVENT_ACTIVE, GPU_NVLINK_TX, GPU_NVLINK_RX, GPU_NVLINK_ERRORS, GPU_ECC,
-    GPU_REMAPPED_ROWS, GPU_REMAPPED_PENDING, GPU_REMAPPED_FAILURE, GPU_XID, GPU_PROCESSES, GPU_QUERY_ERRORS,
-    NODE_CPUS, *(f for f, _ in HOST_FIELDS),
-    *(f for f, _ in NIC_FIELDS), NIC_UP, NIC_SPEED,
-    *(f for f, _ in IB_FIELDS), IB_INFO, IB_UP, IB_HW_COUNTER,
-    GPU_LINK_INFO, GPU_NIC_AFFINITY_INFO,
-    COLLECTOR_SUCCESS, COLLECTOR_DURATION, REPORTS_DROPPED, REPORT_TIMESTAMP,
-)  # fmt: skip
+    GPU_CLOCKS_EVENT_ACTIVE,
+    GPU_NVLINK_TX,
+    GPU_NVLINK_RX,
+    GPU_NVLINK_ERRORS,
+    GPU_ECC,
+    GPU_REMAPPED_ROWS,
+    GPU_REMAPPED_PENDING,
+    GPU_REMAPPED_FAILURE,
+    GPU_XID,
+    GPU_PROCESSES,
+    GPU_QUERY_ERRORS,
+    NODE_CPUS,
+    *(f for f, _ in HOST_FIELDS),
+    *(f for f, _ in NIC_FIELDS),
+    NIC_UP,
+    NIC_SPEED,
+    *(f for f, _ in IB_FIELDS),
+    IB_INFO,
+    IB_UP,
+    IB_HW_COUNTER,
+    GPU_LINK_INFO,
+    GPU_NIC_AFFINITY_INFO,
+    COLLECTOR_SUCCESS,
+    COLLECTOR_DURATION,
+    REPORTS_DROPPED,
+    REPORT_TIMESTAMP,
+)
 
 
 def register_node_families(exp: Exposition) -> None:

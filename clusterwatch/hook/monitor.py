@@ -414,10 +414,14 @@ class TrainingMonitor:
         for command_id in command_ids:
             self._send_result(
                 training_pb2.CheckpointResult(
-                    command_id=command_id, step=step, ok=not error, path=path,
-                    duration_seconds=duration_s, error=error,
+                    command_id=command_id,
+                    step=step,
+                    ok=not error,
+                    path=path,
+                    duration_seconds=duration_s,
+                    error=error,
                 )
-            )  # fmt: skip
+            )
         if not error:
             logger.info("clusterwatch: checkpoint at step %d saved to %s in %.2f s", step, path, duration_s)
 

@@ -144,8 +144,11 @@ def _build(
             logger.info(
                 "clusterwatch: process group %.64r (%d members) not reported: its name is over %d "
                 "characters, or its members are more than %d and not evenly spaced",
-                name, len(ranks), MAX_NAME_CHARS, MAX_ENTRIES,
-            )  # fmt: skip
+                name,
+                len(ranks),
+                MAX_NAME_CHARS,
+                MAX_ENTRIES,
+            )
     groups.sort(key=lambda g: g.group_name)
     if len(groups) > MAX_ENTRIES:
         logger.info("clusterwatch: %d process groups, reporting the first %d", len(groups), MAX_ENTRIES)

@@ -89,9 +89,10 @@ def _diagnose(
         diagnoses.append(found)
     if not diagnoses:
         return agent_pb2.CommandResult(
-            command_id=command_id, status=Status.STATUS_FAILED,
+            command_id=command_id,
+            status=Status.STATUS_FAILED,
             message=f"none of the ranks asked about of job {diagnose.job} runs on this node",
-        )  # fmt: skip
+        )
     return agent_pb2.CommandResult(
         command_id=command_id,
         status=Status.STATUS_OK,

@@ -61,9 +61,14 @@ _GPU_TARGETS = {
     None: (0.0, 72.0, 36.0),
 }
 _GPU_HOLDS_MEMORY = frozenset(
-    {RankCondition.COMPUTING, RankCondition.IN_COLLECTIVE, RankCondition.WAITING, RankCondition.HUNG,
-     RankCondition.FROZEN}
-)  # fmt: skip
+    {
+        RankCondition.COMPUTING,
+        RankCondition.IN_COLLECTIVE,
+        RankCondition.WAITING,
+        RankCondition.HUNG,
+        RankCondition.FROZEN,
+    }
+)
 THERMAL_CELSIUS = 90.0
 TEMPERATURE_LAG_S = 8.0
 LOAD_LAGS_S = (60.0, 300.0, 900.0)
@@ -188,18 +193,30 @@ class NodeModel:
             gpu.energy_j += power_w * dt_s
             memory_bytes = TRAINING_MEMORY_BYTES if condition in _GPU_HOLDS_MEMORY else IDLE_MEMORY_BYTES
             report.gpus.add(
-                index=index, uuid=gpu.uuid, name=GPU_NAME, pci_bus_id=gpu.pci_bus_id,
-                utilization_ratio=util, memory_bandwidth_utilization_ratio=util * 0.45,
-                memory_used_bytes=memory_bytes, memory_total_bytes=MEMORY_TOTAL_BYTES,
-                power_watts=power_w, power_limit_watts=POWER_LIMIT_WATTS, energy_joules_total=gpu.energy_j,
+                index=index,
+                uuid=gpu.uuid,
+                name=GPU_NAME,
+                pci_bus_id=gpu.pci_bus_id,
+                utilization_ratio=util,
+                memory_bandwidth_utilization_ratio=util * 0.45,
+                memory_used_bytes=memory_bytes,
+                memory_total_bytes=MEMORY_TOTAL_BYTES,
+                power_watts=power_w,
+                power_limit_watts=POWER_LIMIT_WATTS,
+                energy_joules_total=gpu.energy_j,
                 temperature_celsius=round(gpu.temperature_c + uniform(-0.5, 0.5), 1),
                 memory_temperature_celsius=round(gpu.temperature_c + 6.0, 1),
-                sm_clock_hertz=round(sm_clock_hz, -6), memory_clock_hertz=MEMORY_CLOCK_HERTZ,
-                sm_clock_max_hertz=SM_CLOCK_MAX_HERTZ, clocks_event_reasons=reasons,
-                ecc_corrected_errors_total=0, ecc_uncorrected_errors_total=0,
-                remapped_rows_correctable=0, remapped_rows_uncorrectable=0,
-                remapped_rows_pending=False, remapped_rows_failure=False,
-            )  # fmt: skip
+                sm_clock_hertz=round(sm_clock_hz, -6),
+                memory_clock_hertz=MEMORY_CLOCK_HERTZ,
+                sm_clock_max_hertz=SM_CLOCK_MAX_HERTZ,
+                clocks_event_reasons=reasons,
+                ecc_corrected_errors_total=0,
+                ecc_uncorrected_errors_total=0,
+                remapped_rows_correctable=0,
+                remapped_rows_uncorrectable=0,
+                remapped_rows_pending=False,
+                remapped_rows_failure=False,
+            )
 
     def _host(self, report: node_pb2.NodeReport, now_s: float, dt_s: float) -> None:
         uniform = self.rng.uniform
@@ -238,10 +255,14 @@ class NodeModel:
             self._eth_bytes[i] += int(dt_s * uniform(2e6, 8e6))
             sent = self._eth_bytes[i]
             report.nics.add(
-                device=f"eth{i}", receive_bytes_total=sent * 2, transmit_bytes_total=sent,
-                receive_packets_total=sent * 2 // 1400, transmit_packets_total=sent // 1400, up=True,
+                device=f"eth{i}",
+                receive_bytes_total=sent * 2,
+                transmit_bytes_total=sent,
+                receive_packets_total=sent * 2 // 1400,
+                transmit_packets_total=sent // 1400,
+                up=True,
                 speed_bytes_per_second=3.125e9,
-            )  # fmt: skip
+            )
         slow = self.faults.active(self.faults.slow_link, now_s)
         wait_fraction = IB_BASELINE_WAIT_FRACTION + (1.0 - 1.0 / slow if slow is not None else 0.0)
         transfer_s = steps_done * transfer_s_per_step * (slow or 1.0)
@@ -250,12 +271,21 @@ class NodeModel:
             self._ib_wait[port] += int(transfer_s * IB_WAIT_TICKS_PER_S * wait_fraction * uniform(0.8, 1.2))
             moved = self._ib_bytes[port]
             report.ib_ports.add(
-                device=f"mlx5_{port}", port=1, receive_bytes_total=moved, transmit_bytes_total=moved,
-                receive_packets_total=moved // IB_MTU_BYTES, transmit_packets_total=moved // IB_MTU_BYTES,
-                transmit_wait_total=self._ib_wait[port], symbol_errors_total=0, link_downed_total=0,
-                receive_errors_total=0, state="ACTIVE", physical_state="LinkUp",
-                rate_bytes_per_second=IB_RATE_BYTES_PER_S, link_layer="InfiniBand",
-            )  # fmt: skip
+                device=f"mlx5_{port}",
+                port=1,
+                receive_bytes_total=moved,
+                transmit_bytes_total=moved,
+                receive_packets_total=moved // IB_MTU_BYTES,
+                transmit_packets_total=moved // IB_MTU_BYTES,
+                transmit_wait_total=self._ib_wait[port],
+                symbol_errors_total=0,
+                link_downed_total=0,
+                receive_errors_total=0,
+                state="ACTIVE",
+                physical_state="LinkUp",
+                rate_bytes_per_second=IB_RATE_BYTES_PER_S,
+                link_layer="InfiniBand",
+            )
 
 
 def _pci_bus_id(index: int) -> str:

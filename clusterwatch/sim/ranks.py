@@ -401,12 +401,21 @@ class JobModel:
             self._reported_through[rank] = last
             bytes_total = count * self.allreduce_bytes
             report.collectives.add(
-                op=OP, group_name=GROUP_NAME, group_size=self.world_size, dtype=DTYPE,
-                size_bucket_bytes=self._size_bucket, count=count, bytes_total=bytes_total,
-                duration_seconds_total=comm_total_s, duration_seconds_max=comm_max_s, last_sequence=last,
-                bus_bandwidth_bytes_per_second=bus_bandwidth_bytes_per_s(OP, self.world_size, bytes_total, comm_total_s),
+                op=OP,
+                group_name=GROUP_NAME,
+                group_size=self.world_size,
+                dtype=DTYPE,
+                size_bucket_bytes=self._size_bucket,
+                count=count,
+                bytes_total=bytes_total,
+                duration_seconds_total=comm_total_s,
+                duration_seconds_max=comm_max_s,
+                last_sequence=last,
+                bus_bandwidth_bytes_per_second=bus_bandwidth_bytes_per_s(
+                    OP, self.world_size, bytes_total, comm_total_s
+                ),
                 duration_bucket_counts=buckets,
-            )  # fmt: skip
+            )
         return count
 
     def final_ranks(self, node: int, now_s: float) -> list[training_pb2.RankReport]:
@@ -454,10 +463,18 @@ class JobModel:
     def _identity(self, rank: int, gpu_uuids: Sequence[Sequence[str]]) -> training_pb2.RankIdentity:
         node, local_rank = divmod(rank, self.gpus_per_node)
         return training_pb2.RankIdentity(
-            job=self.job, rank=rank, local_rank=local_rank, world_size=self.world_size, pid=10_000 + local_rank,
-            hostname=self.node_ids[node], restart_count=0, gpu_uuid=gpu_uuids[node][local_rank],
-            hook_version=HOOK_VERSION, instance_id=uuid.uuid4().hex, backend="nccl",
-        )  # fmt: skip
+            job=self.job,
+            rank=rank,
+            local_rank=local_rank,
+            world_size=self.world_size,
+            pid=10_000 + local_rank,
+            hostname=self.node_ids[node],
+            restart_count=0,
+            gpu_uuid=gpu_uuids[node][local_rank],
+            hook_version=HOOK_VERSION,
+            instance_id=uuid.uuid4().hex,
+            backend="nccl",
+        )
 
 
 def _fr_sequence(sequence: int) -> int:
@@ -471,6 +488,8 @@ def _killed(signal_number: int, at_s: float) -> training_pb2.RankExit:
     except ValueError:
         name = ""
     return training_pb2.RankExit(
-        timestamp_unix_seconds=at_s, signal=signal_number, clean=False,
+        timestamp_unix_seconds=at_s,
+        signal=signal_number,
+        clean=False,
         description=f"killed by signal {signal_number}{name}",
-    )  # fmt: skip
+    )

@@ -132,10 +132,18 @@ def resolve_settings(
         raise ConfigError("job", "must not be empty")
     check_fits(scenario, node_count, gpus)
     return SimulationSettings(
-        coordinator=coordinator, scenario=scenario, nodes=node_count, gpus_per_node=gpus, step_s=step,
-        interval_s=interval, job=job_name, node_prefix=node_prefix if node_prefix is not None else f"{job_name}-node-",
-        duration_s=duration, ground_truth_out=ground_truth_out, seed=seed,
-    )  # fmt: skip
+        coordinator=coordinator,
+        scenario=scenario,
+        nodes=node_count,
+        gpus_per_node=gpus,
+        step_s=step,
+        interval_s=interval,
+        job=job_name,
+        node_prefix=node_prefix if node_prefix is not None else f"{job_name}-node-",
+        duration_s=duration,
+        ground_truth_out=ground_truth_out,
+        seed=seed,
+    )
 
 
 class Simulation:
@@ -177,11 +185,20 @@ class Simulation:
             for j, node in enumerate(node_ids)
         ]
         self.truth = GroundTruth(
-            scenario=s.scenario.name, description=s.scenario.description, source=s.scenario.source, job=s.job,
-            nodes=node_ids, gpus_per_node=s.gpus_per_node, world_size=s.world_size, step_s=s.step_s,
-            interval_s=s.interval_s, compute_cv=s.scenario.noise.compute_cv, seed=seed,
-            started_unix_s=self._wall0, faults=[self._fault_truth(f) for f in s.scenario.faults],
-        )  # fmt: skip
+            scenario=s.scenario.name,
+            description=s.scenario.description,
+            source=s.scenario.source,
+            job=s.job,
+            nodes=node_ids,
+            gpus_per_node=s.gpus_per_node,
+            world_size=s.world_size,
+            step_s=s.step_s,
+            interval_s=s.interval_s,
+            compute_cv=s.scenario.noise.compute_cv,
+            seed=seed,
+            started_unix_s=self._wall0,
+            faults=[self._fault_truth(f) for f in s.scenario.faults],
+        )
         self.streams: list[SimAgentStream] = []
         self._lost: set[int] = set()
         self._applied: set[int] = set()
@@ -202,13 +219,17 @@ class Simulation:
         node_ids = self.settings.node_ids
         kind, cause = EXPECTED_INCIDENTS[fault.kind]
         return FaultTruth(
-            index=fault.index, kind=fault.kind.value, at_step=fault.at_step, ranks=list(ranks),
+            index=fault.index,
+            kind=fault.kind.value,
+            at_step=fault.at_step,
+            ranks=list(ranks),
             nodes=[node_ids[n] for n in affected_nodes(fault, g)],
             gpus=[self.nodes[r // g].gpu_uuids[r % g] for r in ranks],
-            expected_kind=kind, expected_cause=cause,
+            expected_kind=kind,
+            expected_cause=cause,
             slowdown_ratio=fault.slowdown_ratio if fault.slowdown_ratio != 1.0 else None,
             signal=fault.signal if fault.kind is FaultKind.CRASH else None,
-        )  # fmt: skip
+        )
 
     async def run(self, stop: asyncio.Event) -> GroundTruth:
         """Run until ``duration_s`` passes or ``stop`` is set; return the ground truth."""
@@ -341,8 +362,12 @@ class Simulation:
                 truth.onset_unix_s, truth.onset_step = onset.unix_s, onset.step
                 logger.info(
                     "fault %s (%s) took effect at step %d: ranks %s, nodes %s",
-                    fault.index, fault.kind.value, onset.step, truth.ranks[:8], truth.nodes,
-                )  # fmt: skip
+                    fault.index,
+                    fault.kind.value,
+                    onset.step,
+                    truth.ranks[:8],
+                    truth.nodes,
+                )
                 self._write_truth()
 
     def _show(self, fault: FaultSpec, onset_s: float) -> None:

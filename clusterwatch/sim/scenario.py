@@ -98,13 +98,29 @@ _FAULT_KEYS: dict[FaultKind, frozenset[str]] = {
 }
 
 # Upper limits of noise settings: beyond a CV of 0.2 the normal draws would need clamping all the time.
-_NOISE_MAX = {"compute_cv": 0.2, "rank_bias_cv": 0.2, "collective_cv": 0.5, "collective_spike_probability": 1.0,
-              "drift_amplitude_ratio": 0.5}  # fmt: skip
+_NOISE_MAX = {
+    "compute_cv": 0.2,
+    "rank_bias_cv": 0.2,
+    "collective_cv": 0.5,
+    "collective_spike_probability": 1.0,
+    "drift_amplitude_ratio": 0.5,
+}
 
 _TOP_KEYS = frozenset(
-    {"name", "description", "seed", "nodes", "gpus_per_node", "step_s", "duration_s", "interval_s",
-     "comm_fraction", "noise", "fault"}
-)  # fmt: skip
+    {
+        "name",
+        "description",
+        "seed",
+        "nodes",
+        "gpus_per_node",
+        "step_s",
+        "duration_s",
+        "interval_s",
+        "comm_fraction",
+        "noise",
+        "fault",
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -83,12 +83,17 @@ class SeenIncident:
     @classmethod
     def from_proto(cls, incident: cluster_pb2.Incident) -> SeenIncident:
         return cls(
-            id=incident.id, kind=incident.kind, cause=incident.cause, job=incident.job,
-            ranks=tuple(incident.ranks), nodes=tuple(incident.nodes),
-            opened_unix_s=incident.opened_unix_seconds, summary=incident.summary,
+            id=incident.id,
+            kind=incident.kind,
+            cause=incident.cause,
+            job=incident.job,
+            ranks=tuple(incident.ranks),
+            nodes=tuple(incident.nodes),
+            opened_unix_s=incident.opened_unix_seconds,
+            summary=incident.summary,
             state=cluster_pb2.IncidentState.Name(incident.state).removeprefix("INCIDENT_STATE_").lower(),
             severity=incident.severity,
-        )  # fmt: skip
+        )
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -234,10 +239,16 @@ def score_scenario(truth: GroundTruth, histories: Iterable[IncidentHistory]) -> 
     related_ids = {incident_id for f in faults for incident_id in f.related}
     incidents = [j.final for j in counted]
     score = ScenarioScore(
-        scenario=truth.scenario, job=truth.job, step_s=truth.step_s, world_size=truth.world_size,
-        incidents=incidents, true_positives=[i for i in incidents if i.id in related_ids],
-        false_positives=[i for i in incidents if i.id not in related_ids], after_end=after_end, faults=faults,
-    )  # fmt: skip
+        scenario=truth.scenario,
+        job=truth.job,
+        step_s=truth.step_s,
+        world_size=truth.world_size,
+        incidents=incidents,
+        true_positives=[i for i in incidents if i.id in related_ids],
+        false_positives=[i for i in incidents if i.id not in related_ids],
+        after_end=after_end,
+        faults=faults,
+    )
     if not truth.faults:
         score.target, score.target_met = "no incident", not counted
     return score
@@ -355,13 +366,20 @@ def overall(scores: Sequence[ScenarioScore]) -> Overall:
     targets = [f.target_met for s in scores for f in s.faults if f.target is not None]
     targets += [s.target_met for s in scores if s.target is not None]
     return Overall(
-        incidents=incidents, true_positives=tp, false_positives=incidents - tp, faults=len(triggered),
-        detected=len(detected), precision=tp / incidents if incidents else None,
+        incidents=incidents,
+        true_positives=tp,
+        false_positives=incidents - tp,
+        faults=len(triggered),
+        detected=len(detected),
+        precision=tp / incidents if incidents else None,
         recall=len(detected) / len(triggered) if triggered else None,
         culprit_accuracy=sum(bool(f.culprit_ok) for f in detected) / len(detected) if detected else None,
         cause_accuracy=sum(bool(f.cause_ok) for f in detected) / len(detected) if detected else None,
-        cause_accuracy_final=sum(bool(f.cause_ok_final) for f in detected) / len(detected) if detected else None,
+        cause_accuracy_final=sum(bool(f.cause_ok_final) for f in detected) / len(detected)
+        if detected
+        else None,
         latency_s_median=statistics.median(latencies) if latencies else None,
         latency_s_max=max(latencies) if latencies else None,
-        targets_met=sum(bool(t) for t in targets), targets=len(targets),
-    )  # fmt: skip
+        targets_met=sum(bool(t) for t in targets),
+        targets=len(targets),
+    )

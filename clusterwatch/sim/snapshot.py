@@ -94,13 +94,18 @@ def _node(
     sequence = LOST_AFTER_REPORTS if lost else REPORTS_BEFORE + tick
     seen = START_UNIX_S + sequence
     status = cluster_pb2.NodeStatus(
-        node_id=node_id, hostname=node_id, agent_version="0.1.0", last_seen_unix_seconds=seen,
+        node_id=node_id,
+        hostname=node_id,
+        agent_version="0.1.0",
+        last_seen_unix_seconds=seen,
         state=cluster_pb2.NODE_STATE_UNREACHABLE if lost else cluster_pb2.NODE_STATE_UP,
-        last_sequence=sequence, reports_received_total=sequence,
-        network_receive_bytes_per_second=2.1e6 * (1 + rng.random()), network_transmit_bytes_per_second=1.9e6,
+        last_sequence=sequence,
+        reports_received_total=sequence,
+        network_receive_bytes_per_second=2.1e6 * (1 + rng.random()),
+        network_transmit_bytes_per_second=1.9e6,
         infiniband_receive_bytes_per_second=41e9 * (1 + rng.uniform(-0.05, 0.05)),
         infiniband_transmit_bytes_per_second=40e9 * (1 + rng.uniform(-0.05, 0.05)),
-    )  # fmt: skip
+    )
     report = status.report
     report.sequence = sequence
     report.timestamp_unix_seconds = seen
@@ -110,14 +115,20 @@ def _node(
     report.gpu_inventory.driver_version = "575.57.08"
     for g in range(cluster.gpus_per_node):
         gpu = report.gpus.add(
-            index=g, uuid=f"GPU-{n:04d}{g:02d}00-0000-0000-0000-000000000000", name="NVIDIA H100 80GB HBM3",
+            index=g,
+            uuid=f"GPU-{n:04d}{g:02d}00-0000-0000-0000-000000000000",
+            name="NVIDIA H100 80GB HBM3",
             pci_bus_id=f"00000000:{0x18 + g:02X}:00.0",
             utilization_ratio=min(1.0, max(0.0, rng.gauss(0.93, 0.03))),
-            memory_used_bytes=int((62 + 8 * rng.random()) * GIB), memory_total_bytes=80 * GIB,
-            power_watts=560 + 80 * rng.random(), power_limit_watts=700,
-            temperature_celsius=62 + 8 * rng.random(), sm_clock_hertz=1.98e9, sm_clock_max_hertz=1.98e9,
+            memory_used_bytes=int((62 + 8 * rng.random()) * GIB),
+            memory_total_bytes=80 * GIB,
+            power_watts=560 + 80 * rng.random(),
+            power_limit_watts=700,
+            temperature_celsius=62 + 8 * rng.random(),
+            sm_clock_hertz=1.98e9,
+            sm_clock_max_hertz=1.98e9,
             clocks_event_reasons=0,
-        )  # fmt: skip
+        )
         if g == slow_gpu:
             gpu.temperature_celsius, gpu.sm_clock_hertz = 91.0, 1.35e9
             gpu.clocks_event_reasons = THERMAL_SLOWDOWN
@@ -128,29 +139,50 @@ def _node(
     report.host.load1 = 24.0
     report.host.memory_used_bytes, report.host.memory_total_bytes = 410 * GIB, 2048 * GIB
     seconds = report.sequence
-    report.nics.add(device="eth0", receive_bytes_total=2_000_000 * seconds, transmit_bytes_total=1_900_000 * seconds,
-                    up=True, speed_bytes_per_second=12.5e9)  # fmt: skip
+    report.nics.add(
+        device="eth0",
+        receive_bytes_total=2_000_000 * seconds,
+        transmit_bytes_total=1_900_000 * seconds,
+        up=True,
+        speed_bytes_per_second=12.5e9,
+    )
     for p in range(min(cluster.gpus_per_node, 8)):
         congested = n == 2 % max(1, cluster.nodes) and p == 0 and cluster.with_faults
         report.ib_ports.add(
-            device=f"mlx5_{p}", port=1, state="4: ACTIVE", physical_state="5: LinkUp", link_layer="InfiniBand",
-            rate_bytes_per_second=50e9, receive_bytes_total=5_100_000_000 * seconds,
+            device=f"mlx5_{p}",
+            port=1,
+            state="4: ACTIVE",
+            physical_state="5: LinkUp",
+            link_layer="InfiniBand",
+            rate_bytes_per_second=50e9,
+            receive_bytes_total=5_100_000_000 * seconds,
             transmit_bytes_total=5_000_000_000 * seconds,
-            transmit_wait_total=(90_000 if congested else 40) * seconds, symbol_errors_total=3 if congested else 0,
-        )  # fmt: skip
+            transmit_wait_total=(90_000 if congested else 40) * seconds,
+            symbol_errors_total=3 if congested else 0,
+        )
     return status
 
 
 def _rank(
-    cluster: SyntheticCluster, rank: int, rng: random.Random,
-    *, n: int, g: int, step: int, now: float, slow: bool, hung: bool,
-) -> cluster_pb2.RankStatus:  # fmt: skip
+    cluster: SyntheticCluster,
+    rank: int,
+    rng: random.Random,
+    *,
+    n: int,
+    g: int,
+    step: int,
+    now: float,
+    slow: bool,
+    hung: bool,
+) -> cluster_pb2.RankStatus:
     compute_s = cluster.step_s * 0.72 * (1 + rng.gauss(0, 0.01)) * (1.12 if slow else 1.0)
     communication_s = cluster.step_s * 0.28 * (1 + rng.gauss(0, 0.02))
     done = step - (30 if hung else 0)
     status = cluster_pb2.RankStatus(
-        node_id=cluster.node_id(n), state=training_pb2.RANK_STATE_RUNNING, last_progress_unix_seconds=now - (27 if hung else 0.3),
-    )  # fmt: skip
+        node_id=cluster.node_id(n),
+        state=training_pb2.RANK_STATE_RUNNING,
+        last_progress_unix_seconds=now - (27 if hung else 0.3),
+    )
     status.identity.job, status.identity.rank, status.identity.local_rank = cluster.job, rank, g
     status.identity.world_size = cluster.nodes * cluster.gpus_per_node
     status.identity.pid, status.identity.hostname = 40_000 + rank, cluster.node_id(n)
@@ -178,35 +210,71 @@ def _rank(
 
 
 def _incidents(
-    snapshot: cluster_pb2.ClusterSnapshot, cluster: SyntheticCluster, now: float,
-    *, straggler: int, hung_rank: int, slow_node: int, lost_node: int,
-) -> None:  # fmt: skip
+    snapshot: cluster_pb2.ClusterSnapshot,
+    cluster: SyntheticCluster,
+    now: float,
+    *,
+    straggler: int,
+    hung_rank: int,
+    slow_node: int,
+    lost_node: int,
+) -> None:
     slow_node_id, lost_node_id = cluster.node_id(slow_node), cluster.node_id(lost_node)
     snapshot.incidents.add(
-        id="straggler-7f3a-1", kind="straggler", severity="warning", state=cluster_pb2.INCIDENT_STATE_OPEN,
-        job=cluster.job, ranks=[straggler], nodes=[slow_node_id], gpus=[f"GPU-{slow_node:04d}0300-0000-0000-0000-000000000000"],
+        id="straggler-7f3a-1",
+        kind="straggler",
+        severity="warning",
+        state=cluster_pb2.INCIDENT_STATE_OPEN,
+        job=cluster.job,
+        ranks=[straggler],
+        nodes=[slow_node_id],
+        gpus=[f"GPU-{slow_node:04d}0300-0000-0000-0000-000000000000"],
         cause="gpu_thermal",
         summary=f"job {cluster.job}: rank {straggler} on {slow_node_id} computes 1.12x slower than its peers; "
         "GPU 3 at 91°C, clocks held down (hw_thermal_slowdown)",
-        evidence={"slowdown_ratio": 1.12, "temperature_celsius": 91.0, "sm_clock_hertz": 1.35e9, "steps_observed": 40},
-        opened_unix_seconds=now - 95, updated_unix_seconds=now - 5,
-    )  # fmt: skip
+        evidence={
+            "slowdown_ratio": 1.12,
+            "temperature_celsius": 91.0,
+            "sm_clock_hertz": 1.35e9,
+            "steps_observed": 40,
+        },
+        opened_unix_seconds=now - 95,
+        updated_unix_seconds=now - 5,
+    )
     hang = snapshot.incidents.add(
-        id="hang-91c2-1", kind="hang", severity="critical", state=cluster_pb2.INCIDENT_STATE_ACTING,
-        job=cluster.job, ranks=[hung_rank], nodes=[lost_node_id], cause="node_unreachable",
+        id="hang-91c2-1",
+        kind="hang",
+        severity="critical",
+        state=cluster_pb2.INCIDENT_STATE_ACTING,
+        job=cluster.job,
+        ranks=[hung_rank],
+        nodes=[lost_node_id],
+        cause="node_unreachable",
         summary=f"job {cluster.job}: rank {hung_rank} on {lost_node_id} stopped 27s ago; "
         f"{cluster.nodes * cluster.gpus_per_node - 1} ranks wait in all_reduce",
         evidence={"stalled_seconds": 27.0, "waiting_ranks": cluster.nodes * cluster.gpus_per_node - 1.0},
-        opened_unix_seconds=now - 21, updated_unix_seconds=now - 2,
-    )  # fmt: skip
+        opened_unix_seconds=now - 21,
+        updated_unix_seconds=now - 2,
+    )
     hang.diagnoses.add(
-        job=cluster.job, rank=hung_rank + 1, pid=40_001 + hung_rank, node_id=lost_node_id, process_state="S (sleeping)",
-        stack_dump="Thread 40001 (idle): \"MainThread\"\n    wait (torch/distributed/distributed_c10d.py:3252)\n"
+        job=cluster.job,
+        rank=hung_rank + 1,
+        pid=40_001 + hung_rank,
+        node_id=lost_node_id,
+        process_state="S (sleeping)",
+        stack_dump='Thread 40001 (idle): "MainThread"\n    wait (torch/distributed/distributed_c10d.py:3252)\n'
         "    all_reduce (torch/distributed/distributed_c10d.py:3240)\n    train_step (train.py:88)\n",
-    )  # fmt: skip
+    )
     snapshot.incidents.add(
-        id="node_unreachable-44d0-1", kind="node_unreachable", severity="critical", state=cluster_pb2.INCIDENT_STATE_OPEN,
-        job=cluster.job, nodes=[lost_node_id], cause="node_unreachable",
+        id="node_unreachable-44d0-1",
+        kind="node_unreachable",
+        severity="critical",
+        state=cluster_pb2.INCIDENT_STATE_OPEN,
+        job=cluster.job,
+        nodes=[lost_node_id],
+        cause="node_unreachable",
         summary=f"{lost_node_id} has not reported for 25s (last report #{snapshot.nodes[lost_node].report.sequence})",
-        evidence={"silent_seconds": 25.0}, opened_unix_seconds=now - 20, updated_unix_seconds=now - 20,
-    )  # fmt: skip
+        evidence={"silent_seconds": 25.0},
+        opened_unix_seconds=now - 20,
+        updated_unix_seconds=now - 20,
+    )

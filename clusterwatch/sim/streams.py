@@ -128,8 +128,10 @@ class SimAgentStream:
                 if not failing:
                     logger.warning(
                         "node %s: stream to the coordinator failed: %s %s; reconnecting",
-                        self.node_id, exc.code().name, exc.details(),
-                    )  # fmt: skip
+                        self.node_id,
+                        exc.code().name,
+                        exc.details(),
+                    )
                 failing = True
             else:
                 failing = False
@@ -147,10 +149,14 @@ class SimAgentStream:
         # Driven with write()/done_writing(), which grpc.aio supports and the stub's types do not model.
         call = self._stub.Connect()  # type: ignore[call-arg]
         hello = agent_pb2.Hello(
-            node_id=self.node_id, hostname=self.node_id, agent_version=f"{__version__}+sim",
-            instance_id=self.instance_id, capabilities=CAPABILITIES, interval_seconds=self.interval_s,
+            node_id=self.node_id,
+            hostname=self.node_id,
+            agent_version=f"{__version__}+sim",
+            instance_id=self.instance_id,
+            capabilities=CAPABILITIES,
+            interval_seconds=self.interval_s,
             last_acked_sequence=self.acked_sequence,
-        )  # fmt: skip
+        )
         await call.write(agent_pb2.AgentMessage(hello=hello))
         self.connections_total += 1
         reader = asyncio.create_task(self._read(call), name=f"sim-read-{self.node_id}")

@@ -74,19 +74,23 @@ def matrix_lines(topology: node_pb2.NodeTopology) -> list[str]:
     header = ["", *(f"GPU{g}" for g in gpus), *(labels[n] for n in nics)]
     rows: list[list[str]] = []
     for gpu in topology.gpus:
-        rows.append([
-            f"GPU{gpu.index}",
-            *(_gpu_gpu_cell(topology, gpu.index, peer) for peer in gpus),
-            *(_gpu_nic_cell(topology, gpu.index, nic) for nic in nics),
-            gpu.local_cpus or "N/A",
-            str(gpu.numa_node) if gpu.HasField("numa_node") else "N/A",
-        ])  # fmt: skip
+        rows.append(
+            [
+                f"GPU{gpu.index}",
+                *(_gpu_gpu_cell(topology, gpu.index, peer) for peer in gpus),
+                *(_gpu_nic_cell(topology, gpu.index, nic) for nic in nics),
+                gpu.local_cpus or "N/A",
+                str(gpu.numa_node) if gpu.HasField("numa_node") else "N/A",
+            ]
+        )
     for nic in nics:
-        rows.append([
-            labels[nic],
-            *(_gpu_nic_cell(topology, gpu, nic) for gpu in gpus),
-            *("X" if peer == nic else NOT_DISCOVERED for peer in nics),
-        ])  # fmt: skip
+        rows.append(
+            [
+                labels[nic],
+                *(_gpu_nic_cell(topology, gpu, nic) for gpu in gpus),
+                *("X" if peer == nic else NOT_DISCOVERED for peer in nics),
+            ]
+        )
     if gpus:
         header += ["CPU Affinity", "NUMA Affinity"]
     return columns([header, *rows], gap="  ")
@@ -290,10 +294,17 @@ def summary_rows(
             continue
         t = status.topology
         sockets = f"{t.cpu_sockets or '?'}/{len(t.numa_nodes) or '?'}"
-        rows.append([
-            status.node_id, node_state(status.state), str(len(t.gpus)) if t.gpus else "no GPUs",
-            nvlink_summary(t), nic_summary(t), sockets, placed or "-",
-        ])  # fmt: skip
+        rows.append(
+            [
+                status.node_id,
+                node_state(status.state),
+                str(len(t.gpus)) if t.gpus else "no GPUs",
+                nvlink_summary(t),
+                nic_summary(t),
+                sockets,
+                placed or "-",
+            ]
+        )
     return rows
 
 

@@ -19,15 +19,37 @@ from clusterwatch.v1 import training_pb2
 
 # Upper bounds of the collective latency histogram, seconds (+Inf is implied).
 COLLECTIVE_DURATION_BUCKETS_S: tuple[float, ...] = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-)  # fmt: skip
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 
 _ALL_REDUCE = frozenset({"all_reduce", "ddp_all_reduce"})
 _SCATTER_GATHER = frozenset(
-    {"all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-     "all_to_all", "all_to_all_single"}
-)  # fmt: skip
+    {
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_to_all",
+        "all_to_all_single",
+    }
+)
 
 
 def bus_factor(op: str, group_size: int) -> float:

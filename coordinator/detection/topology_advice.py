@@ -169,10 +169,12 @@ def _tensor_finding(judged: _Judged, nodes: Mapping[str, NodeRecord]) -> cluster
             else ""
         )
         return judged.finding(
-            FindingKind.TENSOR_PARALLEL_SPANS_NODES, WARNING, placed,
+            FindingKind.TENSOR_PARALLEL_SPANS_NODES,
+            WARNING,
+            placed,
             f"{name} spans {len(by_node)} nodes ({spread}): its all-reduces, one or more per layer, "
             f"cross the network instead of staying inside a node{room}",
-        )  # fmt: skip
+        )
     (node_id,) = by_node
     node = nodes.get(node_id)
     wiring = node.wiring if node is not None else None

@@ -185,9 +185,11 @@ class Watchdog:
         return resolved
 
     async def run(
-        self, jobs: Callable[[], Mapping[str, JobRecord]], nodes: dict[str, NodeRecord],
+        self,
+        jobs: Callable[[], Mapping[str, JobRecord]],
+        nodes: dict[str, NodeRecord],
         period_s: float = DETECTION_PERIOD_S,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Rounds forever (cancel to stop); a failing round is logged and the next one runs."""
 
         def round_then_catch_up() -> None:
@@ -239,9 +241,10 @@ class Watchdog:
             if n in job.ranks and job.ranks[n].state != EXITED
         ]
         healthy = [
-            (r.rank, r.node_id) for r in sorted(job.ranks.values(), key=lambda r: r.rank)
+            (r.rank, r.node_id)
+            for r in sorted(job.ranks.values(), key=lambda r: r.rank)
             if r.state == RUNNING and r.rank not in incident.ranks
-        ][:1]  # fmt: skip
+        ][:1]
         if not culprits and not healthy:
             return
         self._diagnoses.start(

@@ -220,8 +220,12 @@ class Coordinator:
         logger.log(
             logging.WARNING if first else logging.DEBUG,
             "refused a report from node %s (%s): %s; its stream ends and its hellos are refused for %.3g s%s",
-            node_id, reason, exc, penalty_s, "; further ones like it are logged at debug level" if first else "",
-        )  # fmt: skip
+            node_id,
+            reason,
+            exc,
+            penalty_s,
+            "; further ones like it are logged at debug level" if first else "",
+        )
 
     def _ingest_ranks(
         self, node_id: str, ranks: list[training_pb2.RankReport], now_mono: float, now_unix: float
@@ -243,8 +247,11 @@ class Coordinator:
     def _persist_checkpoint(self, checkpoint: CompletedCheckpoint) -> None:
         logger.info(
             "checkpoint complete: job %s step %d (%d ranks, slowest %.1f s)",
-            checkpoint.job, checkpoint.step, len(checkpoint.paths), checkpoint.max_duration_s,
-        )  # fmt: skip
+            checkpoint.job,
+            checkpoint.step,
+            len(checkpoint.paths),
+            checkpoint.max_duration_s,
+        )
         try:
             self.event_log.add_checkpoint(checkpoint)
         except Exception:  # agents still hear of it; only a restart would forget it
@@ -261,9 +268,12 @@ class Coordinator:
         self._rejections_logged.add(key)
         logger.log(
             logging.WARNING if first else logging.DEBUG,
-            "rejected a rank report from node %s (%s): %s%s", rejection.node_id, rejection.reason.value,
-            rejection.detail, "; further ones like it are logged at debug level" if first else "",
-        )  # fmt: skip
+            "rejected a rank report from node %s (%s): %s%s",
+            rejection.node_id,
+            rejection.reason.value,
+            rejection.detail,
+            "; further ones like it are logged at debug level" if first else "",
+        )
 
     def close_stream(self, session: AgentSession, graceful: bool) -> None:
         session.fail_pending("stream closed")

@@ -51,8 +51,15 @@ INCIDENT_INFO = gauge(
     "ranks, nodes, GPUs and cause; value 1. Alert rules use it to say which rank and node, and why.",
 )
 INCIDENT_FAMILIES = (
-    INCIDENTS_OPEN, INCIDENT_INFO, RANK_SLOWDOWN, STRAGGLERS, HANGS, RANK_FAILURES, ROUNDS, ROUND_DURATION,
-)  # fmt: skip
+    INCIDENTS_OPEN,
+    INCIDENT_INFO,
+    RANK_SLOWDOWN,
+    STRAGGLERS,
+    HANGS,
+    RANK_FAILURES,
+    ROUNDS,
+    ROUND_DURATION,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +98,11 @@ def write_incidents(exp: Exposition, view: IncidentView) -> None:
     open_by_kind = collections.Counter((i.kind, i.severity) for i in view.live)
     for kind in Kind:
         for severity in Severity:
-            exp.add(INCIDENTS_OPEN, f'kind="{kind.value}",severity="{severity.value}"',
-                    open_by_kind.get((kind, severity), 0))  # fmt: skip
+            exp.add(
+                INCIDENTS_OPEN,
+                f'kind="{kind.value}",severity="{severity.value}"',
+                open_by_kind.get((kind, severity), 0),
+            )
     for incident in view.live:
         exp.add(INCIDENT_INFO, _incident_labels(incident), 1)
     for job, ratios in sorted(view.slowdown_ratios.items()):
@@ -111,8 +121,14 @@ def write_incidents(exp: Exposition, view: IncidentView) -> None:
 def _incident_labels(incident: Incident) -> str:
     """Lists are comma-joined ("3,7"), so an alert can print them and a matcher can use =~."""
     labels = {
-        "incident": incident.id, "kind": incident.kind.value, "severity": incident.severity.value,
-        "state": incident.state.value, "job": incident.job, "ranks": ",".join(map(str, incident.ranks)),
-        "nodes": ",".join(incident.nodes), "gpus": ",".join(incident.gpus), "cause": incident.cause,
-    }  # fmt: skip
+        "incident": incident.id,
+        "kind": incident.kind.value,
+        "severity": incident.severity.value,
+        "state": incident.state.value,
+        "job": incident.job,
+        "ranks": ",".join(map(str, incident.ranks)),
+        "nodes": ",".join(incident.nodes),
+        "gpus": ",".join(incident.gpus),
+        "cause": incident.cause,
+    }
     return ",".join(f'{name}="{escape(value)}"' for name, value in labels.items())

@@ -75,8 +75,12 @@ def render(
     exp = Exposition()
     exp.add(COORDINATOR_INFO, f'version="{escape(__version__)}"', 1)
     states = Counter(v.state for v in views)
-    for state in (NodeState.NODE_STATE_UP, NodeState.NODE_STATE_UNREACHABLE, NodeState.NODE_STATE_LEFT,
-                  NodeState.NODE_STATE_UNKNOWN):  # fmt: skip
+    for state in (
+        NodeState.NODE_STATE_UP,
+        NodeState.NODE_STATE_UNREACHABLE,
+        NodeState.NODE_STATE_LEFT,
+        NodeState.NODE_STATE_UNKNOWN,
+    ):
         exp.add(NODES, f'state="{node_state(state)}"', states.get(state, 0))
     for v in views:
         node = f'node="{escape(v.node_id)}"'

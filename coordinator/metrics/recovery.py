@@ -56,11 +56,14 @@ class RecoveryView:
 def recovery_view(counts: RecoveryCounts, now_unix_s: float) -> RecoveryView:
     """A copy taken on the event loop."""
     copy = RecoveryCounts(
-        restarts=collections.Counter(counts.restarts), steps_lost=collections.Counter(counts.steps_lost),
-        rate_limited=collections.Counter(counts.rate_limited), last_recovery_s=dict(counts.last_recovery_s),
-        actions=collections.Counter(counts.actions), unproductive_s=dict(counts.unproductive_s),
+        restarts=collections.Counter(counts.restarts),
+        steps_lost=collections.Counter(counts.steps_lost),
+        rate_limited=collections.Counter(counts.rate_limited),
+        last_recovery_s=dict(counts.last_recovery_s),
+        actions=collections.Counter(counts.actions),
+        unproductive_s=dict(counts.unproductive_s),
         first_seen_unix_s=dict(counts.first_seen_unix_s),
-    )  # fmt: skip
+    )
     for job in counts.first_seen_unix_s:  # every known job from 0, so rate() and increase() see its first
         for reason in RESTART_REASONS:
             copy.restarts[(job, reason)] += 0

@@ -269,8 +269,13 @@ class EventLog:
         return [StoredEvent(*row) for row in reversed(rows)]
 
     def add_checkpoint(self, checkpoint: CompletedCheckpoint) -> None:
-        row = (checkpoint.job, checkpoint.step, checkpoint.completed_unix_s, checkpoint.max_duration_s,
-               json.dumps(checkpoint.paths))  # fmt: skip
+        row = (
+            checkpoint.job,
+            checkpoint.step,
+            checkpoint.completed_unix_s,
+            checkpoint.max_duration_s,
+            json.dumps(checkpoint.paths),
+        )
         self._write([(("checkpoints", checkpoint.job, checkpoint.step), _Write(SAVE_CHECKPOINT, [row]))])
 
     def latest_checkpoints(self, since_unix_s: float = 0.0) -> dict[str, LatestCheckpoint]:
@@ -294,10 +299,17 @@ class EventLog:
 
     def save_incidents(self, incidents: Iterable[Incident]) -> None:
         rows = [
-            (i.id, json.dumps(i.key), i.state.value, i.job, i.opened_unix_s, i.latch_value,
-             i.to_proto().SerializeToString())
+            (
+                i.id,
+                json.dumps(i.key),
+                i.state.value,
+                i.job,
+                i.opened_unix_s,
+                i.latch_value,
+                i.to_proto().SerializeToString(),
+            )
             for i in incidents
-        ]  # fmt: skip
+        ]
         # One write per incident, so that saving it again replaces it in the queue.
         self._write([(("incidents", row[0]), _Write(SAVE_INCIDENT, [row])) for row in rows])
 
@@ -376,8 +388,10 @@ class EventLog:
             if not self.retry_pending():
                 logger.error(
                     "state database %s: %d queued write(s) lost at shutdown: %s",
-                    self.path, len(self._pending), self._last_error,
-                )  # fmt: skip
+                    self.path,
+                    len(self._pending),
+                    self._last_error,
+                )
             self._pending.clear()
         self._closed = True
         self._db.close()
@@ -417,8 +431,9 @@ class EventLog:
                 logger.error(
                     "state database %s: %d writes queued, the most kept; dropping the oldest from now on "
                     "(the history of this outage will have gaps)",
-                    self.path, self._max_pending,
-                )  # fmt: skip
+                    self.path,
+                    self._max_pending,
+                )
 
     def _failed(self, exc: sqlite3.Error) -> None:
         now = self._clock()
@@ -433,15 +448,21 @@ class EventLog:
         logger.error(
             "cannot write the state database %s (%s): serving from memory; writes are queued (at most %d) "
             "and retried every %g s",
-            self.path, self._last_error, self._max_pending, self._retry_interval_s,
-        )  # fmt: skip
+            self.path,
+            self._last_error,
+            self._max_pending,
+            self._retry_interval_s,
+        )
 
     def _recovered(self, written: int) -> None:
         dropped = f", {self._dropped_in_outage} dropped" if self._dropped_in_outage else ""
         logger.warning(
             "state database %s can be written again after %.1f s: %d queued write(s) caught up%s",
-            self.path, self._clock() - self._outage_started_s, written, dropped,
-        )  # fmt: skip
+            self.path,
+            self._clock() - self._outage_started_s,
+            written,
+            dropped,
+        )
         self._writable = True
         self._last_error = ""
         self._dropped_in_outage = 0
@@ -480,10 +501,21 @@ def _queued_action(row: Row) -> cluster_pb2.ActionRecord:
 def _incident(key_json: str, latch_value: float | None, blob: bytes) -> Incident:
     message = cluster_pb2.Incident.FromString(blob)
     return Incident(
-        id=message.id, key=tuple(json.loads(key_json)), kind=Kind(message.kind), severity=Severity(message.severity),
-        summary=message.summary, cause=message.cause, state=IncidentState.from_proto(message.state),
-        opened_unix_s=message.opened_unix_seconds, updated_unix_s=message.updated_unix_seconds,
-        job=message.job, ranks=tuple(message.ranks), nodes=tuple(message.nodes), gpus=tuple(message.gpus),
-        evidence=dict(message.evidence), diagnoses=list(message.diagnoses),
-        resolved_unix_s=message.resolved_unix_seconds, latch_value=latch_value,
-    )  # fmt: skip
+        id=message.id,
+        key=tuple(json.loads(key_json)),
+        kind=Kind(message.kind),
+        severity=Severity(message.severity),
+        summary=message.summary,
+        cause=message.cause,
+        state=IncidentState.from_proto(message.state),
+        opened_unix_s=message.opened_unix_seconds,
+        updated_unix_s=message.updated_unix_seconds,
+        job=message.job,
+        ranks=tuple(message.ranks),
+        nodes=tuple(message.nodes),
+        gpus=tuple(message.gpus),
+        evidence=dict(message.evidence),
+        diagnoses=list(message.diagnoses),
+        resolved_unix_s=message.resolved_unix_seconds,
+        latch_value=latch_value,
+    )

@@ -135,13 +135,22 @@ class Incident:
 
     def to_proto(self) -> cluster_pb2.Incident:
         return cluster_pb2.Incident(
-            id=self.id, kind=self.kind.value, severity=self.severity.value,
+            id=self.id,
+            kind=self.kind.value,
+            severity=self.severity.value,
             summary="; ".join(part for part in (self.summary, self.note, self.recovery_note) if part),
-            state=self.state.proto, job=self.job, ranks=self.ranks, nodes=self.nodes, gpus=self.gpus,
-            cause=self.cause, evidence=self.evidence, diagnoses=self.diagnoses,
-            opened_unix_seconds=self.opened_unix_s, updated_unix_seconds=self.updated_unix_s,
+            state=self.state.proto,
+            job=self.job,
+            ranks=self.ranks,
+            nodes=self.nodes,
+            gpus=self.gpus,
+            cause=self.cause,
+            evidence=self.evidence,
+            diagnoses=self.diagnoses,
+            opened_unix_seconds=self.opened_unix_s,
+            updated_unix_seconds=self.updated_unix_s,
             resolved_unix_seconds=self.resolved_unix_s,
-        )  # fmt: skip
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,11 +308,21 @@ class IncidentBook:
     def _open(self, finding: Finding, now_unix_s: float) -> Incident:
         incident = Incident(
             id=f"{finding.kind.value}-{uuid.uuid4().hex[:8]}-{next(self._serial)}",
-            key=finding.key, kind=finding.kind, severity=finding.severity, summary=finding.summary,
-            cause=finding.cause, state=IncidentState.OPEN, opened_unix_s=now_unix_s, updated_unix_s=now_unix_s,
-            job=finding.job, ranks=finding.ranks, nodes=finding.nodes, gpus=finding.gpus,
-            evidence=dict(finding.evidence), latch_value=finding.latch_value,
-        )  # fmt: skip
+            key=finding.key,
+            kind=finding.kind,
+            severity=finding.severity,
+            summary=finding.summary,
+            cause=finding.cause,
+            state=IncidentState.OPEN,
+            opened_unix_s=now_unix_s,
+            updated_unix_s=now_unix_s,
+            job=finding.job,
+            ranks=finding.ranks,
+            nodes=finding.nodes,
+            gpus=finding.gpus,
+            evidence=dict(finding.evidence),
+            latch_value=finding.latch_value,
+        )
         self._live[finding.key] = incident
         self._by_id[incident.id] = incident
         return incident

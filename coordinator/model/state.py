@@ -102,9 +102,11 @@ class ClusterState:
     def restore(self, node_id: str, hostname: str, interval_s: float, now_mono: float) -> None:
         """Add a node known from the database as UNKNOWN, timed from ``now_mono``."""
         self.nodes[node_id] = NodeRecord(
-            node_id=node_id, hostname=hostname, interval_s=interval_s or DEFAULT_INTERVAL_S,
+            node_id=node_id,
+            hostname=hostname,
+            interval_s=interval_s or DEFAULT_INTERVAL_S,
             last_seen_monotonic_s=now_mono,
-        )  # fmt: skip
+        )
 
     def hello(self, hello: agent_pb2.Hello, now_mono: float, now_unix: float) -> tuple[int, list[Event]]:
         """Register a new stream for ``hello.node_id``; return its stream id and events.

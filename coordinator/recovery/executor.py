@@ -156,8 +156,13 @@ class RecoveryCounts:
         for counter in (self.restarts, self.actions):
             for key in [k for k in counter if k[0] == job]:
                 del counter[key]
-        for per_job in (self.steps_lost, self.rate_limited, self.last_recovery_s, self.unproductive_s,
-                        self.first_seen_unix_s):  # fmt: skip
+        for per_job in (
+            self.steps_lost,
+            self.rate_limited,
+            self.last_recovery_s,
+            self.unproductive_s,
+            self.first_seen_unix_s,
+        ):
             per_job.pop(job, None)
 
     def effective_training_time_ratio(self, job: str, now_unix_s: float) -> float | None:
@@ -282,8 +287,9 @@ class Recovery:
         if records:
             logger.info(
                 "recovery: took over %d action record(s) of the previous coordinator; %d interrupted, not redone",
-                len(records), len(interrupted),
-            )  # fmt: skip
+                len(records),
+                len(interrupted),
+            )
 
     def forget_job(self, job: str) -> None:
         """A job ended on purpose (EndJob): stop tracking its restart and drop its counts.
@@ -305,10 +311,16 @@ class Recovery:
 
     async def _carry_out(self, decision: Decision, incident: Incident | None) -> cluster_pb2.ActionRecord:
         record = cluster_pb2.ActionRecord(
-            id=f"{decision.action}-{uuid.uuid4().hex[:10]}", job=decision.job, action=decision.action,
-            reason=decision.reason, incident_id=decision.incident_id, dry_run=self.settings.dry_run,
-            outcome=PENDING, decided_unix_seconds=self._wall(), exclude_nodes=decision.exclude_nodes,
-        )  # fmt: skip
+            id=f"{decision.action}-{uuid.uuid4().hex[:10]}",
+            job=decision.job,
+            action=decision.action,
+            reason=decision.reason,
+            incident_id=decision.incident_id,
+            dry_run=self.settings.dry_run,
+            outcome=PENDING,
+            decided_unix_seconds=self._wall(),
+            exclude_nodes=decision.exclude_nodes,
+        )
         settled = self._settled_without_acting(decision)
         if settled is not None:
             if incident is not None and incident.kind == Kind.RANK_FAILURE and settled[0] == DONE:
@@ -368,9 +380,12 @@ class Recovery:
         if job is None:
             return "it is gone"
         return exclusion_blocker(
-            job.nodes(), decision.exclude_nodes, min_nodes=job.min_nodes, max_nodes=job.max_nodes,
+            job.nodes(),
+            decision.exclude_nodes,
+            min_nodes=job.min_nodes,
+            max_nodes=job.max_nodes,
             replaces_nodes=self._launcher.replaces_nodes,
-        )  # fmt: skip
+        )
 
     def _watch_launcher_restart(self, incident: Incident) -> None:
         """A rank died: its launcher (torchrun --max-restarts) restarts the group; measure the recovery.
@@ -487,16 +502,22 @@ class Recovery:
                 )
                 logger.warning(
                     "job %s recovered: every rank past step %d, %.1f s after the incident opened; %d steps lost",
-                    name, restarted.resume_step, recovery_s, lost,
-                )  # fmt: skip
+                    name,
+                    restarted.resume_step,
+                    recovery_s,
+                    lost,
+                )
                 if restarted.incident_id and self._watchdog.book.get(restarted.incident_id) is not None:
                     self._watchdog.note_recovery(
                         restarted.incident_id,
                         f"recovered {recovery_s:.1f} s after it opened: every rank past step "
                         f"{restarted.resume_step}, {lost} steps done again",
-                        {"recovery_seconds": recovery_s, "steps_lost": float(lost),
-                         "resume_step": float(restarted.resume_step)},
-                    )  # fmt: skip
+                        {
+                            "recovery_seconds": recovery_s,
+                            "steps_lost": float(lost),
+                            "resume_step": float(restarted.resume_step),
+                        },
+                    )
                     self._watchdog.move(restarted.incident_id, IncidentState.RESOLVED)
             elif now_unix_s - restarted.started_unix_s > self.settings.recovery_timeout_s:
                 del self._restarted[name]

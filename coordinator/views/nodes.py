@@ -36,9 +36,18 @@ def node_views(state: ClusterState) -> list[NodeView]:
 
 def _view(r: NodeRecord) -> NodeView:
     return NodeView(
-        r.node_id, r.hostname, r.agent_version, r.state, r.last_seen_unix_s, r.last_sequence,
-        r.reports_received_total, r.reports_missed_total, r.report, r.previous, r.wiring,
-    )  # fmt: skip
+        r.node_id,
+        r.hostname,
+        r.agent_version,
+        r.state,
+        r.last_seen_unix_s,
+        r.last_sequence,
+        r.reports_received_total,
+        r.reports_missed_total,
+        r.report,
+        r.previous,
+        r.wiring,
+    )
 
 
 def node_status(view: NodeView, summary_only: bool) -> cluster_pb2.NodeStatus:
@@ -78,9 +87,14 @@ def node_status(view: NodeView, summary_only: bool) -> cluster_pb2.NodeStatus:
 # heat-map cell, not the per-link and per-process detail (18 NVLinks alone
 # make a full 8-GPU report ~6 KB).
 _SUMMARY_GPU_FIELDS = (
-    "utilization_ratio", "memory_used_bytes", "memory_total_bytes", "power_watts", "temperature_celsius",
-    "sm_clock_hertz", "clocks_event_reasons",
-)  # fmt: skip
+    "utilization_ratio",
+    "memory_used_bytes",
+    "memory_total_bytes",
+    "power_watts",
+    "temperature_celsius",
+    "sm_clock_hertz",
+    "clocks_event_reasons",
+)
 
 
 def _slim_gpu(gpu: node_pb2.GpuSample) -> node_pb2.GpuSample:

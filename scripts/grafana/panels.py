@@ -130,9 +130,15 @@ def render(dashboard: Dashboard) -> Json:
     y = 0
     for row in dashboard.rows:
         panels.append(
-            {"type": "row", "id": next(ids), "title": row.title, "collapsed": False, "panels": [],
-             "gridPos": {"h": 1, "w": GRID_WIDTH, "x": 0, "y": y}}
-        )  # fmt: skip
+            {
+                "type": "row",
+                "id": next(ids),
+                "title": row.title,
+                "collapsed": False,
+                "panels": [],
+                "gridPos": {"h": 1, "w": GRID_WIDTH, "x": 0, "y": y},
+            }
+        )
         y += 1
         x, line_height = 0, 0
         for panel in row.panels:
@@ -193,11 +199,15 @@ def _panel(panel: Panel, panel_id: int, grid: Json) -> Json:
             defaults[key] = value
     if panel.kind == "timeseries":
         defaults["custom"] = {
-            "drawStyle": "line", "lineWidth": 1, "fillOpacity": 20 if panel.stack else 0, "showPoints": "never",
-            "spanNulls": False, "stacking": {"mode": "normal" if panel.stack else "none", "group": "A"},
+            "drawStyle": "line",
+            "lineWidth": 1,
+            "fillOpacity": 20 if panel.stack else 0,
+            "showPoints": "never",
+            "spanNulls": False,
+            "stacking": {"mode": "normal" if panel.stack else "none", "group": "A"},
             "thresholdsStyle": {"mode": "off" if len(panel.thresholds) == 1 else "dashed"},
             "axisSoftMin": 0,
-        }  # fmt: skip
+        }
     return {
         "type": panel.kind,
         "id": panel_id,
@@ -226,19 +236,38 @@ def _panel(panel: Panel, panel_id: int, grid: Json) -> Json:
 
 def _options(panel: Panel) -> Json:
     if panel.kind == "stat":
-        return {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                "colorMode": "background", "graphMode": "area", "textMode": "auto", "justifyMode": "auto",
-                "orientation": "auto"}  # fmt: skip
+        return {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "background",
+            "graphMode": "area",
+            "textMode": "auto",
+            "justifyMode": "auto",
+            "orientation": "auto",
+        }
     if panel.kind == "bargauge":
-        return {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                "displayMode": "gradient", "orientation": "horizontal", "showUnfilled": True}  # fmt: skip
+        return {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "displayMode": "gradient",
+            "orientation": "horizontal",
+            "showUnfilled": True,
+        }
     if panel.kind == "heatmap":
-        return {"calculate": False, "yAxis": {"unit": panel.unit}, "cellGap": 1,
-                "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
-                "tooltip": {"mode": "single", "yHistogram": True}, "legend": {"show": True}}  # fmt: skip
+        return {
+            "calculate": False,
+            "yAxis": {"unit": panel.unit},
+            "cellGap": 1,
+            "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
+            "tooltip": {"mode": "single", "yHistogram": True},
+            "legend": {"show": True},
+        }
     if panel.kind == "state-timeline":
-        return {"showValue": "never", "mergeValues": True, "rowHeight": 0.9, "alignValue": "left",
-                "legend": {"showLegend": True, "displayMode": "list", "placement": "bottom"}}  # fmt: skip
+        return {
+            "showValue": "never",
+            "mergeValues": True,
+            "rowHeight": 0.9,
+            "alignValue": "left",
+            "legend": {"showLegend": True, "displayMode": "list", "placement": "bottom"},
+        }
     if panel.kind == "table":
         return {"showHeader": True, "cellHeight": "sm", "footer": {"show": False}}
     return {
@@ -254,34 +283,68 @@ def _options(panel: Panel) -> Json:
 
 def _datasource_variable() -> Json:
     return {
-        "name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-        "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": [], "includeAll": False, "multi": False,
+        "name": "datasource",
+        "label": "Data source",
+        "type": "datasource",
+        "query": "prometheus",
+        "current": {},
+        "hide": 0,
+        "refresh": 1,
+        "regex": "",
+        "options": [],
+        "includeAll": False,
+        "multi": False,
         "description": "The Prometheus that scrapes the clusterwatch coordinator.",
-    }  # fmt: skip
+    }
 
 
 def _variable(variable: Variable) -> Json:
     return {
-        "name": variable.name, "label": variable.label, "description": variable.description, "type": "query",
-        "datasource": DATASOURCE, "definition": variable.query,
-        "query": {"query": variable.query, "refId": "PrometheusVariableQueryEditor-VariableQuery",
-                  "qryType": 1},
+        "name": variable.name,
+        "label": variable.label,
+        "description": variable.description,
+        "type": "query",
+        "datasource": DATASOURCE,
+        "definition": variable.query,
+        "query": {
+            "query": variable.query,
+            "refId": "PrometheusVariableQueryEditor-VariableQuery",
+            "qryType": 1,
+        },
         "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-        "includeAll": True, "multi": True, "allValue": ".*", "refresh": 2, "sort": 1, "hide": 0,
-        "regex": "", "options": [],
-    }  # fmt: skip
+        "includeAll": True,
+        "multi": True,
+        "allValue": ".*",
+        "refresh": 2,
+        "sort": 1,
+        "hide": 0,
+        "regex": "",
+        "options": [],
+    }
 
 
 def _builtin_annotation() -> Json:
     return {
-        "builtIn": 1, "name": "Annotations & Alerts", "type": "dashboard", "enable": True, "hide": True,
-        "iconColor": "rgba(0, 211, 255, 1)", "datasource": {"type": "grafana", "uid": "-- Grafana --"},
-    }  # fmt: skip
+        "builtIn": 1,
+        "name": "Annotations & Alerts",
+        "type": "dashboard",
+        "enable": True,
+        "hide": True,
+        "iconColor": "rgba(0, 211, 255, 1)",
+        "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+    }
 
 
 def _annotation(annotation: Annotation) -> Json:
     return {
-        "name": annotation.name, "datasource": DATASOURCE, "enable": True, "hide": False,
-        "iconColor": annotation.color, "expr": annotation.expr, "step": "15s", "titleFormat": annotation.title,
-        "textFormat": "", "useValueForTime": False,
-    }  # fmt: skip
+        "name": annotation.name,
+        "datasource": DATASOURCE,
+        "enable": True,
+        "hide": False,
+        "iconColor": annotation.color,
+        "expr": annotation.expr,
+        "step": "15s",
+        "titleFormat": annotation.title,
+        "textFormat": "",
+        "useValueForTime": False,
+    }

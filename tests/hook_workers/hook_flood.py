@@ -28,9 +28,14 @@ BATCHES_PER_STREAM = 400  # far past any budget: the agent ends the stream first
 
 def identity(number: int) -> training_pb2.RankIdentity:
     return training_pb2.RankIdentity(
-        job=f"flood{number}", rank=0, local_rank=0, world_size=1, pid=os.getpid(),
-        instance_id=f"i{number}", hook_version="flood",
-    )  # fmt: skip
+        job=f"flood{number}",
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        pid=os.getpid(),
+        instance_id=f"i{number}",
+        hook_version="flood",
+    )
 
 
 def batch(first_step: int) -> hook_pb2.StepBatch:
@@ -38,17 +43,26 @@ def batch(first_step: int) -> hook_pb2.StepBatch:
     steps = []
     for step in (first_step, first_step + 1):
         summary = training_pb2.StepSummary(
-            step=step, start_unix_seconds=1e9 + step, step_seconds=0.5, communication_seconds=0.25,
+            step=step,
+            start_unix_seconds=1e9 + step,
+            step_seconds=0.5,
+            communication_seconds=0.25,
             compute_seconds=0.25,
-        )  # fmt: skip
+        )
         summary.collectives.extend(
             training_pb2.CollectiveSummary(
-                op="all_reduce", group_name=f"g{step}-{n}", group_size=2, dtype="float32",
-                size_bucket_bytes=1024, count=1, bytes_total=1000, duration_seconds_total=0.001,
+                op="all_reduce",
+                group_name=f"g{step}-{n}",
+                group_size=2,
+                dtype="float32",
+                size_bucket_bytes=1024,
+                count=1,
+                bytes_total=1000,
+                duration_seconds_total=0.001,
                 duration_bucket_counts=[1] + [0] * len(COLLECTIVE_DURATION_BUCKETS_S),
             )
             for n in range(1024)
-        )  # fmt: skip
+        )
         steps.append(summary)
     return hook_pb2.StepBatch(steps=steps)
 

@@ -49,15 +49,26 @@ def main() -> None:
     parser.add_argument("--until-file", type=Path)
     args = parser.parse_args()
     config = BertConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=32, num_labels=2,
-    )  # fmt: skip
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_labels=2,
+    )
     output_dir = str(args.out_dir / "hf")
     training_args = TrainingArguments(
-        output_dir=output_dir, max_steps=args.max_steps, per_device_train_batch_size=4,
-        use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
-        disable_tqdm=True, dataloader_num_workers=0,
-    )  # fmt: skip
+        output_dir=output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=4,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     callback = ClusterwatchCallback(job="hf-job")
     trainer = Trainer(
         model=BertForSequenceClassification(config),

@@ -47,10 +47,18 @@ def main() -> None:
     callback = ClusterwatchCallback(job="lightning-job", checkpoint_dir=str(args.out_dir / "checkpoints"))
     data = TensorDataset(torch.randn(4096, 16), torch.randn(4096, 1))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=args.max_steps, max_epochs=-1,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=str(args.out_dir), callbacks=[callback, StopAtStepInFile(args.until_file)],
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=args.max_steps,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(args.out_dir),
+        callbacks=[callback, StopAtStepInFile(args.until_file)],
+    )
     trainer.fit(TinyModel(), DataLoader(data, batch_size=16), ckpt_path=callback.resume_checkpoint_path())
     out = {"rank": trainer.global_rank, "global_step": trainer.global_step}
     args.out_dir.mkdir(parents=True, exist_ok=True)

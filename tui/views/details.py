@@ -36,22 +36,28 @@ def node_detail(node: cluster_pb2.NodeStatus, topology: TopologyFetch = None) ->
         util = percent(gpu.utilization_ratio if gpu.HasField("utilization_ratio") else None)
         reasons = active_reasons(gpu.clocks_event_reasons) if gpu.HasField("clocks_event_reasons") else []
         xids = ", ".join(f"xid {x.xid}x{x.count}" for x in gpu.xid_errors)
-        text.append(f"  gpu{gpu.index} {gpu.name} util {util:>4} mem "
-                    f"{size_bytes(gpu.memory_used_bytes)}/{size_bytes(gpu.memory_total_bytes)} "
-                    f"{gpu.temperature_celsius:.0f}°C {gpu.power_watts:.0f}/{gpu.power_limit_watts:.0f}W "
-                    f"SM {gpu.sm_clock_hertz / 1e6:.0f}/{gpu.sm_clock_max_hertz / 1e6:.0f}MHz")  # fmt: skip
+        text.append(
+            f"  gpu{gpu.index} {gpu.name} util {util:>4} mem "
+            f"{size_bytes(gpu.memory_used_bytes)}/{size_bytes(gpu.memory_total_bytes)} "
+            f"{gpu.temperature_celsius:.0f}°C {gpu.power_watts:.0f}/{gpu.power_limit_watts:.0f}W "
+            f"SM {gpu.sm_clock_hertz / 1e6:.0f}/{gpu.sm_clock_max_hertz / 1e6:.0f}MHz"
+        )
         if reasons:
             text.append(f" clocks held: {', '.join(reasons)}", style="yellow")
         if xids or gpu.ecc_uncorrected_errors_total:
             text.append(f" {xids} ecc uncorrected {gpu.ecc_uncorrected_errors_total}", style="red")
         text.append(f"  {gpu.uuid}\n", style="dim")
     for nic in report.nics:
-        text.append(f"  {nic.device}: {'up' if nic.up else 'down'} {bandwidth(nic.speed_bytes_per_second)}, "
-                    f"errors {nic.receive_errors_total + nic.transmit_errors_total}\n")  # fmt: skip
+        text.append(
+            f"  {nic.device}: {'up' if nic.up else 'down'} {bandwidth(nic.speed_bytes_per_second)}, "
+            f"errors {nic.receive_errors_total + nic.transmit_errors_total}\n"
+        )
     for port in report.ib_ports:
-        text.append(f"  {port.device}:{port.port} {port.state} {port.link_layer} "
-                    f"{bandwidth(port.rate_bytes_per_second)}, symbol errors {port.symbol_errors_total}, "
-                    f"link downed {port.link_downed_total}\n")  # fmt: skip
+        text.append(
+            f"  {port.device}:{port.port} {port.state} {port.link_layer} "
+            f"{bandwidth(port.rate_bytes_per_second)}, symbol errors {port.symbol_errors_total}, "
+            f"link downed {port.link_downed_total}\n"
+        )
     failed = [c for c in report.collectors if not c.success]
     for collector in failed:
         text.append(f"  collector {collector.name} failed: {collector.error}\n", style="red")
@@ -83,26 +89,37 @@ def rank_detail(job: str, rank: cluster_pb2.RankStatus) -> Text:
     identity = rank.identity
     text = Text()
     text.append(f"job {job} rank {identity.rank}/{identity.world_size}", style="bold")
-    text.append(f"  local rank {identity.local_rank} on {rank.node_id}, pid {identity.pid}, "
-                f"restart {identity.restart_count}, {identity.backend}\n", style="dim")  # fmt: skip
+    text.append(
+        f"  local rank {identity.local_rank} on {rank.node_id}, pid {identity.pid}, "
+        f"restart {identity.restart_count}, {identity.backend}\n",
+        style="dim",
+    )
     text.append(f"state: {rank_state(rank)}\n")
     if rank.HasField("last_step"):
         last = rank.last_step
-        text.append(f"step {last.step}: {duration(last.step_seconds)} = compute {duration(last.compute_seconds)} "
-                    f"+ communication {duration(last.communication_seconds)}\n")  # fmt: skip
+        text.append(
+            f"step {last.step}: {duration(last.step_seconds)} = compute {duration(last.compute_seconds)} "
+            f"+ communication {duration(last.communication_seconds)}\n"
+        )
     beat = rank.heartbeat
     if rank.HasField("heartbeat"):
-        text.append(f"heartbeat: step {beat.step}, {'in' if beat.in_step else 'between'} steps, "
-                    f"{beat.steps_completed_total} steps done, hook errors {beat.health.errors_total}\n")  # fmt: skip
+        text.append(
+            f"heartbeat: step {beat.step}, {'in' if beat.in_step else 'between'} steps, "
+            f"{beat.steps_completed_total} steps done, hook errors {beat.health.errors_total}\n"
+        )
         for group in beat.flight_recorder:
-            text.append(f"  flight recorder {group.group_name}: enqueued {group.last_enqueued_collective}, "
-                        f"started {group.last_started_collective}, "
-                        f"completed {group.last_completed_collective}\n")  # fmt: skip
+            text.append(
+                f"  flight recorder {group.group_name}: enqueued {group.last_enqueued_collective}, "
+                f"started {group.last_started_collective}, "
+                f"completed {group.last_completed_collective}\n"
+            )
     for collective in rank.collectives:
         mean_s = collective.duration_seconds_total / collective.count if collective.count else None
-        text.append(f"  {collective.op} {collective.dtype} ~{size_bytes(collective.size_bucket_bytes)} "
-                    f"x{collective.count}: mean {duration(mean_s)}, max {duration(collective.duration_seconds_max)}, "
-                    f"busbw {bandwidth(collective.bus_bandwidth_bytes_per_second)}\n")  # fmt: skip
+        text.append(
+            f"  {collective.op} {collective.dtype} ~{size_bytes(collective.size_bucket_bytes)} "
+            f"x{collective.count}: mean {duration(mean_s)}, max {duration(collective.duration_seconds_max)}, "
+            f"busbw {bandwidth(collective.bus_bandwidth_bytes_per_second)}\n"
+        )
     if rank.HasField("exit"):
         text.append(f"exit: {rank.exit.description}\n", style="dim" if rank.exit.clean else "red")
     return text

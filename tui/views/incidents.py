@@ -44,8 +44,14 @@ def incident_rows(state: TopState, now_unix_s: float | None = None) -> list[Row]
             Cell(ago(incident.opened_unix_seconds, now).removesuffix(" ago")),
             Cell(incident.summary),
         )
-        sort_values = (incident.severity, state_name, incident.kind, incident.job, -incident.opened_unix_seconds,
-                       incident.summary)  # fmt: skip
+        sort_values = (
+            incident.severity,
+            state_name,
+            incident.kind,
+            incident.job,
+            -incident.opened_unix_seconds,
+            incident.summary,
+        )
         rows.append(Row(incident.id, cells, sort_values, Tone.MUTED if resolved else Tone.PLAIN))
     return rows
 
@@ -58,8 +64,9 @@ def incident_detail(
     ``actions``: the incident's actions; a string says why they are missing, None that they are on their way.
     """
     text = Text()
-    text.append(f"{incident.kind} · {incident.severity} · {STATE_NAMES.get(incident.state, '?')}",
-                style="bold")  # fmt: skip
+    text.append(
+        f"{incident.kind} · {incident.severity} · {STATE_NAMES.get(incident.state, '?')}", style="bold"
+    )
     text.append(f"  {incident.id}\n", style="dim")
     text.append(f"{incident.summary}\n")
     opened = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(incident.opened_unix_seconds))
@@ -88,8 +95,10 @@ def incident_detail(
         text.append(f"  {action.detail}\n" if action.detail else "\n", style="dim")
     for diagnosis in incident.diagnoses:
         health = "healthy" if diagnosis.healthy else diagnosis.process_state or "unhealthy"
-        text.append(f"\nstack of rank {diagnosis.rank} (pid {diagnosis.pid} on {diagnosis.node_id}, {health})\n",
-                    style="bold")  # fmt: skip
+        text.append(
+            f"\nstack of rank {diagnosis.rank} (pid {diagnosis.pid} on {diagnosis.node_id}, {health})\n",
+            style="bold",
+        )
         text.append(
             diagnosis.stack_dump or diagnosis.error or "(no stack)\n", style="dim" if diagnosis.error else ""
         )

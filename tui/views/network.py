@@ -72,9 +72,14 @@ def _ports(report: node_pb2.NodeReport) -> dict[str, Port]:
     ports: dict[str, Port] = {}
     for nic in report.nics:
         counters = _Counters(
-            nic.receive_bytes_total, nic.transmit_bytes_total, None,
-            nic.receive_errors_total + nic.transmit_errors_total + nic.receive_drops_total + nic.transmit_drops_total,
-        )  # fmt: skip
+            nic.receive_bytes_total,
+            nic.transmit_bytes_total,
+            None,
+            nic.receive_errors_total
+            + nic.transmit_errors_total
+            + nic.receive_drops_total
+            + nic.transmit_drops_total,
+        )
         speed = nic.speed_bytes_per_second if nic.HasField("speed_bytes_per_second") else None
         ports[nic.device] = ("eth", nic.up if nic.HasField("up") else None, speed, counters)
     for port in report.ib_ports:

@@ -118,10 +118,19 @@ def _node_row(node: cluster_pb2.NodeStatus, state: TopState, now: float) -> Row:
     def sort_values() -> tuple[SortValue, ...]:
         n = numbers()
         return (
-            node.node_id, state_name, len(node.report.gpus), number(n.utilization), number(n.utilization),
-            number(n.memory), number(n.hottest_celsius), number(n.power_watts), n.errors, number(n.cpu),
-            *(number(r) for r in n.rates), -node.last_seen_unix_seconds,
-        )  # fmt: skip
+            node.node_id,
+            state_name,
+            len(node.report.gpus),
+            number(n.utilization),
+            number(n.utilization),
+            number(n.memory),
+            number(n.hottest_celsius),
+            number(n.power_watts),
+            n.errors,
+            number(n.cpu),
+            *(number(r) for r in n.rates),
+            -node.last_seen_unix_seconds,
+        )
 
     row_tone = Tone.ERROR if node.state == cluster_pb2.NODE_STATE_UNREACHABLE else Tone.PLAIN
     return Row(node.node_id, cells, sort_values, row_tone, first_sort=node.node_id)

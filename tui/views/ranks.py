@@ -38,9 +38,16 @@ def rank_rows(state: TopState) -> list[Row]:
         missing = _missing_collective(job, set(hung))
         for rank in job.ranks:
             number_of = rank.identity.rank
-            rows.append(_rank_row(job.job, rank, straggling=stragglers.get(number_of),
-                                  hung=hung.get(number_of), orphaned=number_of in orphaned,
-                                  missing=missing))  # fmt: skip
+            rows.append(
+                _rank_row(
+                    job.job,
+                    rank,
+                    straggling=stragglers.get(number_of),
+                    hung=hung.get(number_of),
+                    orphaned=number_of in orphaned,
+                    missing=missing,
+                )
+            )
     return rows
 
 
@@ -139,15 +146,20 @@ def job_lines(state: TopState) -> list[list[Cell]]:
             if job.HasField("latest_complete_checkpoint_step")
             else "no checkpoint"
         )
-        lines.append([
-            Cell(job.job, Tone.ACCENT),
-            Cell(f"{len(job.ranks)}/{job.world_size} ranks"),
-            Cell(rate),
-            Cell("step"),
-            Cell(sparkline(history, STEP_HISTORY_WIDTH, low=None), Tone.ACCENT),
-            Cell(duration(history[-1] if history else None)),
-            Cell(checkpoint, Tone.MUTED if not job.HasField("latest_complete_checkpoint_step") else Tone.PLAIN),
-        ])  # fmt: skip
+        lines.append(
+            [
+                Cell(job.job, Tone.ACCENT),
+                Cell(f"{len(job.ranks)}/{job.world_size} ranks"),
+                Cell(rate),
+                Cell("step"),
+                Cell(sparkline(history, STEP_HISTORY_WIDTH, low=None), Tone.ACCENT),
+                Cell(duration(history[-1] if history else None)),
+                Cell(
+                    checkpoint,
+                    Tone.MUTED if not job.HasField("latest_complete_checkpoint_step") else Tone.PLAIN,
+                ),
+            ]
+        )
     return lines
 
 

@@ -67,8 +67,10 @@ def header_cells(state: TopState, address: str, now_unix_s: float | None = None)
     for job, rate in s.job_step_rates:
         cells.append(Cell(f"{job} {'-' if rate is None else f'{rate:.2f}'} steps/s", Tone.ACCENT))
     if s.open_incidents:
-        cells.extend(Cell(f"{n} {severity}", SEVERITY_TONES.get(severity, Tone.PLAIN))
-                     for severity, n in s.open_incidents.items())  # fmt: skip
+        cells.extend(
+            Cell(f"{n} {severity}", SEVERITY_TONES.get(severity, Tone.PLAIN))
+            for severity, n in s.open_incidents.items()
+        )
     else:
         cells.append(Cell("no open incidents", Tone.GOOD))
     return cells

@@ -114,8 +114,12 @@ class GpuHeatmap(ScrollView):
             legend: list[Segment] = [Segment("utilisation ".rjust(self._label_width()), label_style)]
             for percent in (0, 25, 50, 75, 100):
                 legend += [self._cell(GpuCell(0, percent / 100, ())), Segment(f" {percent}%  ", label_style)]
-            legend += [self._cell(GpuCell(0, 1.0, ("x",))), Segment(" throttled  ", label_style),
-                       self._cell(GpuCell(0, None, ())), Segment(" no data", label_style)]  # fmt: skip
+            legend += [
+                self._cell(GpuCell(0, 1.0, ("x",))),
+                Segment(" throttled  ", label_style),
+                self._cell(GpuCell(0, None, ())),
+                Segment(" no data", label_style),
+            ]
             return Strip(legend).crop_extend(0, width, base)
         per_line = self._nodes_per_line(width)
         first = (int(self.scroll_y) + y - _LEGEND_LINES) * per_line

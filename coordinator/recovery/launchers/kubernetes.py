@@ -100,8 +100,13 @@ class KubernetesLauncher:
         where = f"namespace {self._namespace}" if self._namespace else "kubectl's default namespace"
         logger.info(
             "restarting job %s: deleting pods %s in %s (%d nodes, %d cordoned first): %s",
-            job, selector, where, len(nodes), len(excluded), reason,
-        )  # fmt: skip
+            job,
+            selector,
+            where,
+            len(nodes),
+            len(excluded),
+            reason,
+        )
         cordons = await asyncio.gather(*(self._kubectl_run("cordon", node) for node in excluded))
         per_node = {
             node: "cordoned" if run.ok else f"not cordoned: {describe_failure(run)}"

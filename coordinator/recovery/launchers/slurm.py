@@ -123,8 +123,12 @@ class SlurmLauncher:
             return LaunchOutcome(False, f"not a SLURM node name: {', '.join(map(repr, bad))}; nothing done")
         logger.info(
             "restarting job %s: requeueing SLURM job %s (%d nodes, %d excluded): %s",
-            job, slurm_id, len(nodes), len(excluded), reason,
-        )  # fmt: skip
+            job,
+            slurm_id,
+            len(nodes),
+            len(excluded),
+            reason,
+        )
         if not excluded:
             run = await self._scontrol_run("requeue", slurm_id)
             if not run.ok:

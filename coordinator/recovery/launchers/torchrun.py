@@ -54,8 +54,11 @@ class TorchrunLauncher:
         targets = unique([*nodes, *exclude_nodes])
         logger.info(
             "restarting job %s via torchrun: stopping workers on %d nodes (%d excluded): %s",
-            job, len(targets), len(excluded), reason,
-        )  # fmt: skip
+            job,
+            len(targets),
+            len(excluded),
+            reason,
+        )
         answers = await asyncio.gather(*(self._stop(node, job, node in excluded, reason) for node in targets))
         return summarise_stops(job, dict(zip(targets, answers, strict=True)), excluded)
 
