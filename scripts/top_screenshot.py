@@ -1,4 +1,4 @@
-"""The README's picture of `clusterwatch top`: the demo, photographed by Textual while a fault is open.
+"""The picture of `clusterwatch top` in docs/top.md: the demo, photographed by Textual while a fault is open.
 
 Usage: .venv/bin/python scripts/top_screenshot.py [docs/top.svg]
 

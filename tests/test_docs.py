@@ -13,6 +13,9 @@ pytestmark = pytest.mark.timeout(30)
 ROOT = Path(__file__).resolve().parent.parent
 # Documents that walk a newcomer through real files: every path they name must exist.
 GUIDES = ("CONTRIBUTING.md", "docs/ARCHITECTURE.md", "docs/SIGNALS.md", "docs/SECURITY.md")
+# Every Markdown document of ours, for the links test.
+DOCUMENTS = ("README.md", "CONTRIBUTING.md", "BENCHMARKS.md", *(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")))
+_LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)\s]*)?\)")  # a Markdown link's target, without its anchor
 # A repository path in backticks: a folder of ours, then a file or folder name.
 _PATH = re.compile(
     r"`((?:agent|coordinator|clusterwatch|tui|tests|bench|scripts|deploy|docs|proto|dashboards)/[\w./-]*[\w/])`"
@@ -47,3 +50,11 @@ def test_every_document_the_code_cites_is_in_the_repository() -> None:
     }
     assert missing == {}, f"cited but not in the repository: {missing}"
     assert "CONTRIBUTING.md" in cited  # the search finds citations at all
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_every_relative_link_in_a_document_resolves(document: str) -> None:
+    path = ROOT / document
+    targets = {t for t in _LINK.findall(path.read_text()) if not re.match(r"[a-z]+:", t)}
+    missing = sorted(t for t in targets if not (path.parent / t).exists())
+    assert missing == [], f"{document} links to files that do not exist: {missing}"

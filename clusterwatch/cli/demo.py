@@ -320,7 +320,7 @@ def _start_training(
         demo_training.DIR_ENV: str(workdir),
         demo_training.STEPS_ENV: str(steps),
         demo_faults.ENV: demo_faults.to_json(faults),
-        # torch 2.13 + gloo: without it the first group torchrun restarts fails to connect (see README).
+        # torch 2.13 + gloo: without it the first group torchrun restarts fails to connect (docs/recovery.md).
         "TORCH_GLOO_LAZY_INIT": "1",
     }
     with (workdir / f"train-node-{node}.log").open("wb") as log:  # the child keeps its own copy

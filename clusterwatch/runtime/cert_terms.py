@@ -3,7 +3,7 @@
 Kept apart from ``clusterwatch.runtime.peer_identity`` and ``clusterwatch.cli.certs``,
 which need the ``cryptography`` package, so that the command line can build
 its parser where only the training hook is installed (``pip install
-clusterwatch``, without the ``coordinator`` extra; README, "Installing").
+clusterwatch``, without the ``coordinator`` extra; README, "Running it on a cluster").
 """
 
 from __future__ import annotations
