@@ -14,7 +14,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # Documents that walk a newcomer through real files: every path they name must exist.
 GUIDES = ("CONTRIBUTING.md", "docs/ARCHITECTURE.md", "docs/SIGNALS.md", "docs/SECURITY.md")
 # Every Markdown document of ours, for the links test.
-DOCUMENTS = ("README.md", "CONTRIBUTING.md", "BENCHMARKS.md", *(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")))
+DOCUMENTS = (
+    "README.md",
+    "CONTRIBUTING.md",
+    "BENCHMARKS.md",
+    *(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")),
+)
 _LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)\s]*)?\)")  # a Markdown link's target, without its anchor
 # A repository path in backticks: a folder of ours, then a file or folder name.
 _PATH = re.compile(
