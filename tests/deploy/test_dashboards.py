@@ -28,7 +28,7 @@ from prometheus_server import SCRAPE_INTERVAL_S, PrometheusServer, require
 from bench.dashboards import expand
 
 # The session's demo run (tests/demo_run.py) is started by whichever of this module and
-# tests/test_demo.py asks first; the samples this test waits for are there within a minute.
+# tests/e2e/test_demo.py asks first; the samples this test waits for are there within a minute.
 pytestmark = pytest.mark.timeout(300)
 
 DASHBOARDS = sorted((ROOT / "dashboards").glob("*.json"))

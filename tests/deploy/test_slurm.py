@@ -3,7 +3,7 @@ against a real coordinator; real hook processes started like `srun` tasks report
 agent; BeginJob/EndJob input checks; the SLURM launcher requeues the id the ranks reported.
 
 scontrol is not installed here: the launcher test uses a STAND-IN (a small script named scontrol
-that records its arguments), as tests/test_launchers.py does.
+that records its arguments), as tests/coordinator/recovery/test_launchers.py does.
 """
 
 from __future__ import annotations

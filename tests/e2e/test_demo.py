@@ -14,7 +14,7 @@ from clusterwatch.cli.demo_training import CHECKPOINT_EVERY
 from clusterwatch.errors import ConfigError
 
 # The session's demo run (tests/demo_run.py) is started by whichever of this module and
-# tests/test_dashboards.py asks first; waiting for its end takes a minute at most.
+# tests/deploy/test_dashboards.py asks first; waiting for its end takes a minute at most.
 pytestmark = pytest.mark.timeout(300)
 
 

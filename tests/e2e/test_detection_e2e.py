@@ -37,7 +37,7 @@ EXITED = training_pb2.RankState.RANK_STATE_EXITED
 
 
 def start(cluster: Cluster, *detection: str) -> tuple[Coordinator, Path]:
-    # Detection only: the recovery policy would restart a hung job (tests/test_recovery_e2e.py).
+    # Detection only: the recovery policy would restart a hung job (tests/e2e/test_recovery_e2e.py).
     coordinator = cluster.coordinator("--hang-action", "alert", *detection)
     cluster.agent(coordinator, "node-a")
     socket = cluster.socket_path("node-a")

@@ -38,7 +38,7 @@ BROADCAST_AT_DESYNC = 2 * DESYNC_STEP + 2
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Coordinator]]:
     cluster = Cluster(tmp_path_factory.mktemp("mismatch"))
     try:
-        # Detection only: the recovery policy would restart a hung job (tests/test_recovery_e2e.py).
+        # Detection only: the recovery policy would restart a hung job (tests/e2e/test_recovery_e2e.py).
         coordinator = cluster.coordinator("--hang-action", "alert")
         for node_id in NODES:
             cluster.agent(coordinator, node_id)

@@ -1,7 +1,7 @@
 """The hook's CUDA paths on a real GPU: CUDA-event timing with NCCL (world size 1), never synchronising,
 and the rank's GPU UUID as NVML spells it. Skipped, with the reason, where there is no CUDA GPU or NCCL.
 
-tests/test_hook_collectives.py drives the same bookkeeping with fake events on
+tests/hook/test_hook_collectives.py drives the same bookkeeping with fake events on
 CPU; these tests check that the real events, streams and NCCL behave as that
 bookkeeping assumes. Times are only compared with other times of the same run.
 """

@@ -2,7 +2,7 @@
 
 The data is a made-up cluster (clusterwatch.sim.snapshot) at fixed times, so
 the pictures do not change from run to run; the pilot tests cover live data.
-Regenerate after a deliberate change with ``pytest tests/test_tui_snapshots.py --snapshot-update``
+Regenerate after a deliberate change with ``pytest tests/tui/test_tui_snapshots.py --snapshot-update``
 and look at the pictures in the report before committing them.
 """
 

@@ -359,7 +359,7 @@ def test_process_groups_are_judged_apart() -> None:
 
 
 def test_a_skipped_collective_is_named_though_the_others_completed_around_it() -> None:
-    # What gloo does (tests/test_mismatch_e2e.py): rank 3 skipped step 30's broadcast #62. The root
+    # What gloo does (tests/e2e/test_mismatch_e2e.py): rank 3 skipped step 30's broadcast #62. The root
     # (rank 0) and rank 2 got theirs and wait in step 31's all_reduce #63; rank 1 waits for its
     # broadcast, which came through rank 3; rank 3's all_reduce took number 62. Compared at one
     # sequence, ranks 1 and 3 would split; at the same point of step 31, rank 3 counts one fewer.

@@ -41,7 +41,7 @@ pytestmark = pytest.mark.timeout(30)
 Status = agent_pb2.CommandResult.Status
 
 STANDIN = '''#!{python}
-"""STAND-IN for `{name}`, written by tests/test_launchers.py: not the real tool.
+"""STAND-IN for `{name}`, written by tests/coordinator/recovery/test_launchers.py: not the real tool.
 
 Appends {{"argv": [...], "pid": N}} as one JSON line to {log}, then answers with
 the first rule whose "args" prefix the arguments: "stdout", "stderr", "exit"

@@ -22,7 +22,7 @@ JOB = "4242"
 STEPS = [step(n) for n in range(1, 6)]
 
 SCONTROL_STANDIN = """#!{python}
-# STAND-IN for `scontrol`, written by tests/test_recovery_settings.py: not the real tool.
+# STAND-IN for `scontrol`, written by tests/coordinator/recovery/test_recovery_settings.py: not the real tool.
 # Appends its arguments as one JSON line to {calls!r} and succeeds.
 import json, sys
 with open({calls!r}, "a") as calls:
