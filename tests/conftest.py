@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from demo_run import DemoRun
 
 # Every process the tests start talks plaintext on loopback, as a user would
-# say with --insecure; the TLS tests turn it off (tests/test_security.py).
+# say with --insecure; the TLS tests turn it off (tests/coordinator/test_security.py).
 for _section in ("AGENT", "COORDINATOR", "CLIENT"):
     os.environ.setdefault(f"CLUSTERWATCH_{_section}_INSECURE", "true")
 # Coordinators accept, and clients send, one admin token (actions need one).

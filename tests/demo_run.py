@@ -1,4 +1,4 @@
-"""One ``clusterwatch demo`` for the whole session, watched by tests/test_demo.py and tests/test_dashboards.py.
+"""One ``clusterwatch demo`` for the whole session, watched by tests/e2e/test_demo.py and tests/deploy/test_dashboards.py.
 
 The demo (two simulated nodes, an elastic torchrun job, a straggler and a hang, both
 recovered) takes about a minute; both modules look at the same run instead of each
@@ -9,7 +9,7 @@ coordinator, and one more node reports over the real agent protocol with what th
 machine lacks (InfiniBand ports, one down; an XID; ECC errors; a rank that was killed).
 
 Imported as ``demo_run``; tests get the run from the session fixture ``demo_run``
-(tests/conftest.py). Prometheus is imported only to start it: tests/test_demo.py does
+(tests/conftest.py). Prometheus is imported only to start it: tests/e2e/test_demo.py does
 not need it.
 """
 

@@ -1,6 +1,7 @@
 """Test helpers: real coordinator and agent processes, condition waits, scrapes.
 
-Imported as ``helpers`` (pytest puts tests/ on sys.path, as for ``fakes``)."""
+Imported as ``helpers`` from every folder under tests/ (pyproject's pytest ``pythonpath`` puts
+tests/ on sys.path, as for ``fakes``)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,12 @@ from prometheus_client.samples import Sample
 from clusterwatch.client import ClusterClient
 from clusterwatch.v1 import cluster_pb2
 
-FIXTURES = Path(__file__).parent / "fixtures"
+# The test tree's shared places: test files live in subfolders mirroring the source tree,
+# so they find these here rather than counting parents of their own __file__.
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+FIXTURES = TESTS / "fixtures"
+HOOK_WORKERS = TESTS / "hook_workers"
 T = TypeVar("T")
 
 # The admin token every test coordinator accepts and every test client sends

@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 
+from bench.synthetic import hgx_topology
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, node_pb2, training_pb2
 from clusterwatch.wire.collective_stats import COLLECTIVE_DURATION_BUCKETS_S, duration_bucket_index
 
@@ -106,6 +107,18 @@ def rank_report(
     if exit is not None:
         report.exit.CopyFrom(exit)
     return report
+
+
+def gpu_uuid(index: int) -> str:
+    """As rank_report names rank ``index``'s GPU, so placements resolve."""
+    return f"GPU-{index:04d}"
+
+
+def hgx() -> node_pb2.NodeTopology:
+    """8 H100s on NVSwitches (18 NVLinks each pair), 4 NDR HCAs, each on the PCIe switch of two GPUs.
+
+    The node of tests/cli/test_topology_render.py and tests/tui/test_tui_topology.py."""
+    return hgx_topology([gpu_uuid(g) for g in range(8)])
 
 
 def checkpoint_ok(step_n: int, rank: int, duration_s: float = 1.0) -> training_pb2.CheckpointResult:

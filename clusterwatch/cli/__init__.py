@@ -31,7 +31,7 @@ OPTIONAL_MODULES = frozenset(
 )
 """What only the daemons and ``top`` import. ``pip install clusterwatch`` alone is the training
 hook's install (grpcio and protobuf); pyproject.toml's extras add these: ``agent``,
-``coordinator``, ``top``, or ``all`` (tests/test_wheel.py checks the two agree)."""
+``coordinator``, ``top``, or ``all`` (tests/repo/test_wheel.py checks the two agree)."""
 PROCESS_EXTRAS = frozenset({"agent", "coordinator", "top"})
 
 

@@ -23,7 +23,7 @@ import os
 import socket
 from collections.abc import Mapping
 
-# The name it had before clusterwatch/runtime/ (tests/test_systemd.py and log filters use it).
+# The name it had before clusterwatch/runtime/ (tests/deploy/test_systemd.py and log filters use it).
 logger = logging.getLogger("clusterwatch.sd_notify")
 
 NOTIFY_SOCKET_ENV = "NOTIFY_SOCKET"

@@ -2,7 +2,7 @@
 
 One module of about 700 lines: the plans derived from the descriptors and the
 fast and slow paths that read them must agree field by field
-(tests/test_hostile_input.py checks that they do); a split would publish the
+(tests/coordinator/test_hostile_input.py checks that they do); a split would publish the
 plans' internals.
 
 Rules, worked out once per message type from its descriptor (a *plan*):

@@ -1,4 +1,4 @@
-"""One rank of tests/test_hook_collectives.py's torchrun job (gloo, 2 ranks).
+"""One rank of tests/hook/test_hook_collectives.py's torchrun job (gloo, 2 ranks).
 
 Usage: torchrun --nproc-per-node 2 collectives_worker.py OUT_DIR
 

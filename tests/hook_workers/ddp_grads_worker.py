@@ -1,4 +1,4 @@
-"""One rank of tests/test_hook_ddp_grads.py's torchrun job (gloo, 3 ranks).
+"""One rank of tests/hook/test_hook_ddp_grads.py's torchrun job (gloo, 3 ranks).
 
 Usage: torchrun --nproc-per-node 3 ddp_grads_worker.py OUT_DIR
 

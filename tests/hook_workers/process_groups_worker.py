@@ -1,4 +1,4 @@
-"""One rank of tests/test_hook_process_groups.py's torchrun job (gloo, 4 ranks).
+"""One rank of tests/hook/test_hook_process_groups.py's torchrun job (gloo, 4 ranks).
 
 Usage: torchrun --nproc-per-node 4 process_groups_worker.py STOP_FILE [--job J] [--mesh dp,tp]
 

@@ -1,4 +1,4 @@
-"""One task of a SLURM job step as ``srun`` starts it (no torchrun), for tests/test_slurm.py.
+"""One task of a SLURM job step as ``srun`` starts it (no torchrun), for tests/deploy/test_slurm.py.
 
 Usage: SLURM_JOB_ID=... SLURM_PROCID=... python slurm_task.py STOP_FILE
 

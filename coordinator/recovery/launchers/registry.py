@@ -1,7 +1,7 @@
 """The launcher registry: each kind of ``recovery.launcher`` and how its adapter is built from the settings.
 
 A new launcher is a module of its own in this package, with a builder here
-and its kind in clusterwatch/wire/recovery_names.py (tests/test_launchers.py
+and its kind in clusterwatch/wire/recovery_names.py (tests/coordinator/recovery/test_launchers.py
 checks the two agree).
 """
 

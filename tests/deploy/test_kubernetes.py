@@ -1,0 +1,567 @@
+"""deploy/kubernetes: schema-valid manifests that agree with each other and with the real CLI.
+
+What is checked, offline (no cluster, no kubectl):
+
+- Every built-in object validates with kubernetes-validate against the
+  Kubernetes 1.30 OpenAPI schemas in strict mode (unknown fields fail).
+- The ServiceMonitor is a CRD kubernetes-validate has no schema for. It is
+  checked against SERVICE_MONITOR_SCHEMA below: the fields this repository
+  uses, with the types, enums and patterns of the Prometheus Operator's
+  monitoring.coreos.com/v1 CRD, and no other fields allowed. It is not the
+  whole CRD, so a field we do not use is rejected even where the CRD has it.
+- kustomization.yaml lists every manifest in the folder, and only those.
+- The ConfigMap's clusterwatch.toml, the containers' args and env go through
+  clusterwatch's own config loader and argument parser, so every key, flag
+  and variable is a real setting; the resulting paths and ports are the
+  mounted volumes, the container ports and the Service's ports.
+- The cross-references: selectors, service accounts, the RBAC the kubernetes
+  launcher needs and no more, and the security settings the agent relies on.
+- What a real Prometheus stores from the ServiceMonitor's scrape (its
+  honorLabels and relabelings, rendered as the Prometheus Operator does):
+  a GPU's series keep the training pod's labels, not the coordinator's.
+"""
+
+from __future__ import annotations
+
+import copy
+import http.server
+import json
+import os
+import re
+import subprocess
+import threading
+import tomllib
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import jsonschema
+import kubernetes_validate
+import psutil
+import pytest
+import yaml
+from helpers import ROOT, wait_for
+from prometheus_server import require
+
+from clusterwatch import config
+from clusterwatch.cli import build_parser
+from clusterwatch.cli.common import settings_from_args
+from clusterwatch.exposition.node_metrics import write_node
+from clusterwatch.exposition.promtext import Exposition
+from clusterwatch.v1 import node_pb2
+
+pytestmark = pytest.mark.timeout(60)
+
+MANIFESTS = ROOT / "deploy" / "kubernetes"
+KUBERNETES_VERSION = "1.30"
+NAMESPACE = "clusterwatch"
+NODE_NAME = "gpu-node-7"  # what the agent's spec.nodeName fieldRef resolves to in these checks
+
+Doc = dict[str, Any]
+S = TypeVar("S")
+
+
+def load_documents() -> list[tuple[str, Doc]]:
+    docs = []
+    for path in sorted(MANIFESTS.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        docs.extend((path.name, doc) for doc in yaml.safe_load_all(path.read_text()) if doc)
+    return docs
+
+
+DOCUMENTS = load_documents()
+
+
+def find(kind: str, name: str) -> Doc:
+    (doc,) = [d for _, d in DOCUMENTS if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def doc_id(item: tuple[str, Doc]) -> str:
+    path, doc = item
+    return f"{path}:{doc['kind']}/{doc['metadata']['name']}"
+
+
+BUILT_IN = [item for item in DOCUMENTS if item[1]["apiVersion"] != "monitoring.coreos.com/v1"]
+
+
+@pytest.mark.parametrize("item", BUILT_IN, ids=doc_id)
+def test_manifest_validates_strictly_against_the_kubernetes_schema(item: tuple[str, Doc]) -> None:
+    _, doc = item
+    assert kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True) == KUBERNETES_VERSION
+
+
+def test_strict_validation_rejects_an_unknown_field() -> None:
+    """The validator really is strict: a misspelt field fails (so the test above can fail)."""
+    daemonset = copy.deepcopy(find("DaemonSet", "clusterwatch-agent"))
+    daemonset["spec"]["template"]["spec"]["hostPid"] = True
+    with pytest.raises(kubernetes_validate.ValidationError, match="hostPid"):
+        kubernetes_validate.validate(daemonset, KUBERNETES_VERSION, strict=True)
+
+
+# --- ServiceMonitor ----------------------------------------------------------
+
+_DURATION = {
+    "type": "string",
+    "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+}
+_LABEL_NAME = {"type": "string", "pattern": r"^[a-zA-Z_][a-zA-Z0-9_]*$"}
+_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+_RELABEL_CONFIG = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "action": {
+            "enum": [
+                "replace",
+                "Replace",
+                "keep",
+                "Keep",
+                "drop",
+                "Drop",
+                "hashmod",
+                "HashMod",
+                "labelmap",
+                "LabelMap",
+                "labeldrop",
+                "LabelDrop",
+                "labelkeep",
+                "LabelKeep",
+                "lowercase",
+                "Lowercase",
+                "uppercase",
+                "Uppercase",
+                "keepequal",
+                "KeepEqual",
+                "dropequal",
+                "DropEqual",
+            ]
+        },
+        "regex": {"type": "string"},
+        "replacement": {"type": "string"},
+        "separator": {"type": "string"},
+        "sourceLabels": {"type": "array", "items": _LABEL_NAME},
+        "targetLabel": {"type": "string"},
+    },
+}
+# The monitoring.coreos.com/v1 ServiceMonitor fields this repository uses, as the CRD types them.
+SERVICE_MONITOR_SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name", "namespace"],
+            "properties": {
+                "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+                "namespace": {"type": "string"},
+                "labels": _STRING_MAP,
+            },
+        },
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["endpoints", "selector"],
+            "properties": {
+                "selector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"matchLabels": _STRING_MAP},
+                },
+                "namespaceSelector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}},
+                    },
+                },
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
+                            "interval": _DURATION,
+                            "scrapeTimeout": _DURATION,
+                            "honorLabels": {"type": "boolean"},
+                            "relabelings": {"type": "array", "items": _RELABEL_CONFIG},
+                            "metricRelabelings": {"type": "array", "items": _RELABEL_CONFIG},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def duration_s(text: str) -> float:
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0}
+    assert text[-1] in units, text
+    assert text[:-1].isdigit(), text
+    return int(text[:-1]) * units[text[-1]]
+
+
+def test_service_monitor_matches_the_crd_fields_it_uses_and_the_service() -> None:
+    monitor = find("ServiceMonitor", "clusterwatch-coordinator")
+    jsonschema.Draft202012Validator(SERVICE_MONITOR_SCHEMA).validate(monitor)
+    assert monitor["metadata"]["namespace"] == NAMESPACE
+    service = find("Service", "clusterwatch-coordinator")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    port_names = {p["name"] for p in service["spec"]["ports"]}
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint["port"] in port_names
+        assert endpoint["path"] == "/metrics"
+        assert duration_s(endpoint["scrapeTimeout"]) <= duration_s(endpoint["interval"])
+        # The coordinator's own node/job/pod labels must win over the target's.
+        assert endpoint["honorLabels"] is True
+
+
+def test_service_monitor_schema_rejects_an_unknown_field() -> None:
+    monitor = copy.deepcopy(find("ServiceMonitor", "clusterwatch-coordinator"))
+    monitor["spec"]["endpoints"][0]["honourLabels"] = True
+    with pytest.raises(jsonschema.ValidationError, match="honourLabels"):
+        jsonschema.Draft202012Validator(SERVICE_MONITOR_SCHEMA).validate(monitor)
+
+
+# --- kustomization -------------------------------------------------------------
+
+
+def test_kustomization_lists_every_manifest_and_the_image() -> None:
+    kustomization = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())
+    assert kustomization["apiVersion"] == "kustomize.config.k8s.io/v1beta1"
+    assert kustomization["kind"] == "Kustomization"
+    listed = kustomization["resources"]
+    assert len(listed) == len(set(listed))
+    on_disk = {p.name for p in MANIFESTS.glob("*.y*ml")} - {"kustomization.yaml"}
+    assert set(listed) == on_disk
+    # No namespace transformer: it would move the Role in the jobs' namespace.
+    assert "namespace" not in kustomization
+    images = {image["name"] for image in kustomization["images"]}
+    used = {c["image"].rsplit(":", 1)[0] for c in containers()}
+    assert used == images
+
+
+# --- the manifests agree with each other and with clusterwatch's settings ------
+
+
+def containers() -> Iterator[Doc]:
+    for _, doc in DOCUMENTS:
+        if doc["kind"] in {"Deployment", "DaemonSet"}:
+            yield from doc["spec"]["template"]["spec"]["containers"]
+
+
+def test_namespaced_objects_live_in_clusterwatch_except_the_jobs_pod_role() -> None:
+    jobs_namespace = config_tables()["recovery"]["kubernetes_namespace"]
+    for _, doc in DOCUMENTS:
+        if doc["kind"] in {"Namespace", "ClusterRole", "ClusterRoleBinding"}:
+            assert "namespace" not in doc["metadata"], doc["metadata"]["name"]
+        elif doc["kind"] in {"Role", "RoleBinding"}:
+            assert doc["metadata"]["namespace"] == jobs_namespace
+        else:
+            assert doc["metadata"]["namespace"] == NAMESPACE, doc["metadata"]["name"]
+
+
+def config_tables() -> dict[str, Any]:
+    return tomllib.loads(find("ConfigMap", "clusterwatch-config")["data"]["clusterwatch.toml"])
+
+
+def test_config_file_is_valid_for_every_section() -> None:
+    tables = config_tables()
+    assert set(tables) <= set(config.SECTIONS.values())
+    for cls, section in config.SECTIONS.items():
+        if section in tables:
+            config.load(cls, file_tables=tables, file_name="configmap.yaml", environ={})
+
+
+def container_settings(workload: Doc, cls: type[S], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> S:
+    """The settings the container's command line, environment and mounted config file give."""
+    (container,) = workload["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["clusterwatch"]
+    args = list(container["args"])
+    config_path = Path(args[args.index("--config") + 1])
+    config_volume = mount_source(workload, container, config_path.parent)
+    assert config_volume["configMap"]["name"] == "clusterwatch-config"
+    local_config = tmp_path / config_path.name
+    local_config.write_text(find("ConfigMap", "clusterwatch-config")["data"][config_path.name])
+    args[args.index("--config") + 1] = str(local_config)
+    for name in [n for n in os.environ if n.startswith(config.ENV_PREFIX)]:
+        monkeypatch.delenv(name)
+    defined: dict[str, str] = {}
+    for env in container.get("env", []):
+        if "valueFrom" in env:
+            assert env["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}, env
+            value = NODE_NAME
+        else:  # the kubelet expands $(NAME) of a variable defined above
+            value = re.sub(r"\$\((\w+)\)", lambda m: defined.get(m[1], m[0]), env["value"])
+        defined[env["name"]] = value
+        monkeypatch.setenv(env["name"], value)
+    parsed = build_parser().parse_args(args)
+    # Every CLUSTERWATCH_* variable the container sets is a setting or the log level.
+    known = {config.env_name(s, f.name) for c, s in config.SECTIONS.items() for f in config.fields_of(c)}
+    for env in container.get("env", []):
+        if env["name"].startswith(config.ENV_PREFIX):
+            assert env["name"] in known | {"CLUSTERWATCH_LOG_LEVEL"}, env["name"]
+    return settings_from_args(parsed, cls)
+
+
+def mount_source(workload: Doc, container: Doc, path: Path) -> Doc:
+    """The volume mounted at ``path`` (exactly) in ``container``."""
+    (mount,) = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == path]
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+    volume: Doc = volumes[mount["name"]]
+    return volume
+
+
+def container_port(container: Doc, name: str) -> int:
+    (port,) = [p["containerPort"] for p in container["ports"] if p["name"] == name]
+    return int(port)
+
+
+def test_agent_settings_come_from_the_daemonset_and_point_at_its_mounts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    daemonset = find("DaemonSet", "clusterwatch-agent")
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    settings = container_settings(daemonset, config.AgentSettings, tmp_path, monkeypatch)
+    assert settings.resolved_node_id == NODE_NAME
+    service = find("Service", "clusterwatch-coordinator")
+    host, port = config.split_host_port(settings.coordinator)
+    assert host == f"{service['metadata']['name']}.{NAMESPACE}.svc"
+    assert port in {p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc"}
+    assert settings.gpu_backend == "auto"
+    # Every path the agent uses is the host's, through a hostPath volume.
+    socket_dir = mount_source(daemonset, container, Path(settings.socket).parent)
+    assert socket_dir["hostPath"]["path"] == "/run/clusterwatch"
+    pod_resources = mount_source(daemonset, container, Path(settings.pod_resources_socket).parent)
+    assert pod_resources["hostPath"]["path"] == "/var/lib/kubelet/pod-resources"
+    assert mount_source(daemonset, container, settings.sys_root)["hostPath"]["path"] == "/sys"
+    assert settings.proc_root == Path("/proc")  # the host's, through hostPID
+    # Mutual TLS with this node's own certificate, from the node-certificates Secret.
+    assert settings.tls_cert == f"/etc/clusterwatch-tls/{NODE_NAME}.crt"
+    for path in (settings.tls_cert, settings.tls_key, settings.tls_ca):
+        assert mount_source(daemonset, container, Path(path).parent)["secret"]["secretName"]
+    _, metrics_port = config.split_host_port(settings.metrics_listen)
+    assert metrics_port == container_port(container, "metrics")
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["port"] == "metrics"
+
+
+def test_coordinator_settings_come_from_the_deployment_and_match_the_service(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deployment = find("Deployment", "clusterwatch-coordinator")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    settings = container_settings(deployment, config.CoordinatorSettings, tmp_path, monkeypatch)
+    recovery = container_settings(deployment, config.RecoverySettings, tmp_path, monkeypatch)
+    state = mount_source(deployment, container, settings.state_dir)
+    assert state["persistentVolumeClaim"]["claimName"] == "clusterwatch-coordinator-state"
+    find("PersistentVolumeClaim", "clusterwatch-coordinator-state")
+    service = find("Service", "clusterwatch-coordinator")
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    for name, address in (("grpc", settings.listen), ("metrics", settings.metrics_listen)):
+        _, port = config.split_host_port(address)
+        assert port == container_port(container, name)
+        assert ports[name]["targetPort"] == name
+    # The kubelet's gRPC probe has no client certificate: readiness is /healthz.
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    for path in (settings.tls_cert, settings.tls_key, settings.tls_ca, settings.admin_token_file):
+        assert mount_source(deployment, container, Path(path).parent)["secret"]["secretName"]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert recovery.launcher == "kubernetes"
+
+
+def test_agent_sees_the_host_and_every_gpu_without_taking_one() -> None:
+    pod = find("DaemonSet", "clusterwatch-agent")["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    assert pod["hostNetwork"] is True
+    assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    resources = container["resources"]
+    assert not any("nvidia.com" in key for part in resources.values() for key in part)
+    security = container["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"], "add": ["KILL", "SYS_PTRACE"]}
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["privileged"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts["/host/sys"]["readOnly"] is True
+    assert mounts["/var/lib/kubelet/pod-resources"]["readOnly"] is True
+    assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    assert pod["automountServiceAccountToken"] is False
+
+
+def test_coordinator_runs_as_one_unprivileged_replica() -> None:
+    deployment = find("Deployment", "clusterwatch-coordinator")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (container,) = pod["containers"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_rbac_grants_the_kubernetes_launcher_what_kubectl_needs_and_no_more() -> None:
+    accounts = {d["metadata"]["name"] for _, d in DOCUMENTS if d["kind"] == "ServiceAccount"}
+    for kind, name in (("DaemonSet", "clusterwatch-agent"), ("Deployment", "clusterwatch-coordinator")):
+        assert find(kind, name)["spec"]["template"]["spec"]["serviceAccountName"] in accounts
+    granted: set[tuple[str, str, str]] = set()
+    for _, binding in DOCUMENTS:
+        if binding["kind"] not in {"RoleBinding", "ClusterRoleBinding"}:
+            continue
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "clusterwatch-coordinator", "namespace": NAMESPACE}
+        ]
+        role = find(binding["roleRef"]["kind"], binding["roleRef"]["name"])
+        if role["kind"] == "Role":
+            assert role["metadata"]["namespace"] == binding["metadata"]["namespace"]
+        scope = role["metadata"].get("namespace", "cluster")
+        for rule in role["rules"]:
+            assert rule["apiGroups"] == [""]
+            granted |= {(scope, res, verb) for res in rule["resources"] for verb in rule["verbs"]}
+    jobs_namespace = config_tables()["recovery"]["kubernetes_namespace"]
+    assert granted == {
+        ("cluster", "nodes", "get"),  # kubectl cordon reads the node,
+        ("cluster", "nodes", "patch"),  # then sets spec.unschedulable
+        (jobs_namespace, "pods", "list"),  # kubectl delete pod --selector lists the job's pods,
+        (jobs_namespace, "pods", "delete"),  # then deletes each
+    }
+
+
+# --- what Prometheus stores from the ServiceMonitor's scrape -------------------
+
+
+def scrape_config_from(monitor: Doc, target: str, target_labels: dict[str, str]) -> Doc:
+    """The scrape job the Prometheus Operator renders for the monitor's first endpoint.
+
+    The operator discovers the Service's endpoints and sets the target labels
+    namespace, service, pod, container and endpoint; here they are given
+    statically, then the endpoint's own settings and relabelings follow as the
+    operator copies them. The interval is 1 s to keep the test short.
+    """
+    endpoint = monitor["spec"]["endpoints"][0]
+    keys = {"sourceLabels": "source_labels", "targetLabel": "target_label"}
+    relabel_configs = [
+        {keys.get(k, k): (v.lower() if k == "action" else v) for k, v in rule.items()}
+        for rule in endpoint.get("relabelings", [])
+    ]
+    meta = monitor["metadata"]
+    return {
+        "job_name": f"serviceMonitor/{meta['namespace']}/{meta['name']}/0",
+        "honor_labels": endpoint.get("honorLabels", False),
+        "metrics_path": endpoint["path"],
+        "scrape_interval": "1s",
+        "static_configs": [{"targets": [target], "labels": target_labels}],
+        "relabel_configs": relabel_configs,
+    }
+
+
+@pytest.fixture
+def coordinator_page() -> Iterator[str]:
+    """A /metrics page of one node whose GPU 0 is assigned to a training pod; its host:port."""
+    report = node_pb2.NodeReport(sequence=1, timestamp_unix_seconds=1.0)
+    report.gpu_inventory.backend = "nvml"
+    report.gpus.add(
+        index=0, uuid="GPU-0", utilization_ratio=0.9, pod="llama-0", namespace="training", container="pytorch"
+    )
+    report.gpus.add(index=1, uuid="GPU-1", utilization_ratio=0.1)
+    exp = Exposition()
+    write_node(exp, NODE_NAME, report)
+    page = exp.render()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_prometheus_keeps_the_training_pods_labels_and_not_the_coordinators(
+    coordinator_page: str, tmp_path: Path
+) -> None:
+    monitor = find("ServiceMonitor", "clusterwatch-coordinator")
+    coordinator_pod = {
+        "namespace": NAMESPACE,
+        "service": "clusterwatch-coordinator",
+        "pod": "clusterwatch-coordinator-5d8f7-x2x9k",
+        "container": "coordinator",
+        "endpoint": "metrics",
+    }
+    config_path = tmp_path / "prometheus.yml"
+    config_path.write_text(
+        json.dumps({"scrape_configs": [scrape_config_from(monitor, coordinator_page, coordinator_pod)]})
+    )
+    with (tmp_path / "prometheus.log").open("wb") as log:
+        prometheus = subprocess.Popen(
+            [
+                require("prometheus"),
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                "--web.listen-address=127.0.0.1:0",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+
+        def listening_port() -> int | None:
+            assert prometheus.poll() is None, (tmp_path / "prometheus.log").read_text()
+            ports = [
+                c.laddr.port
+                for c in psutil.Process(prometheus.pid).net_connections("tcp")
+                if c.status == "LISTEN"
+            ]
+            return ports[0] if ports else None
+
+        port = wait_for(listening_port, 30, "Prometheus to listen")
+
+        def gpu_series() -> dict[str, dict[str, str]] | None:
+            query = urllib.parse.urlencode({"query": "clusterwatch_gpu_utilization_ratio"})
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?{query}", timeout=10) as r:
+                result = json.load(r)["data"]["result"]
+            return {s["metric"]["gpu"]: s["metric"] for s in result} if len(result) == 2 else None
+
+        series = wait_for(gpu_series, 30, "Prometheus to scrape both GPUs")
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=10)
+    assigned, unassigned = series["0"], series["1"]
+    assert (assigned["pod"], assigned["namespace"], assigned["container"]) == (
+        "llama-0",
+        "training",
+        "pytorch",
+    )
+    # Not the coordinator's pod: an idle GPU is attributed to nobody.
+    assert not {"pod", "namespace", "container"} & unassigned.keys(), unassigned
+    assert assigned["node"] == unassigned["node"] == NODE_NAME
+    assert assigned["service"] == "clusterwatch-coordinator"  # which scrape it came from stays visible
