@@ -308,27 +308,35 @@ class _DdpTiming(_Ledger):
                 tensor.is_floating_point() or tensor.is_complex()
             ):
                 return None
-            clock = self._cuda.clock(tensor)
-            if clock is Clock.NONE or self._too_many_in_flight():
-                return None
-            info = watch.group
-            launch = _Launch(
-                DDP_OP,
-                info,
-                next(info.sequence),
-                start_ns=time.monotonic_ns(),
-                blocked_key=_DDP_BLOCKED_KEY,
-                asynchronous=True,
-            )
-            launch.dtype = self._dtype_name(tensor.dtype)
-            launch.size_bytes = tensor.nbytes if len(tensors) == 1 else sum(t.nbytes for t in tensors)
-            if clock is Clock.CUDA_EVENTS:
-                launch.device = tensor.device
-                launch.cuda = CudaTiming(self._cuda.record(tensor.device))
-            return launch
+            size_bytes = tensor.nbytes if len(tensors) == 1 else sum(t.nbytes for t in tensors)
+            return self._bucket_launch(watch, tensor, size_bytes)
         except Exception as exc:
             self._report(exc)
             return None
+
+    def _bucket_launch(self, watch: _DdpWatch, tensor: torch.Tensor, size_bytes: int) -> _Launch | None:
+        """A launch of ``watch``'s bucket ``tensor``, its start event recorded on CUDA; None if untimed.
+
+        Not timed: during CUDA-graph capture, and past the in-flight cap.
+        """
+        clock = self._cuda.clock(tensor)
+        if clock is Clock.NONE or self._too_many_in_flight():
+            return None
+        info = watch.group
+        launch = _Launch(
+            DDP_OP,
+            info,
+            next(info.sequence),
+            start_ns=time.monotonic_ns(),
+            blocked_key=_DDP_BLOCKED_KEY,
+            asynchronous=True,
+        )
+        launch.dtype = self._dtype_name(tensor.dtype)
+        launch.size_bytes = size_bytes
+        if clock is Clock.CUDA_EVENTS:
+            launch.device = tensor.device
+            launch.cuda = CudaTiming(self._cuda.record(tensor.device))
+        return launch
 
     def _group_bucket_completion(self, launch: _Launch, future: Any) -> Any:
         """What records the bucket's completion; the future DDP waits for (see ``ddp_group.CompletionFn``)."""
@@ -425,28 +433,14 @@ class _DdpTiming(_Ledger):
             return None
         try:
             buffer = bucket.buffer()
-            clock = self._cuda.clock(buffer)
-            if clock is Clock.NONE or self._too_many_in_flight():
+            launch = self._bucket_launch(watch, buffer, 0 if watch.user_hook else buffer.nbytes)
+            if launch is None:
                 return None
-            info = watch.group
-            launch = _Launch(
-                DDP_OP,
-                info,
-                next(info.sequence),
-                start_ns=time.monotonic_ns(),
-                blocked_key=_DDP_BLOCKED_KEY,
-                asynchronous=True,
-            )
-            launch.dtype = self._dtype_name(buffer.dtype)
-            launch.size_bytes = 0 if watch.user_hook else buffer.nbytes
-            if clock is Clock.CUDA_EVENTS:
-                launch.device = buffer.device
-                launch.cuda = CudaTiming(self._cuda.record(buffer.device))
-                if bucket.is_last():
-                    launch.cuda.stall_start = launch.cuda.start
+            if launch.cuda is not None and bucket.is_last():
+                launch.cuda.stall_start = launch.cuda.start
             with self._lock:
                 self._in_flight[launch] = None
-                if clock is Clock.WALL:
+                if launch.cuda is None:
                     if bucket.index() == 0:  # a new backward (drops a round a failed hook left open)
                         watch.round_last_launch_ns, watch.round_done_ns, watch.round_outstanding = None, 0, 0
                     watch.round_outstanding += 1
