@@ -21,6 +21,7 @@ DOCUMENTS = (
     *(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")),
 )
 _LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)\s]*)?\)")  # a Markdown link's target, without its anchor
+_ANCHOR = re.compile(r"\]\(#([^)\s]+)\)")  # a link to a heading of the same document
 # A repository path in backticks: a folder of ours, then a file or folder name.
 _PATH = re.compile(
     r"`((?:agent|coordinator|clusterwatch|tui|tests|bench|scripts|deploy|docs|proto|dashboards)/[\w./-]*[\w/])`"
@@ -63,3 +64,16 @@ def test_every_relative_link_in_a_document_resolves(document: str) -> None:
     targets = {t for t in _LINK.findall(path.read_text()) if not re.match(r"[a-z]+:", t)}
     missing = sorted(t for t in targets if not (path.parent / t).exists())
     assert missing == [], f"{document} links to files that do not exist: {missing}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_every_link_to_a_heading_of_the_same_document_finds_it(document: str) -> None:
+    text = (ROOT / document).read_text()
+    headings = {_slug(m) for m in re.findall(r"^#+ (.*)$", text, flags=re.M)}
+    missing = sorted(set(_ANCHOR.findall(text)) - headings)
+    assert missing == [], f"{document} links to headings it does not have: {missing}"
