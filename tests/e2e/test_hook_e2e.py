@@ -59,7 +59,10 @@ def test_four_rank_job_reports_steps_and_all_reduces(cluster: Cluster, tmp_path:
         return ranks if len(ranks) == 4 and all(r.last_step.step >= n for r in ranks.values()) else None
 
     first = wait_for(lambda: every_rank_past_step(3), 120, "four ranks past step 3")
-    later = wait_for(lambda: every_rank_past_step(first[0].last_step.step + 3), 60, "more steps")
+    # Past the furthest rank's first step by 3: every rank then has at least 3 steps more (the
+    # ranks' reports arrive at different moments, so rank 0's step alone would not say so).
+    furthest = max(status.last_step.step for status in first.values())
+    later = wait_for(lambda: every_rank_past_step(furthest + 3), 60, "more steps")
     until.touch()
     assert job.wait(120) == 0, job.log()
 
