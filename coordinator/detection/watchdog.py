@@ -240,10 +240,11 @@ class Watchdog:
             for n in incident.ranks
             if n in job.ranks and job.ranks[n].state != EXITED
         ]
+        named = set(incident.ranks)
         healthy = [
             (r.rank, r.node_id)
             for r in sorted(job.ranks.values(), key=lambda r: r.rank)
-            if r.state == RUNNING and r.rank not in incident.ranks
+            if r.state == RUNNING and r.rank not in named
         ][:1]
         if not culprits and not healthy:
             return

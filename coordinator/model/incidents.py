@@ -274,7 +274,8 @@ class IncidentBook:
             and finding.latch_value < incident.latch_value
         ):
             return None  # a counter reset (agent restart): keep what we had
-        new_ranks = tuple(r for r in finding.ranks if r not in incident.ranks)
+        known = set(incident.ranks)  # a set: a hung job's incident names all its ranks, each round
+        new_ranks = tuple(r for r in finding.ranks if r not in known)
         keep_cause = _keeps_diagnosed_cause(incident, finding)
         before = (
             incident.summary,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,31 @@ def test_a_condition_resolved_by_hand_stays_resolved_until_it_clears() -> None:
     (again,) = book.observe([straggler()], 104.0)
     assert again.opened
     assert again.incident.id != first.incident.id
+
+
+def _seconds_per_round(ranks: int, rounds: int) -> float:
+    """``observe`` of a hung job's finding naming ``ranks`` ranks, seen again every round."""
+    book = IncidentBook()
+    finding = Finding(
+        key=("hang", "big", 0),
+        kind=Kind.HANG,
+        severity=Severity.CRITICAL,
+        summary="hung",
+        cause="unknown",
+        job="big",
+        ranks=tuple(range(ranks)),
+    )
+    book.observe([finding], 0.0)
+    started = time.perf_counter()
+    for i in range(rounds):
+        book.observe([finding], float(i + 1))
+    return (time.perf_counter() - started) / rounds
+
+
+def test_seeing_a_large_incident_again_costs_in_proportion_to_its_ranks() -> None:
+    # Issue 20: each round compared every rank of the finding with the incident's tuple of ranks,
+    # so an 8,000-rank hung job cost 222 ms a round. Linear: 10x the ranks, ~10x the time
+    # (quadratic would be ~100x); compared within one run, best of three against noise.
+    small = min(_seconds_per_round(2_000, 20) for _ in range(3))
+    large = min(_seconds_per_round(20_000, 20) for _ in range(3))
+    assert large / small < 30, f"{large / small:.0f}x the time for 10x the ranks"
