@@ -97,10 +97,7 @@ class _DdpWatch:
         hook_registered: The timing comm hook is registered with DDP.
         reducer_group: The ``ReducerGroup`` in the model's reducer, if any.
         model: The model (weakly), to give its reducer its own group back.
-        round: The bucket round the reducer group is filling.
-        round_last_launch_ns: Comm hook, wall clock: launch of this backward's last bucket.
-        round_done_ns: Comm hook, wall clock: latest completion among this backward's buckets.
-        round_outstanding: Comm hook, wall clock: buckets of this backward launched and not completed.
+        round: The round of buckets being filled (one backward pass's).
     """
 
     group: _GroupInfo
@@ -111,9 +108,6 @@ class _DdpWatch:
     reducer_group: Any = None
     model: weakref.ref[Any] | None = None
     round: _Round | None = None
-    round_last_launch_ns: int | None = None
-    round_done_ns: int = 0
-    round_outstanding: int = 0
 
 
 def _watch_of(model: DistributedDataParallel) -> _DdpWatch | None:
@@ -364,22 +358,34 @@ class _DdpTiming(_Ledger):
         try:
             key = self._torch._C._current_graph_task_id()  # one backward pass, one round
             with self._lock:
-                round_ = watch.round
-                if round_ is None or round_.key != key or round_.over:
-                    if round_ is not None:
-                        self._end_round(round_)  # a new backward pass: the previous one is over
-                    round_ = watch.round = _Round(key)
-                    self._rounds.append(round_)
                 self._in_flight[launch] = None
+                round_ = self._round_of(
+                    watch, new=watch.round is not None and watch.round.key != key, key=key
+                )
                 if launch.cuda is not None:
                     round_.last_cuda = launch.cuda  # the round's stall is its last bucket's
                     return
-                round_.outstanding += 1
-                round_.last_launch_ns = launch.start_ns
-                launch.round = round_
+                self._join_round(round_, launch)
                 self._stamped[launch] = None
         except Exception as exc:
             self._report(exc)
+
+    def _round_of(self, watch: _DdpWatch, *, new: bool, key: int) -> _Round:
+        """The round ``watch``'s next bucket joins: a fresh one if ``new`` or none is open. Caller holds the lock."""
+        round_ = watch.round
+        if round_ is None or new or round_.over:
+            if round_ is not None:
+                self._end_round(round_)  # a new backward pass: the previous one is over
+            round_ = watch.round = _Round(key)
+            self._rounds.append(round_)
+        return round_
+
+    @staticmethod
+    def _join_round(round_: _Round, launch: _Launch) -> None:
+        """A wall-clock bucket joins ``round_``: counted by ``_round_done`` when it completes."""
+        round_.outstanding += 1
+        round_.last_launch_ns = launch.start_ns
+        launch.round = round_
 
     def _group_bucket_failed(self, launch: _Launch) -> None:
         """The reducer's all-reduce raised at launch (DDP gets the exception)."""
@@ -441,11 +447,11 @@ class _DdpTiming(_Ledger):
             with self._lock:
                 self._in_flight[launch] = None
                 if launch.cuda is None:
-                    if bucket.index() == 0:  # a new backward (drops a round a failed hook left open)
-                        watch.round_last_launch_ns, watch.round_done_ns, watch.round_outstanding = None, 0, 0
-                    watch.round_outstanding += 1
+                    # DDP numbers a backward's buckets from 0 and says which is its last.
+                    round_ = self._round_of(watch, new=bucket.index() == 0, key=0)
+                    self._join_round(round_, launch)
                     if bucket.is_last():
-                        watch.round_last_launch_ns = launch.start_ns
+                        self._end_round(round_)
             return launch
         except Exception as exc:
             self._report(exc)
@@ -464,12 +470,7 @@ class _DdpTiming(_Ledger):
             else:
                 done_ns = time.monotonic_ns()
                 with self._lock:
-                    watch.round_outstanding -= 1
-                    watch.round_done_ns = max(watch.round_done_ns, done_ns)
-                    if watch.round_last_launch_ns is not None and watch.round_outstanding <= 0:
-                        blocked_ns = max(0, watch.round_done_ns - watch.round_last_launch_ns)
-                        self._add_blocked(_DDP_BLOCKED_KEY, blocked_ns)
-                        watch.round_last_launch_ns, watch.round_done_ns, watch.round_outstanding = None, 0, 0
+                    self._round_done(launch, done_ns)
                     self._count(launch, (done_ns - launch.start_ns) / 1e9)
         except Exception as exc:
             self._report(exc)

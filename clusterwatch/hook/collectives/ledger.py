@@ -418,7 +418,7 @@ class _Ledger:
     def _count_round(self, round_: _Round) -> None:
         # Caller holds the lock.
         if round_.done_ns:
-            self._add_blocked(_DDP_BLOCKED_KEY, round_.done_ns - round_.last_launch_ns)
+            self._add_blocked(_DDP_BLOCKED_KEY, max(0, round_.done_ns - round_.last_launch_ns))
         if round_ in self._rounds:
             self._rounds.remove(round_)
 
