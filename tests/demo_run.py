@@ -174,7 +174,7 @@ class DemoRun:
         deadline = time.monotonic() + STATUS_TIMEOUT_S
         while not (self.ended() or self._closing.is_set()) and time.monotonic() < deadline:
             status = run_cli("status", "--insecure", "--coordinator", address)
-            if "demo-node-1" in status.stdout:
+            if all(f"demo-node-{n}" in status.stdout for n in (0, 1)):  # the agents connect in any order
                 self.status = status
                 return
             time.sleep(0.2)
