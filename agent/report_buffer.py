@@ -30,6 +30,11 @@ class ReportBuffer:
     def __len__(self) -> int:
         return len(self._reports)
 
+    @property
+    def newest_sequence(self) -> int:
+        """The newest report's sequence (the acknowledged one when the buffer is empty)."""
+        return self._reports[-1].sequence if self._reports else self.acked_sequence
+
     def append(self, report: node_pb2.NodeReport) -> None:
         """Add a report with a sequence number higher than any before it."""
         if self._reports and report.sequence <= self._reports[-1].sequence:

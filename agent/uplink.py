@@ -17,6 +17,13 @@ between attempts, so this backoff alone paces them: gRPC's own reconnect loop
 (CHANNEL_OPTIONS: 0.2 s to 2 s) would make every agent probe every 2 s and
 would bring them all back within the same 2 s window.
 
+A coordinator at capacity refuses the hello with RESOURCE_EXHAUSTED and a
+retry delay in the trailing metadata (``grpc-retry-pushback-ms``,
+coordinator/ingest/capacity.py): the agent waits between that delay and 1.5
+times it (jitter), keeps buffering meanwhile, and loses nothing. Reports go up
+only after the stream's first message from the coordinator (it acknowledges a
+stream at once), so a refused stream costs the hello alone.
+
 Commands arriving on the stream are carried out by the CommandHandler (at
 most once per command id) and their results sent back up, on a later stream
 if this one broke meanwhile; the coordinator's table of complete checkpoints
@@ -32,7 +39,8 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import grpc
 
@@ -41,6 +49,7 @@ from clusterwatch.agent.report_buffer import ReportBuffer
 from clusterwatch.runtime.backoff import Backoff
 from clusterwatch.runtime.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc
+from clusterwatch.wire.grpc_status import PUSHBACK_JITTER_FACTOR, retry_pushback_s
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +101,10 @@ class Uplink:
         self.connections_total = 0
         # When the current outage began (monotonic), for the log line saying how long it lasted.
         self._lost_at_s: float | None = None
+        # The delay before the latest reconnect attempt, seconds.
+        self.last_delay_s = 0.0
+        # Set by the current stream's first message from the coordinator: reports go up after it.
+        self._admitted = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Keep a stream open until ``stop`` is set; then close it cleanly."""
@@ -99,18 +112,27 @@ class Uplink:
         # reason changes (unreachable, then refused: PERMISSION_DENIED says what to fix).
         failing: grpc.StatusCode | None = None
         while not stop.is_set():
+            # The delay the coordinator asked for (RESOURCE_EXHAUSTED), if it did.
+            pushback_s: float | None = None
             try:
                 await self._session(stop)
                 if not stop.is_set():
                     logger.warning("coordinator %s closed the stream; reconnecting", self.target)
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    pushback_s = retry_pushback_s(exc.trailing_metadata())
                 if exc.code() != failing:
+                    retrying = (
+                        f"retrying in {pushback_s:g} s or a little more, as it asked; reports are kept meanwhile"
+                        if pushback_s is not None
+                        else f"retrying with backoff up to {self._backoff.cap_s:g} s"
+                    )
                     logger.warning(
-                        "cannot reach coordinator %s: %s %s; retrying with backoff up to %g s",
+                        "cannot reach coordinator %s: %s %s; %s",
                         self.target,
                         exc.code().name,
                         exc.details(),
-                        self._backoff.cap_s,
+                        retrying,
                     )
                 failing = exc.code()
             else:
@@ -122,7 +144,11 @@ class Uplink:
             self.connected = False
             if stop.is_set():
                 break
-            delay_s = self._backoff.next_delay_s()
+            if pushback_s is not None:
+                delay_s = self._backoff.pushed_back_s(pushback_s, PUSHBACK_JITTER_FACTOR)
+            else:
+                delay_s = self._backoff.next_delay_s()
+            self.last_delay_s = delay_s
             logger.debug("reconnecting in %.2f s", delay_s)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=delay_s)
@@ -133,7 +159,10 @@ class Uplink:
             # No request iterator: this call is driven with write()/done_writing(),
             # which grpc.aio supports and the generated stub's types do not model.
             call = stub.Connect()  # type: ignore[call-arg]
-            await call.write(agent_pb2.AgentMessage(hello=self._make_hello(self._buffer.acked_sequence)))
+            hello = self._make_hello(self._buffer.acked_sequence)
+            hello.newest_sequence = self._buffer.newest_sequence
+            self._admitted.clear()
+            await call.write(agent_pb2.AgentMessage(hello=hello))
             sender = asyncio.create_task(self._send(call, stop), name="uplink-send")
             try:
                 async for message in call:
@@ -156,6 +185,7 @@ class Uplink:
         return grpc.aio.secure_channel(self.target, self._credentials, options=CHANNEL_OPTIONS)
 
     async def _on_message(self, message: agent_pb2.CoordinatorMessage) -> None:
+        self._admitted.set()
         kind = message.WhichOneof("kind")
         if kind == "ack":
             self._buffer.ack(message.ack.sequence)
@@ -189,7 +219,11 @@ class Uplink:
         self._outbox_ready.set()
 
     async def _send(self, call: grpc.aio.StreamStreamCall, stop: asyncio.Event) -> None:  # type: ignore[type-arg]
-        """The stream's only writer: replayed and new reports, then command results."""
+        """The stream's only writer: replayed and new reports, then command results.
+
+        Starts once the coordinator admitted the stream (its first message), or stop is set.
+        """
+        await _first_of(self._admitted.wait(), stop.wait())
         sent = self._buffer.acked_sequence
         while True:
             self._outbox_ready.clear()
@@ -201,13 +235,14 @@ class Uplink:
             if stop.is_set():
                 await call.done_writing()
                 return
-            waiters = {
-                asyncio.ensure_future(self._buffer.wait_for_newer(sent)),
-                asyncio.ensure_future(stop.wait()),
-                asyncio.ensure_future(self._outbox_ready.wait()),
-            }
-            try:
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for waiter in waiters:
-                    waiter.cancel()
+            await _first_of(self._buffer.wait_for_newer(sent), stop.wait(), self._outbox_ready.wait())
+
+
+async def _first_of(*awaitables: Coroutine[Any, Any, object]) -> None:
+    """Return once the first of ``awaitables`` is done; cancel the others."""
+    waiters = {asyncio.ensure_future(a) for a in awaitables}
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()

@@ -134,6 +134,12 @@ class CoordinatorSettings(TransportSettings):
     unreachable_after_intervals: float = setting(
         3.0, "a node that misses this many report intervals is unreachable", positive=True
     )
+    max_agent_streams: int = setting(
+        0,
+        "agent streams admitted at most; more are refused with a retry delay (0: no limit, only the "
+        "coordinator's own lag and 200 new streams a second limit them)",
+        minimum=0,
+    )
     ready_file: str = setting("", "write the bound ports as JSON to this file once serving")
     admin_token_file: str = setting(
         "",

@@ -27,6 +27,7 @@ from clusterwatch.coordinator.api.agent_servicer import AgentServicer
 from clusterwatch.coordinator.api.cluster_servicer import ClusterServicer
 from clusterwatch.coordinator.api.errors_interceptor import ErrorMappingInterceptor
 from clusterwatch.coordinator.metrics.incidents import IncidentView, incident_view
+from clusterwatch.coordinator.metrics.load import LoadView
 from clusterwatch.coordinator.metrics.page import render
 from clusterwatch.coordinator.metrics.recovery import RecoveryView, recovery_view
 from clusterwatch.coordinator.model.event_log import EventLog, StateHealth
@@ -98,6 +99,7 @@ class MetricsPage:
     recovery: RecoveryView
     reports_rejected: dict[tuple[str, str], int]
     state: StateHealth
+    load: LoadView
 
 
 class CoordinatorServer:
@@ -133,7 +135,10 @@ class CoordinatorServer:
         # Before anything is opened: it may raise. (self.core exists by the time a job's labels are asked for.)
         launcher = launcher_from(recovery, self._send_stop, self._verified_slurm_jobs)
         self.core, self.watchdog = build_core(
-            EventLog(settings.state_dir), settings.unreachable_after_intervals, detection=detection
+            EventLog(settings.state_dir),
+            settings.unreachable_after_intervals,
+            detection=detection,
+            max_agent_streams=settings.max_agent_streams,
         )
         self.actions = Actions(self.core)
         self.recovery = Recovery(
@@ -237,6 +242,7 @@ class CoordinatorServer:
             self.settings.state_dir,
         )
         self._tasks = [
+            asyncio.create_task(self.core.watch_lag(), name="lag"),
             asyncio.create_task(self.core.watch_liveness(), name="liveness"),
             asyncio.create_task(self.core.tick_acks(), name="acks"),
             asyncio.create_task(self._watch_incidents(), name="detection"),
@@ -263,6 +269,7 @@ class CoordinatorServer:
             page.recovery,
             reports_rejected=page.reports_rejected,
             state_db=page.state,
+            load=page.load,
         )
 
     async def _page(self) -> MetricsPage:
@@ -274,6 +281,12 @@ class CoordinatorServer:
             recovery=recovery_view(self.recovery.counts, time.time()),
             reports_rejected=dict(core.reports_rejected_total),
             state=core.event_log.health(),
+            load=LoadView(
+                lag=core.lag.read(core.now()[0]),
+                agent_streams=len(core.sessions),
+                agents_waiting=core.streams.waiting(),
+                streams_refused={reason.value: n for reason, n in core.streams.refused_total.items()},
+            ),
         )
 
     def _write_ready_file(self, path: Path) -> None:

@@ -17,6 +17,7 @@ from clusterwatch.coordinator.detection.watchdog import Watchdog
 from clusterwatch.coordinator.ingest.core import Coordinator, SendCommand
 from clusterwatch.coordinator.model.event_log import EventLog
 from clusterwatch.coordinator.model.jobs import JobStore
+from clusterwatch.coordinator.model.lag import Lag
 
 
 class Core(NamedTuple):
@@ -34,6 +35,7 @@ def build_core(
     wall_clock: Callable[[], float] = time.time,
     jobs: JobStore | None = None,
     detection: DetectionSettings | None = None,
+    max_agent_streams: int = 0,
 ) -> Core:
     """A Coordinator whose watchdog sends commands through it.
 
@@ -43,11 +45,13 @@ def build_core(
         clock / wall_clock: injectable monotonic and wall clocks, shared by both.
         jobs: the job store (defaults to JobStore()).
         detection: detection thresholds (defaults to DetectionSettings()).
+        max_agent_streams: agent streams admitted at most (0: no limit).
     """
     built: list[Watchdog] = []
+    lag = Lag(clock())
 
     def watchdog(send: SendCommand) -> Watchdog:
-        built.append(Watchdog(detection or DetectionSettings(), event_log, send, clock, wall_clock))
+        built.append(Watchdog(detection or DetectionSettings(), event_log, send, clock, wall_clock, lag=lag))
         return built[-1]
 
     coordinator = Coordinator(
@@ -57,6 +61,8 @@ def build_core(
         wall_clock=wall_clock,
         watchdog=watchdog,
         jobs=jobs,
+        lag=lag,
+        max_agent_streams=max_agent_streams,
     )
     (only,) = built
     return Core(coordinator, only)

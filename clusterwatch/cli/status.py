@@ -165,6 +165,28 @@ def job_json(job: cluster_pb2.JobStatus) -> dict[str, Any]:
     return document
 
 
+def coordinator_header(snapshot: cluster_pb2.ClusterSnapshot) -> str:
+    """One line on the coordinator itself: keeping up, or behind with its verdicts held."""
+    health = snapshot.coordinator
+    streams = f"{health.agent_streams} agent stream{'' if health.agent_streams == 1 else 's'}"
+    refused = (
+        f", {health.streams_refused_last_minute} hellos refused in the last minute (at capacity)"
+        if health.streams_refused_last_minute
+        else ""
+    )
+    figures = (
+        f"lag {health.lag_seconds:.1f} s (event loop {health.loop_delay_seconds:.1f} s, "
+        f"reports {health.report_age_seconds:.1f} s)"
+    )
+    if health.behind:
+        state = f"BEHIND, {figures}: no unreachable/hang/failure verdicts and no actions until it catches up"
+    elif health.verdicts_held:
+        state = f"caught up ({figures}); verdicts resume in a moment"
+    else:
+        state = f"keeping up, {figures}"
+    return f"coordinator {snapshot.coordinator_version}: {state}; {streams}{refused}"
+
+
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, ClientSettings)
     try:
@@ -177,13 +199,23 @@ def run(args: argparse.Namespace) -> int:
         return 1
     rows = [node_summary(n) for n in snapshot.nodes]
     if args.json:
+        health = snapshot.coordinator
         document = {
             "timestamp_unix_seconds": snapshot.timestamp_unix_seconds,
+            "coordinator": {
+                "version": snapshot.coordinator_version,
+                "lag_seconds": health.lag_seconds,
+                "behind": health.behind,
+                "verdicts_held": health.verdicts_held,
+                "agent_streams": health.agent_streams,
+                "streams_refused_last_minute": health.streams_refused_last_minute,
+            },
             "nodes": rows,
             "jobs": [job_json(job) for job in snapshot.jobs],
         }
         print(json.dumps(document, indent=2))
         return 0
+    print(coordinator_header(snapshot))
     if not rows:
         print(f"no nodes have reported to {settings.coordinator} yet")
     else:

@@ -23,5 +23,10 @@ class Backoff:
         self._attempt = min(self._attempt + 1, 32)
         return self._rng.uniform(0, ceiling)
 
+    def pushed_back_s(self, retry_s: float, jitter_factor: float) -> float:
+        """The delay before retrying when the server asked for ``retry_s``: ``uniform(retry_s,
+        jitter_factor * retry_s)``, and never less than the backoff's own next delay."""
+        return max(self.next_delay_s(), self._rng.uniform(retry_s, jitter_factor * retry_s))
+
     def reset(self) -> None:
         self._attempt = 0

@@ -33,6 +33,7 @@ class Hello(_message.Message):
     INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
     LAST_ACKED_SEQUENCE_FIELD_NUMBER: _builtins.int
     TOPOLOGY_FIELD_NUMBER: _builtins.int
+    NEWEST_SEQUENCE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     hostname: _builtins.str
     agent_version: _builtins.str
@@ -42,6 +43,11 @@ class Hello(_message.Message):
     last_acked_sequence: _builtins.int
     """Highest sequence any coordinator acknowledged for this instance (0: none),
     so a restarted coordinator knows where the stream continues.
+    """
+    newest_sequence: _builtins.int
+    """The newest sequence the agent holds as it says hello (0: none). Reports up
+    to it were collected before this stream and are replayed: the coordinator
+    does not count how old they are as its own lag.
     """
     @_builtins.property
     def capabilities(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
@@ -62,10 +68,11 @@ class Hello(_message.Message):
         interval_seconds: _builtins.float = ...,
         last_acked_sequence: _builtins.int = ...,
         topology: _node_pb2.NodeTopology | None = ...,
+        newest_sequence: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_topology", b"_topology", "topology", b"topology"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_topology", b"_topology", "agent_version", b"agent_version", "capabilities", b"capabilities", "hostname", b"hostname", "instance_id", b"instance_id", "interval_seconds", b"interval_seconds", "last_acked_sequence", b"last_acked_sequence", "node_id", b"node_id", "topology", b"topology"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_topology", b"_topology", "agent_version", b"agent_version", "capabilities", b"capabilities", "hostname", b"hostname", "instance_id", b"instance_id", "interval_seconds", b"interval_seconds", "last_acked_sequence", b"last_acked_sequence", "newest_sequence", b"newest_sequence", "node_id", b"node_id", "topology", b"topology"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__topology: _TypeAlias = _typing.Literal["topology"]  # noqa: Y015
     _WhichOneofArgType__topology: _TypeAlias = _typing.Literal["_topology", b"_topology"]  # noqa: Y015

@@ -463,6 +463,7 @@ class ClusterSnapshot(_message.Message):
     NODES_FIELD_NUMBER: _builtins.int
     JOBS_FIELD_NUMBER: _builtins.int
     INCIDENTS_FIELD_NUMBER: _builtins.int
+    COORDINATOR_FIELD_NUMBER: _builtins.int
     timestamp_unix_seconds: _builtins.float
     coordinator_version: _builtins.str
     @_builtins.property
@@ -473,6 +474,10 @@ class ClusterSnapshot(_message.Message):
     def incidents(self) -> _containers.RepeatedCompositeFieldContainer[Global___Incident]:
         """Incidents not resolved yet, oldest first."""
 
+    @_builtins.property
+    def coordinator(self) -> Global___CoordinatorHealth:
+        """How the coordinator itself keeps up."""
+
     def __init__(
         self,
         *,
@@ -481,14 +486,62 @@ class ClusterSnapshot(_message.Message):
         nodes: _abc.Iterable[Global___NodeStatus] | None = ...,
         jobs: _abc.Iterable[Global___JobStatus] | None = ...,
         incidents: _abc.Iterable[Global___Incident] | None = ...,
+        coordinator: Global___CoordinatorHealth | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["coordinator", b"coordinator"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_version", b"coordinator_version", "incidents", b"incidents", "jobs", b"jobs", "nodes", b"nodes", "timestamp_unix_seconds", b"timestamp_unix_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator", b"coordinator", "coordinator_version", b"coordinator_version", "incidents", b"incidents", "jobs", b"jobs", "nodes", b"nodes", "timestamp_unix_seconds", b"timestamp_unix_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClusterSnapshot: _TypeAlias = ClusterSnapshot  # noqa: Y015
+
+@_typing.final
+class CoordinatorHealth(_message.Message):
+    """The coordinator's own lag (docs/detection.md, "When the coordinator falls behind")."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAG_SECONDS_FIELD_NUMBER: _builtins.int
+    LOOP_DELAY_SECONDS_FIELD_NUMBER: _builtins.int
+    REPORT_AGE_SECONDS_FIELD_NUMBER: _builtins.int
+    BEHIND_FIELD_NUMBER: _builtins.int
+    VERDICTS_HELD_FIELD_NUMBER: _builtins.int
+    AGENT_STREAMS_FIELD_NUMBER: _builtins.int
+    STREAMS_REFUSED_LAST_MINUTE_FIELD_NUMBER: _builtins.int
+    lag_seconds: _builtins.float
+    """max(loop_delay_seconds, report_age_seconds)."""
+    loop_delay_seconds: _builtins.float
+    """How late the event loop runs its timers."""
+    report_age_seconds: _builtins.float
+    """How late live reports are applied (90th percentile, beyond their usual transit)."""
+    behind: _builtins.bool
+    """Behind: no unreachable/hang/failure verdicts and no actions until it catches up."""
+    verdicts_held: _builtins.bool
+    """Verdicts held (behind, or caught up moments ago)."""
+    agent_streams: _builtins.int
+    """Agent streams open now, and hellos refused in the last minute because the
+    coordinator was at capacity.
+    """
+    streams_refused_last_minute: _builtins.int
+    def __init__(
+        self,
+        *,
+        lag_seconds: _builtins.float = ...,
+        loop_delay_seconds: _builtins.float = ...,
+        report_age_seconds: _builtins.float = ...,
+        behind: _builtins.bool = ...,
+        verdicts_held: _builtins.bool = ...,
+        agent_streams: _builtins.int = ...,
+        streams_refused_last_minute: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_streams", b"agent_streams", "behind", b"behind", "lag_seconds", b"lag_seconds", "loop_delay_seconds", b"loop_delay_seconds", "report_age_seconds", b"report_age_seconds", "streams_refused_last_minute", b"streams_refused_last_minute", "verdicts_held", b"verdicts_held"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CoordinatorHealth: _TypeAlias = CoordinatorHealth  # noqa: Y015
 
 @_typing.final
 class ActionRecord(_message.Message):
@@ -605,16 +658,28 @@ class GetSnapshotRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SUMMARY_ONLY_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    JOBS_FIELD_NUMBER: _builtins.int
     summary_only: _builtins.bool
     """Leave out the full per-node reports (states and rates only)."""
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """When either list is given, the snapshot has exactly the nodes and jobs
+        named (unknown names left out) and the incidents about them; else all.
+        """
+
+    @_builtins.property
+    def jobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
         summary_only: _builtins.bool = ...,
+        nodes: _abc.Iterable[_builtins.str] | None = ...,
+        jobs: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["summary_only", b"summary_only"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "nodes", b"nodes", "summary_only", b"summary_only"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -43,3 +43,30 @@ def status_for(exc: ClusterwatchError) -> grpc.StatusCode:
         if isinstance(exc, error_type):
             return code
     return grpc.StatusCode.INTERNAL
+
+
+# gRPC's own name (gRFC A6) for "retry after this many milliseconds": every RESOURCE_EXHAUSTED
+# a coordinator sends carries it, and the agent's uplink waits that long.
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+# A refused agent waits between the delay it was given and this many times it (jitter), so agents
+# refused together do not come back together.
+PUSHBACK_JITTER_FACTOR = 1.5
+
+
+def retry_pushback(exc: ClusterwatchError) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata saying when to retry, for an error that has a retry delay (else empty)."""
+    if isinstance(exc, ResourceExhaustedError):
+        return ((RETRY_PUSHBACK_KEY, str(round(exc.retry_after_s * 1000))),)
+    return ()
+
+
+def retry_pushback_s(trailing_metadata: object) -> float | None:
+    """The retry delay a refusal's trailing metadata asks for, seconds; None if it names none (or a bad one)."""
+    for key, value in trailing_metadata or ():  # type: ignore[attr-defined]
+        if key == RETRY_PUSHBACK_KEY:
+            try:
+                milliseconds = int(value)
+            except (TypeError, ValueError):
+                return None
+            return milliseconds / 1000.0 if milliseconds >= 0 else None
+    return None

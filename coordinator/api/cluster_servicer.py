@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 import grpc
@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_WATCH_INTERVAL_S = 1.0
 MIN_WATCH_INTERVAL_S = 0.1
+# Watch streams share a snapshot built at most this long ago (half the default interval): with
+# many `top`s open, one is built per interval instead of one per client.
+SHARED_SNAPSHOT_MAX_AGE_S = 0.5
 DEFAULT_EVENT_LIMIT = 1000
 _SETTABLE_STATES = (
     cluster_pb2.IncidentState.INCIDENT_STATE_ACKNOWLEDGED,
@@ -50,6 +53,8 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         self._watchdog = watchdog
         self._actions = actions
         self._access = access or AccessPolicy({}, ())
+        # summary_only -> (built at, monotonic; the snapshot) shared by Watch streams.
+        self._shared: dict[bool, tuple[float, cluster_pb2.ClusterSnapshot]] = {}
 
     def _authorize(self, context: grpc.aio.ServicerContext[Any, Any], what: str) -> str:
         """The admin principal asking for ``what``, recorded in the event log.
@@ -65,24 +70,65 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         self._core.record([Event(EventKind.ADMIN_REQUEST, "", time.time(), f"{who}: {what}")])
         return who
 
-    def snapshot(self, summary_only: bool = False) -> cluster_pb2.ClusterSnapshot:
-        """Nodes and jobs now; jobs are small, so summaries keep them whole."""
+    def snapshot(
+        self, summary_only: bool = False, nodes: Collection[str] = (), jobs: Collection[str] = ()
+    ) -> cluster_pb2.ClusterSnapshot:
+        """Nodes and jobs now; jobs are small, so summaries keep them whole.
+
+        Args:
+            nodes / jobs: when either is given, exactly the nodes and jobs named (unknown names are
+                left out) and the incidents about them; else everything.
+        """
         core = self._core
+        now_mono = core.now()[0]
+        filtered = bool(nodes or jobs)
+        wanted_nodes, wanted_jobs = frozenset(nodes), frozenset(jobs)
         training = training_view(
-            core.jobs, core.checkpoints, core.now()[0], self._watchdog.detection.slowdown_ratios
+            core.jobs,
+            core.checkpoints,
+            now_mono,
+            self._watchdog.detection.slowdown_ratios,
+            only=wanted_jobs if filtered else None,
         )
+        incidents = self._watchdog.book.live()
+        if filtered:
+            incidents = [i for i in incidents if i.job in wanted_jobs or not wanted_nodes.isdisjoint(i.nodes)]
+        views = node_views(core.state, only=wanted_nodes if filtered else None)
         return cluster_pb2.ClusterSnapshot(
             timestamp_unix_seconds=time.time(),
             coordinator_version=__version__,
-            nodes=[node_status(v, summary_only) for v in node_views(core.state)],
+            nodes=[node_status(v, summary_only) for v in views],
             jobs=[job_status(job) for job in training.jobs],
-            incidents=[i.to_proto() for i in self._watchdog.book.live()],
+            incidents=[i.to_proto() for i in incidents],
+            coordinator=self._health(now_mono),
         )
+
+    def _health(self, now_mono: float) -> cluster_pb2.CoordinatorHealth:
+        core = self._core
+        lag = core.lag.read(now_mono)
+        return cluster_pb2.CoordinatorHealth(
+            lag_seconds=lag.lag_s,
+            loop_delay_seconds=lag.loop_delay_s,
+            report_age_seconds=lag.report_age_s,
+            behind=lag.behind,
+            verdicts_held=lag.held,
+            agent_streams=len(core.sessions),
+            streams_refused_last_minute=core.streams.refused_recently(now_mono),
+        )
+
+    def shared_snapshot(self, summary_only: bool) -> cluster_pb2.ClusterSnapshot:
+        """The whole snapshot, built at most SHARED_SNAPSHOT_MAX_AGE_S ago (for Watch streams)."""
+        now_mono = self._core.now()[0]
+        shared = self._shared.get(summary_only)
+        if shared is None or now_mono - shared[0] > SHARED_SNAPSHOT_MAX_AGE_S:
+            shared = self._shared[summary_only] = (now_mono, self.snapshot(summary_only))
+        return shared[1]
 
     async def GetSnapshot(  # noqa: N802 - gRPC method name
         self, request: cluster_pb2.GetSnapshotRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.ClusterSnapshot:
-        return self.snapshot(request.summary_only)
+        request_checks.check_get_snapshot(request)
+        return self.snapshot(request.summary_only, request.nodes, request.jobs)
 
     async def Watch(  # noqa: N802
         self, request: cluster_pb2.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -90,7 +136,7 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         request_checks.check_watch(request)
         interval_s = max(MIN_WATCH_INTERVAL_S, request.interval_seconds or DEFAULT_WATCH_INTERVAL_S)
         while True:
-            yield self.snapshot(request.summary_only)
+            yield self.shared_snapshot(request.summary_only)
             await asyncio.sleep(interval_s)
 
     async def ListEvents(  # noqa: N802

@@ -19,6 +19,8 @@ from clusterwatch.wire.limits import MAX_ID_CHARS
 # ListEvents / ListIncidents / ListActions: at most this many per call (0 means 1000).
 MAX_LIST_LIMIT = 10_000
 MAX_WATCH_INTERVAL_S = 3600.0
+# GetSnapshot: names asked for at most (a client wanting more asks for everything).
+MAX_SNAPSHOT_NAMES = 10_000
 MAX_ACTION_CHARS = 64
 # exclude_node_and_restart leaves out a few broken nodes, not a cluster.
 MAX_EXCLUDE_NODES = 1024
@@ -28,6 +30,18 @@ MAX_SETTING_KEY_CHARS = 64
 MAX_SETTING_VALUE_CHARS = 256
 
 _INCIDENT_STATES = frozenset(cluster_pb2.IncidentState.values())
+
+
+def check_get_snapshot(request: cluster_pb2.GetSnapshotRequest) -> None:
+    """Raises: InvalidRequestError naming ``nodes`` or ``jobs``."""
+    for field, names, max_chars in (
+        ("nodes", request.nodes, MAX_ID_CHARS),
+        ("jobs", request.jobs, MAX_JOB_CHARS),
+    ):
+        if len(names) > MAX_SNAPSHOT_NAMES:
+            raise InvalidRequestError(f"{field}: at most {MAX_SNAPSHOT_NAMES} names, got {len(names)}")
+        for name in names:
+            _check_length(field, name, max_chars)
 
 
 def check_watch(request: cluster_pb2.WatchRequest) -> None:

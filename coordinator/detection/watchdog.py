@@ -24,10 +24,12 @@ from clusterwatch import config
 from clusterwatch.config import DetectionSettings
 from clusterwatch.coordinator.background import BackgroundTasks, every
 from clusterwatch.coordinator.detection.diagnosis import SAID_OF_STATE, SendCommand, cause_from, diagnose
+from clusterwatch.coordinator.detection.overload import overloaded_finding
 from clusterwatch.coordinator.detection.round import Detection
 from clusterwatch.coordinator.model.event_log import EventLog
 from clusterwatch.coordinator.model.incidents import Change, Incident, IncidentBook, IncidentState, Kind
 from clusterwatch.coordinator.model.jobs import EXITED, RUNNING, JobRecord
+from clusterwatch.coordinator.model.lag import Lag, LagReading
 from clusterwatch.coordinator.model.state import NodeRecord
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,8 @@ MAX_LIVE_LOADED = 100_000
 # Incidents about a job's training, which end with the job. Node incidents that
 # name a job (an XID under it) stay: the node's trouble outlives the job.
 JOB_KINDS = frozenset({Kind.STRAGGLER, Kind.JOB_SLOWDOWN, Kind.HANG, Kind.RANK_FAILURE, Kind.ORPHANED_RANKS})
+# What a round looks at while the coordinator's verdicts are held.
+HELD_KINDS = frozenset({Kind.COORDINATOR_OVERLOADED})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +65,8 @@ class Watchdog:
         event_log: where incidents persist; live ones are loaded from it.
         send: sends a command to a node's agent and waits for its result.
         clock / wall_clock: the coordinator's monotonic and wall clocks.
+        lag: the coordinator's own lag: while it holds verdicts, a round only says so
+            (coordinator/detection/overload.py). None: never held (tests of detection alone).
     """
 
     def __init__(
@@ -70,8 +76,11 @@ class Watchdog:
         send: SendCommand,
         clock: Callable[[], float],
         wall_clock: Callable[[], float],
+        *,
+        lag: Lag | None = None,
     ) -> None:
         self.detection = Detection(settings)
+        self.lag = lag
         self._event_log = event_log
         self._send = send
         self._clock = clock
@@ -122,8 +131,11 @@ class Watchdog:
     def round(self, jobs: Mapping[str, JobRecord], nodes: dict[str, NodeRecord]) -> list[Change]:
         """One detection round; returns what changed."""
         now_mono, now_unix = self._clock(), self._wall()
-        findings = self.detection.run(jobs, nodes, now_mono)
-        changes = self.book.observe(findings, now_unix)
+        reading = self.held()
+        if reading is not None:
+            changes = self.book.observe([overloaded_finding(reading, now_mono)], now_unix, only=HELD_KINDS)
+        else:
+            changes = self.book.observe(self.detection.run(jobs, nodes, now_mono), now_unix)
         self._rounds += 1
         self._last_round_s = self._clock() - now_mono
         for change in changes:
@@ -133,6 +145,13 @@ class Watchdog:
                 self._start_diagnosis(change.incident, jobs.get(change.incident.job))
         self._persist([c.incident for c in changes])
         return changes
+
+    def held(self) -> LagReading | None:
+        """The coordinator's lag while its verdicts are held (it is behind), else None."""
+        if self.lag is None:
+            return None
+        reading = self.lag.read(self._clock())
+        return reading if reading.held else None
 
     def move(self, incident_id: str, target: IncidentState) -> Incident:
         """Acknowledge or resolve by request.

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 from clusterwatch.coordinator.ingest.admission import Admission
+from clusterwatch.coordinator.ingest.capacity import Refused, StreamGate
 from clusterwatch.coordinator.ingest.report_checks import (
     ReportCheckError,
     ReportProblem,
@@ -26,6 +27,7 @@ from clusterwatch.coordinator.model.checkpoints import CheckpointTracker, Comple
 from clusterwatch.coordinator.model.event_log import EventLog
 from clusterwatch.coordinator.model.incidents import Incident
 from clusterwatch.coordinator.model.jobs import JobRecord, JobStore, Rejection
+from clusterwatch.coordinator.model.lag import TICK_S, Lag, LagReading
 from clusterwatch.coordinator.model.rank_reports import RejectReason
 from clusterwatch.coordinator.model.state import ClusterState, Event, EventKind
 from clusterwatch.errors import ResourceExhaustedError
@@ -41,6 +43,8 @@ CHECKPOINT_RETENTION_S = 30 * 86400.0
 JOB_EXPIRY_PERIOD_S = 5.0
 # The ``reason`` of clusterwatch_reports_rejected_total for a report refused by the rate limit.
 RATE_LIMITED = "rate_limited"
+# Refusals of new streams less than this apart are one episode, logged once.
+REFUSAL_EPISODE_S = 60.0
 # A hello naming a node whose stream, from another agent instance, delivered
 # something this many intervals ago or less is a second agent with the same
 # node id (a restarted agent's old stream ends when its process does).
@@ -86,6 +90,8 @@ class Coordinator:
         watchdog: builds the watchdog from this coordinator's ``send_command``
             (coordinator/wiring.py); it is told when a job ends or is dropped.
         jobs: the job store (defaults to JobStore()).
+        lag: the coordinator's own lag (coordinator/model/lag.py), shared with the watchdog.
+        max_agent_streams: agent streams admitted at most (0: no limit; coordinator/ingest/capacity.py).
     """
 
     def __init__(
@@ -97,8 +103,14 @@ class Coordinator:
         wall_clock: Callable[[], float] = time.time,
         watchdog: Callable[[SendCommand], JobWatch],
         jobs: JobStore | None = None,
+        lag: Lag | None = None,
+        max_agent_streams: int = 0,
     ) -> None:
         self.state = ClusterState(unreachable_after_intervals)
+        self.lag = lag if lag is not None else Lag(clock())
+        self.streams = StreamGate(max_agent_streams, clock())
+        # When a hello was last refused for capacity (monotonic; None: not recently), to log episodes.
+        self._refusing_since: float | None = None
         self.event_log = event_log
         self.sessions: dict[str, AgentSession] = {}
         self._clock = clock
@@ -132,11 +144,16 @@ class Coordinator:
 
         Raises:
             ReportCheckError: a malformed hello, or a node id another live agent uses.
-            ResourceExhaustedError: the node serves a penalty (coordinator/ingest/admission.py).
+            ResourceExhaustedError: the node serves a penalty (coordinator/ingest/admission.py), or the
+                coordinator cannot take another stream now (coordinator/ingest/capacity.py).
         """
         now_mono = self._clock()
         check_hello(hello)
         self.admission.check_hello(hello.node_id, now_mono)
+        reading = self.lag.read(now_mono)
+        refused = self.streams.admit(hello.node_id, len(self.sessions), reading, now_mono)
+        if refused is not None:
+            self._refuse_stream(hello.node_id, refused, reading, now_mono)
         self._check_not_duplicate(hello, now_mono)
         stream_id, events = self.state.hello(hello, now_mono, self._wall())
         self.event_log.upsert_node(hello.node_id, hello.hostname, hello.interval_seconds, self._wall())
@@ -144,13 +161,26 @@ class Coordinator:
         previous = self.sessions.get(hello.node_id)
         if previous is not None:
             previous.fail_pending("superseded by a newer stream")
-        session = self.sessions[hello.node_id] = AgentSession(hello.node_id, stream_id)
+        session = self.sessions[hello.node_id] = AgentSession(hello.node_id, stream_id, hello.newest_sequence)
         session.applied_sequence = self.state.nodes[hello.node_id].last_sequence
         # Always, even empty: "no job has a complete checkpoint" is an answer a
         # resuming hook waits for (written after the first ack, see agent_servicer).
         session.send_checkpoints(self.checkpoints.message())
         logger.info("node %s connected (agent %s, stream %d)", hello.node_id, hello.agent_version, stream_id)
         return session
+
+    def _refuse_stream(self, node_id: str, refused: Refused, reading: LagReading, now_mono: float) -> None:
+        """Excuse the refused node's silence and raise its refusal; the first of an episode is logged.
+
+        Raises:
+            ResourceExhaustedError: always.
+        """
+        self.state.excuse(node_id, refused.excused_until_s)
+        error = self.streams.refusal(refused, reading, len(self.sessions))
+        if self._refusing_since is None or now_mono - self._refusing_since > REFUSAL_EPISODE_S:
+            logger.warning("refusing new agent streams (node %s first): %s", node_id, error)
+        self._refusing_since = now_mono
+        raise error
 
     def _check_not_duplicate(self, hello: agent_pb2.Hello, now_mono: float) -> None:
         """Refuse a second live agent under one node id instead of letting the two supersede each other forever."""
@@ -204,6 +234,8 @@ class Coordinator:
             ranks, report = _split_ranks(report)
         self.record(self.state.ingest(node_id, report, now_mono, now_unix))
         session.applied(record.last_sequence)
+        if record.report is report and sequence > session.replay_through:  # live, applied now
+            self.lag.report_applied(node_id, report.timestamp_unix_seconds, now_unix, now_mono)
         if ranks and record.report is report:  # stored, so applied for the first time
             try:
                 self._ingest_ranks(node_id, ranks, now_mono, now_unix)
@@ -294,12 +326,24 @@ class Coordinator:
         session = self.sessions[node_id]
         return await asyncio.wait_for(asyncio.shield(session.send(command)), timeout_s)
 
+    async def watch_lag(self, period_s: float = TICK_S) -> None:
+        """Tick the lag monitor's event-loop clock, forever (cancel to stop)."""
+        while True:
+            await asyncio.sleep(period_s)
+            self.lag.tick(self._clock())
+
     async def watch_liveness(self, period_s: float = 0.2) -> None:
-        """Mark silent nodes unreachable and drop finished jobs, forever (cancel to stop)."""
+        """Mark silent nodes unreachable and drop finished jobs, forever (cancel to stop).
+
+        Nobody is marked while the coordinator's verdicts are held (it is behind, coordinator/model/lag.py),
+        and silence counts only from its last catch-up.
+        """
         next_expiry = self._clock()
         while True:
             now_mono = self._clock()
-            self.record(self.state.check_liveness(now_mono, self._wall()))
+            counts_from = self.lag.silence_counts_from_s(now_mono)
+            if counts_from is not None:
+                self.record(self.state.check_liveness(now_mono, self._wall(), counts_from))
             if now_mono >= next_expiry:
                 self.expire_jobs()
                 next_expiry = now_mono + JOB_EXPIRY_PERIOD_S

@@ -27,9 +27,11 @@ class AgentSession:
     one up-to-date message, not a backlog.
     """
 
-    def __init__(self, node_id: str, stream_id: int) -> None:
+    def __init__(self, node_id: str, stream_id: int, replay_through: int = 0) -> None:
         self.node_id = node_id
         self.stream_id = stream_id
+        # Reports up to this sequence were buffered before the stream opened (Hello.newest_sequence).
+        self.replay_through = replay_through
         self.applied_sequence = 0
         # True when the agent has not been told the current applied_sequence;
         # starts True so a new stream is acknowledged at once.

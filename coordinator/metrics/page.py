@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from clusterwatch import __version__
 from clusterwatch.coordinator.metrics.incidents import IncidentView, write_incidents
+from clusterwatch.coordinator.metrics.load import LoadView, write_load
 from clusterwatch.coordinator.metrics.recovery import RecoveryView, write_recovery
 from clusterwatch.coordinator.metrics.training import write_training
 from clusterwatch.coordinator.model.event_log import StateHealth
@@ -67,6 +68,7 @@ def render(
     reports_rejected: Mapping[tuple[str, str], int] | None = None,
     *,
     state_db: StateHealth | None = None,
+    load: LoadView | None = None,
 ) -> bytes:
     """The whole page. Hardware series come only from nodes that are up, so a
     node that went silent does not keep exporting its last values; training
@@ -74,6 +76,8 @@ def render(
     ``reports_rejected`` is a copy of Coordinator.reports_rejected_total (taken on the loop)."""
     exp = Exposition()
     exp.add(COORDINATOR_INFO, f'version="{escape(__version__)}"', 1)
+    if load is not None:
+        write_load(exp, load)
     states = Counter(v.state for v in views)
     for state in (
         NodeState.NODE_STATE_UP,

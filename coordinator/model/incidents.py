@@ -75,6 +75,8 @@ class Kind(enum.StrEnum):
     GPU_LOST = "gpu_lost"
     INFINIBAND = "infiniband"
     ORPHANED_RANKS = "orphaned_ranks"
+    # The coordinator itself is behind (coordinator/model/lag.py): its other verdicts are held.
+    COORDINATOR_OVERLOADED = "coordinator_overloaded"
 
 
 class Severity(enum.StrEnum):
@@ -192,8 +194,14 @@ class IncidentBook:
     def get(self, incident_id: str) -> Incident | None:
         return self._by_id.get(incident_id)
 
-    def observe(self, findings: Sequence[Finding], now_unix_s: float) -> list[Change]:
-        """Apply one detection round: open, update and resolve incidents."""
+    def observe(
+        self, findings: Sequence[Finding], now_unix_s: float, only: frozenset[Kind] | None = None
+    ) -> list[Change]:
+        """Apply one detection round: open, update and resolve incidents.
+
+        Args:
+            only: the round looked for these kinds only: live incidents of other kinds are left as they are.
+        """
         changes: list[Change] = []
         seen: set[tuple[str | int, ...]] = set()
         for finding in findings:
@@ -209,9 +217,11 @@ class IncidentBook:
                     key not in seen
                     and incident.latch_value is None
                     and incident.state != IncidentState.ACTING
+                    and (only is None or incident.kind in only)
                 ):
                     changes.append(self._resolve(incident, now_unix_s))
-        self._dismissed &= seen
+        if only is None:
+            self._dismissed &= seen
         return changes
 
     def move(self, incident_id: str, target: IncidentState, now_unix_s: float) -> Change:

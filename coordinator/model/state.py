@@ -78,6 +78,8 @@ class NodeRecord:
     # How the node is wired (Hello.topology, NodeReport.topology); None until an agent sends one.
     wiring: Wiring | None = None
     topology_received_unix_s: float = 0.0
+    # Its agent was refused admission and is due back by then (monotonic): not silent until then.
+    excused_until_monotonic_s: float = 0.0
 
     @property
     def topology(self) -> node_pb2.NodeTopology | None:
@@ -199,13 +201,27 @@ class ClusterState:
         record = self.nodes.get(node_id)
         return record is not None and record.stream_id == stream_id
 
-    def check_liveness(self, now_mono: float, now_unix: float) -> list[Event]:
-        """Mark nodes that missed too many intervals unreachable."""
+    def excuse(self, node_id: str, until_mono: float) -> None:
+        """The node's agent was refused admission (coordinator/ingest/capacity.py) and is due back by
+        ``until_mono``: it is alive, so its silence counts only from then."""
+        record = self.nodes.get(node_id)
+        if record is not None:
+            record.excused_until_monotonic_s = max(record.excused_until_monotonic_s, until_mono)
+
+    def check_liveness(self, now_mono: float, now_unix: float, counts_from_mono: float = 0.0) -> list[Event]:
+        """Mark nodes that missed too many intervals unreachable.
+
+        Args:
+            counts_from_mono: silence before this moment does not count (the coordinator
+                was behind until then: coordinator/model/lag.py).
+        """
         events: list[Event] = []
         for record in self.nodes.values():
             if record.state not in (NodeState.NODE_STATE_UP, NodeState.NODE_STATE_UNKNOWN):
                 continue
-            silent_s = now_mono - record.last_seen_monotonic_s
+            silent_s = now_mono - max(
+                record.last_seen_monotonic_s, record.excused_until_monotonic_s, counts_from_mono
+            )
             limit_s = self.unreachable_after_intervals * record.interval_s
             if record.state == NodeState.NODE_STATE_UNKNOWN:
                 # Known from before a restart: give its agent time to find us again.

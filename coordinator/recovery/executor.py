@@ -25,6 +25,9 @@ ListActions API) and, unless skipped or in dry-run mode, an action:
   launcher kind: nothing is left to restart them, and they hold their GPUs and
   peers. The incident resolves when their exits are reported.
 
+While the coordinator is behind (coordinator/model/lag.py) nothing is decided
+and no restart is judged: its verdicts could come from its own lag.
+
 An ``alert`` on a rank failure still tracks the restart torchrun makes by
 itself. A restarted job is recovered when every rank of a newer generation
 has finished a step at or past the resume step: the incident is resolved
@@ -215,6 +218,8 @@ class Recovery:
         self._send_stop = send_stop
         self._restarted: dict[str, _Restarted] = {}
         self._actions = BackgroundTasks()
+        # True while the coordinator's verdicts are held (round logs the change).
+        self._holding = False
         # Live incidents a previous coordinator already acted on: never decided again.
         self._decided_before: set[str] = set()
         self._take_over(event_log.actions(limit=MAX_ACTIONS_LOADED))
@@ -232,7 +237,20 @@ class Recovery:
             await self._actions.close()
 
     def round(self) -> None:
-        """Decide on new incidents, start their actions, and check restarted jobs."""
+        """Decide on new incidents, start their actions, and check restarted jobs.
+
+        Nothing is decided or judged while the coordinator's verdicts are held (it is behind:
+        coordinator/model/lag.py): a restart that does not seem to recover may be its own lag.
+        """
+        held = self._watchdog.held()
+        if held is not None:
+            if not self._holding:
+                logger.warning("recovery holds its decisions: the coordinator is behind (%s)", held.figures())
+            self._holding = True
+            return
+        if self._holding:
+            logger.info("recovery decides again: the coordinator caught up")
+            self._holding = False
         now = self._wall()
         for name in self._jobs():
             self.counts.first_seen_unix_s.setdefault(name, now)

@@ -8,7 +8,7 @@ JobStatus messages are built from the same views.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from clusterwatch.coordinator.model.checkpoints import CheckpointTracker, LatestCheckpoint
 from clusterwatch.coordinator.model.jobs import EXITED, CollectiveTotals, JobRecord, JobStore, RankRecord
@@ -78,9 +78,14 @@ SlowdownRatios = Callable[[JobRecord], Mapping[int, float]]
 
 
 def training_view(
-    store: JobStore, checkpoints: CheckpointTracker, now_mono: float, slowdowns: SlowdownRatios | None = None
+    store: JobStore,
+    checkpoints: CheckpointTracker,
+    now_mono: float,
+    slowdowns: SlowdownRatios | None = None,
+    only: Collection[str] | None = None,
 ) -> TrainingView:
-    """Views of every job, sorted by name (ranks by rank). Call on the event loop.
+    """Views of every job (or of those in ``only`` that exist), sorted by name (ranks by rank). Call on the
+    event loop.
 
     ``slowdowns`` gives each rank the detector's slowdown ratio, the one
     clusterwatch_rank_slowdown_ratio exports and ``top`` shows.
@@ -97,7 +102,7 @@ def training_view(
             now_mono=now_mono,
             slowdowns=slowdowns,
         )
-        for name in sorted(store.jobs)
+        for name in sorted(store.jobs if only is None else [n for n in only if n in store.jobs])
     )
     return TrainingView(jobs, dict(store.rejected_total))
 

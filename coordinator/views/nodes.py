@@ -7,6 +7,7 @@ so a NodeView stays consistent while /metrics renders it in another thread.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 from clusterwatch.coordinator.model.rates import infiniband_rates, network_rates
 from clusterwatch.coordinator.model.state import ClusterState, NodeRecord
@@ -29,9 +30,10 @@ class NodeView:
     wiring: Wiring | None = None
 
 
-def node_views(state: ClusterState) -> list[NodeView]:
-    """A view of every node, sorted by node id. Call on the event loop."""
-    return [_view(state.nodes[node_id]) for node_id in sorted(state.nodes)]
+def node_views(state: ClusterState, only: Collection[str] | None = None) -> list[NodeView]:
+    """A view of every node (or of those in ``only`` that exist), sorted by node id. Call on the event loop."""
+    names = state.nodes if only is None else [n for n in only if n in state.nodes]
+    return [_view(state.nodes[node_id]) for node_id in sorted(names)]
 
 
 def _view(r: NodeRecord) -> NodeView:

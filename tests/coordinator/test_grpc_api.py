@@ -183,3 +183,60 @@ async def test_watch_streams_snapshots(server: CoordinatorServer) -> None:
 def test_build_collectors_follows_settings() -> None:
     settings = AgentSettings(collectors=["infiniband", "host"], sys_root=FIXTURES / "node_a" / "sys")
     assert [c.name for c in build_collectors(settings)] == ["infiniband", "host"]
+
+
+async def test_watch_clients_share_one_snapshot_per_interval(server: CoordinatorServer) -> None:
+    async with admin_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        stub = cluster_pb2_grpc.ClusterServiceStub(channel)
+        request = cluster_pb2.WatchRequest(interval_seconds=0.1, summary_only=True)
+
+        async def stamps() -> list[float]:
+            stream = stub.Watch(request, timeout=30)
+            seen = [snapshot.timestamp_unix_seconds async for snapshot in _first(stream, 10)]
+            stream.cancel()
+            return seen
+
+        first, second = await asyncio.gather(stamps(), stamps())
+    assert set(first) & set(second), "two Watch clients never got the same snapshot"
+    assert len(set(first)) < len(first)  # one client's snapshots were built once per interval too
+
+
+async def _first(
+    stream: AsyncIterator[cluster_pb2.ClusterSnapshot], n: int
+) -> AsyncIterator[cluster_pb2.ClusterSnapshot]:
+    count = 0
+    async for snapshot in stream:
+        yield snapshot
+        count += 1
+        if count == n:
+            return
+
+
+async def test_get_snapshot_asks_for_some_nodes_or_jobs(server: CoordinatorServer) -> None:
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(Agent(agent_settings(server, n)).run(stop)) for n in ("a", "b")]
+    try:
+        await wait_for(lambda: {"a", "b"} <= set(server.core.sessions), 20, "both agents to connect")
+        async with admin_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            stub = cluster_pb2_grpc.ClusterServiceStub(channel)
+            for job in ("j1", "j2"):
+                await stub.BeginJob(cluster_pb2.BeginJobRequest(job=job), timeout=10)
+            everything = await stub.GetSnapshot(cluster_pb2.GetSnapshotRequest(summary_only=True), timeout=10)
+            node_a = await stub.GetSnapshot(
+                cluster_pb2.GetSnapshotRequest(nodes=["a", "nowhere"]), timeout=10
+            )
+            job_2 = await stub.GetSnapshot(cluster_pb2.GetSnapshotRequest(jobs=["j2"]), timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as too_many:
+                await stub.GetSnapshot(cluster_pb2.GetSnapshotRequest(nodes=["n"] * 10_001), timeout=10)
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 20)
+    assert [n.node_id for n in everything.nodes] == ["a", "b"]
+    assert [j.job for j in everything.jobs] == ["j1", "j2"]
+    assert [n.node_id for n in node_a.nodes] == ["a"]
+    assert node_a.nodes[0].HasField("report")  # not a summary: the full report
+    assert list(node_a.jobs) == []
+    assert [j.job for j in job_2.jobs] == ["j2"]
+    assert list(job_2.nodes) == []
+    assert too_many.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "nodes: at most 10000 names" in (too_many.value.details() or "")
