@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
+
+import hpack
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = 0, 1, 3, 4, 6, 7, 8, 9
-FLAG_END_STREAM, FLAG_ACK, FLAG_END_HEADERS, FLAG_PADDED = 0x1, 0x1, 0x4, 0x8
+FLAG_END_STREAM, FLAG_ACK, FLAG_END_HEADERS, FLAG_PADDED, FLAG_PRIORITY = 0x1, 0x1, 0x4, 0x8, 0x20
 SETTINGS_ENABLE_PUSH, SETTINGS_MAX_CONCURRENT_STREAMS = 0x2, 0x3
 SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x4, 0x5
 DEFAULT_WINDOW = 65_535
@@ -61,8 +63,9 @@ class StreamHandler(Protocol):
     def message_received(self, message: bytes) -> None:
         """One whole gRPC message from the server, without its 5-byte prefix."""
 
-    def stream_closed(self, reason: str) -> None:
-        """The server ended the stream (trailers, RST_STREAM) or the connection went."""
+    def stream_closed(self, reason: str, trailers: Mapping[str, str]) -> None:
+        """The server ended the stream (trailers, RST_STREAM) or the connection went; ``trailers``
+        are the trailing metadata (empty unless the server sent trailers)."""
 
 
 class _Stream:
@@ -93,6 +96,9 @@ class H2Connection(asyncio.Protocol):
         self._buffer = bytearray()
         self._out: list[bytes] = []
         self._streams: dict[int, _Stream] = {}
+        self._decoder = hpack.Decoder()
+        # A header block until its last frame (HEADERS, then CONTINUATION): stream, END_STREAM, bytes.
+        self._header_block: tuple[int, bool, bytearray] | None = None
         self._blocked: dict[int, _Stream] = {}  # streams with pending bytes, in arrival order
         self._next_stream_id = 1
         self._peer_initial_window = DEFAULT_WINDOW
@@ -107,6 +113,7 @@ class H2Connection(asyncio.Protocol):
         self._handlers: dict[int, Callable[[int, int, bytes], None]] = {
             DATA: self._data,
             HEADERS: self._headers_frame,
+            CONTINUATION: self._continuation,
             RST_STREAM: self._reset,
             SETTINGS: self._settings_frame,
             PING: self._ping,
@@ -131,7 +138,7 @@ class H2Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         for stream in list(self._streams.values()):
-            self._end(stream, f"connection lost: {exc}" if exc else "connection closed")
+            self._end(stream, f"connection lost: {exc}" if exc else "connection closed", {})
         self._streams.clear()
         self._blocked.clear()
         if not self.closed.done():
@@ -207,12 +214,32 @@ class H2Connection(asyncio.Protocol):
     # Frames
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         handler = self._handlers.get(kind)
-        if handler is not None:  # PRIORITY, PUSH_PROMISE (disabled), CONTINUATION (not decoded): ignored
+        if handler is not None:  # PRIORITY, PUSH_PROMISE (disabled): ignored
             handler(flags, stream_id, payload)
 
     def _headers_frame(self, flags: int, stream_id: int, payload: bytes) -> None:
-        if flags & FLAG_END_STREAM:  # trailers: the call is over
-            self._close_stream(stream_id, "trailers")
+        # Every header block is decoded, in order: HPACK's dynamic table is the connection's.
+        if flags & FLAG_PADDED:
+            payload = payload[1 : len(payload) - payload[0]]
+        if flags & FLAG_PRIORITY:
+            payload = payload[5:]
+        self._header_block = (stream_id, bool(flags & FLAG_END_STREAM), bytearray(payload))
+        if flags & FLAG_END_HEADERS:
+            self._end_of_headers()
+
+    def _continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if self._header_block is not None:
+            self._header_block[2].extend(payload)
+            if flags & FLAG_END_HEADERS:
+                self._end_of_headers()
+
+    def _end_of_headers(self) -> None:
+        assert self._header_block is not None
+        stream_id, end_stream, block = self._header_block
+        self._header_block = None
+        headers = {str(k): str(v) for k, v in self._decoder.decode(bytes(block))}
+        if end_stream:  # trailers: the call is over
+            self._close_stream(stream_id, "trailers", headers)
 
     def _reset(self, flags: int, stream_id: int, payload: bytes) -> None:
         self._close_stream(stream_id, f"RST_STREAM {_U32.unpack(payload)[0]}")
@@ -294,15 +321,15 @@ class H2Connection(asyncio.Protocol):
             self.pending_bytes -= size
         self._blocked.pop(stream_id, None)
 
-    def _close_stream(self, stream_id: int, reason: str) -> None:
+    def _close_stream(self, stream_id: int, reason: str, trailers: Mapping[str, str] | None = None) -> None:
         stream = self._streams.pop(stream_id, None)
         if stream is not None:
             self._blocked.pop(stream_id, None)
             self.pending_bytes -= len(stream.pending)
-            self._end(stream, reason)
+            self._end(stream, reason, trailers or {})
 
     @staticmethod
-    def _end(stream: _Stream, reason: str) -> None:
+    def _end(stream: _Stream, reason: str, trailers: Mapping[str, str]) -> None:
         if stream.open:
             stream.open = False
-            stream.handler.stream_closed(reason)
+            stream.handler.stream_closed(reason, trailers)

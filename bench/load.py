@@ -52,11 +52,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import psutil
 
 from bench.coordinator_process import start_coordinator, stop_coordinator
 from bench.load_agents import WorkerSpec, worker_main
 from bench.load_probes import ProbeAgents, Prober, Sampler, Scraper, cpu_s, percentile
+from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +115,8 @@ class Stats(threading.Thread):
             "commands",
             "streams_opened",
             "streams_closed",
+            "refused",
+            "skipped_not_admitted",
             "reconnects",
             "pending_bytes",
             "sent_bytes",
@@ -239,7 +243,8 @@ def run(args: argparse.Namespace, coord: Coordinator) -> dict[str, Any]:
     coordinator = psutil.Process(coord.pid)
     generators = [psutil.Process(p.pid) for p in workers]
     myself = psutil.Process()
-    for thread in (prober, scraper, sampler):
+    incidents_prober = IncidentsProber(f"127.0.0.1:{coord.grpc_port}", stop, window=(begin, end))
+    for thread in (prober, scraper, sampler, incidents_prober):
         thread.start()
     load_before = os.getloadavg()
 
@@ -276,12 +281,13 @@ def run(args: argparse.Namespace, coord: Coordinator) -> dict[str, Any]:
     first = reading()
     time.sleep(max(0.0, end - time.time()))
     last = reading()
+    outcome = verdicts(f"127.0.0.1:{coord.grpc_port}")
     stop.set()
     load_after = os.getloadavg()
     for process in workers:
         process.join(timeout=60)
     stats.join(timeout=5)
-    for thread in (prober, scraper, sampler):
+    for thread in (prober, scraper, sampler, incidents_prober):
         thread.join(timeout=300)
     probes.close()
     if profile is not None:
@@ -308,6 +314,62 @@ def run(args: argparse.Namespace, coord: Coordinator) -> dict[str, Any]:
         "generator_closed_stream_ages": _merge(w["closed_stream_ages"] for w in stats.latest.values()),
         "generator_first_closes": sorted(c for w in stats.latest.values() for c in w["first_closes"])[:10],
         "generator_goaways": sum(w["goaways"] for w in stats.latest.values()),
+        "verdicts": outcome,
+        "list_incidents": {
+            "count": len(incidents_prober.seconds),
+            "seconds_p50": round(percentile(incidents_prober.seconds, 0.5), 3),
+            "seconds_p99": round(percentile(incidents_prober.seconds, 0.99), 3),
+            "seconds_max": round(max(incidents_prober.seconds, default=math.nan), 3),
+            "errors": incidents_prober.errors[-5:],
+        },
+    }
+
+
+class IncidentsProber(threading.Thread):
+    """``clusterwatch incidents``' call (ListIncidents) once a second inside the window, timed."""
+
+    def __init__(self, target: str, stop: threading.Event, window: tuple[float, float]) -> None:
+        super().__init__(name="incidents-prober", daemon=True)
+        self._target, self._stopping, self._window = target, stop, window
+        self.seconds: list[float] = []
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        begin, end = self._window
+        with grpc.insecure_channel(self._target) as channel:
+            stub = cluster_pb2_grpc.ClusterServiceStub(channel)
+            while not self._stopping.wait(1.0):
+                if not begin <= time.time() <= end:
+                    continue
+                started = time.monotonic()
+                try:
+                    stub.ListIncidents(cluster_pb2.ListIncidentsRequest(), timeout=60)
+                except grpc.RpcError as exc:
+                    self.errors.append(f"{exc.code().name}: {exc.details()}")
+                    continue
+                self.seconds.append(time.monotonic() - started)
+
+
+def verdicts(target: str) -> dict[str, Any]:
+    """What the coordinator concluded over the whole run: incidents opened by kind, actions, reports missed."""
+    with grpc.insecure_channel(target) as channel:
+        stub = cluster_pb2_grpc.ClusterServiceStub(channel)
+        incidents = stub.ListIncidents(
+            cluster_pb2.ListIncidentsRequest(include_resolved=True, limit=10_000), timeout=120
+        ).incidents
+        actions = stub.ListActions(cluster_pb2.ListActionsRequest(limit=10_000), timeout=120).actions
+        snapshot = stub.GetSnapshot(cluster_pb2.GetSnapshotRequest(summary_only=True), timeout=120)
+    kinds: dict[str, int] = {}
+    for incident in incidents:
+        kinds[incident.kind] = kinds.get(incident.kind, 0) + 1
+    return {
+        "incidents_by_kind": kinds,
+        "false_incidents": sum(n for kind, n in kinds.items() if kind != "coordinator_overloaded"),
+        "actions": len(actions),
+        "reports_missed": sum(n.reports_missed_total for n in snapshot.nodes),
+        "nodes_known": len(snapshot.nodes),
+        "coordinator_lag_s_at_end": round(snapshot.coordinator.lag_seconds, 3),
+        "streams_refused_last_minute_at_end": snapshot.coordinator.streams_refused_last_minute,
     }
 
 
@@ -368,6 +430,8 @@ def measure(
             "pending_bytes_at_end": last["generator"]["pending_bytes"],
             "streams_opened": final["streams_opened"],
             "streams_closed_by_coordinator": last["generator"]["streams_closed"],
+            "refused_streams_per_second": round(delta("refused") / wall_s, 1),
+            "skipped_not_admitted": delta("skipped_not_admitted"),
             "reconnects": last["generator"]["reconnects"],
             "commands_received": final["commands"],
             "report_bytes_mean": round(delta("sent_bytes") / sent) if sent else None,
@@ -463,8 +527,17 @@ def summary(r: dict[str, Any]) -> str:
         f"late >100 ms {g['sent_late_over_100ms']:.0f}; streams closed by coordinator "
         f"{g['streams_closed_by_coordinator']:.0f} (reconnects {g['reconnects']:.0f}); commands {g['commands_received']:.0f}",
     ]
+    v, li = r["verdicts"], r["list_incidents"]
+    lines += [
+        f"  refused streams     {g['refused_streams_per_second']}/s in the window (reports not sent while not "
+        f"admitted: {g['skipped_not_admitted']:.0f}); ListIncidents p50 {li['seconds_p50']} s, p99 "
+        f"{li['seconds_p99']} s, max {li['seconds_max']} s ({li['count']} calls)",
+        f"  verdicts (whole run) incidents {v['incidents_by_kind']}, false {v['false_incidents']}, actions "
+        f"{v['actions']}, reports missed {v['reports_missed']} of {v['nodes_known']} nodes; lag at end "
+        f"{v['coordinator_lag_s_at_end']} s",
+    ]
     for key in ("errors",):
-        for what in (snap, scr):
+        for what in (snap, scr, li):
             lines += [f"  error: {e}" for e in what[key]]
     if r["generator_close_reasons"]:
         lines.append(

@@ -9,10 +9,14 @@ the agent already has ``window`` reports unacknowledged (the coordinator is
 behind: a real agent's replay buffer would be filling) or when this process
 itself fell more than one interval behind its schedule (the generator is
 behind: then the figures say more about this machine than about the
-coordinator). A stream the coordinator ends is reopened after the agent
-uplink's backoff (full jitter, capped at its RECONNECT_MAX_S), the hello
-carrying the last acknowledged sequence; unacknowledged reports are not
-replayed (the coordinator counts the gap as missed).
+coordinator). As the agent's uplink does, reports start once the
+coordinator answered the hello (it acknowledges an admitted stream at once),
+and a stream the coordinator ends is reopened after the retry delay it gave
+(RESOURCE_EXHAUSTED at capacity: ``grpc-retry-pushback-ms``, with the
+uplink's jitter) or else the uplink's backoff (full jitter, capped at its
+RECONNECT_MAX_S), the hello carrying the last acknowledged sequence;
+unacknowledged reports are not replayed (the coordinator counts the gap as
+missed).
 
 Each report is built by bench.synthetic.StampedReport: constant bytes plus
 a fresh sequence, timestamp (the moment it is handed to the stream: what the
@@ -33,6 +37,7 @@ import heapq
 import multiprocessing.queues
 import time
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 from bench.h2_client import H2Connection
@@ -40,6 +45,7 @@ from bench.synthetic import StampedReport, hello, node_report, rank_reports
 from clusterwatch.agent.uplink import RECONNECT_MAX_S
 from clusterwatch.runtime.backoff import Backoff
 from clusterwatch.v1 import agent_pb2, node_pb2
+from clusterwatch.wire.grpc_status import PUSHBACK_JITTER_FACTOR, retry_pushback_s
 
 CONNECT = "/clusterwatch.v1.AgentService/Connect"
 # Distinct node bodies per process (GPU UUIDs, serials); nodes share them round robin.
@@ -93,6 +99,10 @@ class WorkerStats:
     time_unix_s: float = 0.0
     streams_opened: int = 0
     streams_closed: int = 0
+    # Streams the coordinator refused with a retry delay (RESOURCE_EXHAUSTED at capacity).
+    refused: int = 0
+    # Reports not sent because the agent's stream was not admitted yet.
+    skipped_not_admitted: int = 0
     sent: int = 0
     skipped_window: int = 0
     skipped_late: int = 0
@@ -182,6 +192,9 @@ class Agent:
     def report(self, window: int, first_step: int, steps: int) -> float | None:
         """Queue the next report (the caller flushes the connection); its timestamp, or None if skipped."""
         assert self.conn is not None
+        if not self.stream_acked:  # like the agent's uplink: reports only once the stream was admitted
+            self.stats.skipped_not_admitted += 1
+            return None
         if self.sequence - self.acked >= window:
             self.stats.skipped_window += 1
             return None
@@ -206,7 +219,7 @@ class Agent:
         elif message[:1] == b"\x12":  # a command: not answered, but counted (the bench expects none)
             self.stats.commands += 1
 
-    def stream_closed(self, reason: str) -> None:
+    def stream_closed(self, reason: str, trailers: Mapping[str, str]) -> None:
         if self.open:
             self.open = False
             self.stats.streams_closed += 1
@@ -220,10 +233,18 @@ class Agent:
                 self.stats.first_closes.append(
                     (time.time(), self.name, self.sequence, self.acked, round(age_s, 2))
                 )
-            if self.retries is not None:  # like the agent's uplink: reconnect after a jittered backoff
-                heapq.heappush(
-                    self.retries, (time.monotonic() + self.backoff.next_delay_s(), self.name, self)
+            pushback_s = retry_pushback_s(trailers.items())
+            if pushback_s is not None:
+                self.stats.refused += 1
+            if (
+                self.retries is not None
+            ):  # like the agent's uplink: the delay asked for, else a jittered backoff
+                delay_s = (
+                    self.backoff.pushed_back_s(pushback_s, PUSHBACK_JITTER_FACTOR)
+                    if pushback_s is not None
+                    else self.backoff.next_delay_s()
                 )
+                heapq.heappush(self.retries, (time.monotonic() + delay_s, self.name, self))
 
 
 def _varint_at(data: bytes, offset: int) -> tuple[int, int]:
