@@ -58,6 +58,7 @@ import psutil
 from bench.coordinator_process import start_coordinator, stop_coordinator
 from bench.load_agents import WorkerSpec, worker_main
 from bench.load_probes import ProbeAgents, Prober, Sampler, Scraper, cpu_s, percentile
+from clusterwatch.runtime.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
 
 
@@ -352,7 +353,7 @@ class IncidentsProber(threading.Thread):
 
 def verdicts(target: str) -> dict[str, Any]:
     """What the coordinator concluded over the whole run: incidents opened by kind, actions, reports missed."""
-    with grpc.insecure_channel(target) as channel:
+    with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
         stub = cluster_pb2_grpc.ClusterServiceStub(channel)
         incidents = stub.ListIncidents(
             cluster_pb2.ListIncidentsRequest(include_resolved=True, limit=10_000), timeout=120

@@ -66,6 +66,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 return True
             if not self._core.is_current(session):
                 raise AbortedError("superseded by a newer stream from the same node")
+            if session.shed is not None:  # before applying: the agent replays this report later
+                raise session.shed
             kind = message.WhichOneof("kind")
             if kind == "report":
                 self._core.ingest(session, message.report)

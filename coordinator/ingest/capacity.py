@@ -6,13 +6,21 @@ cancels them unanswered after 30 s: the agents' reconnects become a storm. So
 a hello is refused early and cheaply (RESOURCE_EXHAUSTED, before any report of
 the stream is read) when:
 
-* the coordinator is behind (coordinator/model/lag.py);
+* its lag (coordinator/model/lag.py) is ADMIT_BELOW_LAG_S or more: a quarter of
+  what makes it behind, because a new stream's load shows in the lag only a
+  second or two after it was admitted (headroom);
 * it holds ``max_streams`` agent streams already (``coordinator.max_agent_streams``; 0: no limit);
 * it admitted ADMIT_PER_S new streams in the last second already (a token
   bucket, burst ADMIT_BURST): after a restart 10,000 agents come back within
-  seconds, and their lag would show only once they were all in.
+  seconds, and their lag would show only once far too many were in.
 
-Streams already admitted keep being served. The refusal says when to retry,
+Streams already admitted keep being served, unless the coordinator stays
+behind for SHED_AFTER_S: then it had admitted more than it can read (the load
+of every agent grew, or the machine got slower), and it *sheds* the newest
+SHED_FRACTION of its streams each second until it is no longer behind. A shed
+stream ends with the same RESOURCE_EXHAUSTED and retry delay before its next
+report is applied, so its agent replays that report later and nothing is lost;
+a coordinator that stays behind would instead be blind for every node. The refusal says when to retry,
 in the status message and in the trailing metadata (``grpc-retry-pushback-ms``,
 gRPC's own name for it): ``retry_s = max(MIN_RETRY_S, waiting / REFUSALS_PER_S)``,
 where ``waiting`` counts the agents refused and not yet due back. An agent waits
@@ -34,15 +42,20 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import math
 
 from clusterwatch.coordinator.model.lag import LagReading
 from clusterwatch.errors import ResourceExhaustedError
 from clusterwatch.wire.grpc_status import PUSHBACK_JITTER_FACTOR
 
-ADMIT_PER_S = 200.0
-ADMIT_BURST = 200.0
+ADMIT_BELOW_LAG_S = 0.25
+ADMIT_PER_S = 100.0
+ADMIT_BURST = 100.0
 REFUSALS_PER_S = 200.0
 MIN_RETRY_S = 1.0
+SHED_AFTER_S = 15.0
+SHED_FRACTION = 0.05
+SHED_PERIOD_S = 1.0
 # Refusals counted for the status header.
 RECENT_S = 60.0
 
@@ -51,8 +64,10 @@ class Refusal(enum.StrEnum):
     """Why a hello was refused (the ``reason`` label of clusterwatch_agent_streams_refused_total)."""
 
     BEHIND = "behind"
+    BUSY = "busy"
     STREAM_LIMIT = "stream_limit"
     ADMISSION_RATE = "admission_rate"
+    SHED = "shed"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -91,6 +106,7 @@ class StreamGate:
         self._waiting: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._recent: collections.deque[float] = collections.deque()
         self.refused_total: collections.Counter[Refusal] = collections.Counter()
+        self._shed_s = -math.inf
 
     def admit(self, node_id: str, streams_open: int, lag: LagReading, now_s: float) -> Refused | None:
         """Let a hello of ``node_id`` in (None), or say why not (the caller raises ``refusal``)."""
@@ -99,6 +115,8 @@ class StreamGate:
         self._forget_due(now_s)
         if lag.behind:
             reason = Refusal.BEHIND
+        elif lag.lag_s >= ADMIT_BELOW_LAG_S:
+            reason = Refusal.BUSY
         elif self.max_streams and streams_open >= self.max_streams:
             reason = Refusal.STREAM_LIMIT
         elif self._tokens < 1.0:
@@ -107,6 +125,24 @@ class StreamGate:
             self._tokens -= 1.0
             self._waiting.pop(node_id, None)
             return None
+        return self._refuse(node_id, reason, now_s)
+
+    def shed_count(self, streams_open: int, lag: LagReading, now_s: float) -> int:
+        """How many of the newest streams to end now (see the module docstring); 0 mostly."""
+        if (
+            not lag.behind
+            or now_s - lag.behind_since_s < SHED_AFTER_S
+            or now_s - self._shed_s < SHED_PERIOD_S
+        ):
+            return 0
+        self._shed_s = now_s
+        return math.ceil(SHED_FRACTION * streams_open)
+
+    def shed(self, node_id: str, now_s: float) -> Refused:
+        """A stream of ``node_id`` is being shed: count it, and say until when its node is excused."""
+        return self._refuse(node_id, Refusal.SHED, now_s)
+
+    def _refuse(self, node_id: str, reason: Refusal, now_s: float) -> Refused:
         retry_s = self.retry_s()
         due_s = now_s + retry_s * PUSHBACK_JITTER_FACTOR
         self._waiting.pop(node_id, None)
@@ -134,6 +170,10 @@ class StreamGate:
         retry_s = refused.retry_s
         if refused.reason == Refusal.BEHIND:
             why = f"the coordinator is behind ({lag.figures()})"
+        elif refused.reason == Refusal.BUSY:
+            why = f"the coordinator is near its capacity ({lag.figures()}; it admits new streams below {ADMIT_BELOW_LAG_S:g} s)"
+        elif refused.reason == Refusal.SHED:
+            why = f"the coordinator stayed behind for {SHED_AFTER_S:g} s ({lag.figures()}) and sheds its newest streams"
         elif refused.reason == Refusal.STREAM_LIMIT:
             why = f"the coordinator holds its limit of {self.max_streams} agent streams ({streams_open} open)"
         else:

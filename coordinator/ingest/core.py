@@ -161,6 +161,7 @@ class Coordinator:
         previous = self.sessions.get(hello.node_id)
         if previous is not None:
             previous.fail_pending("superseded by a newer stream")
+        self.sessions.pop(hello.node_id, None)  # re-inserted: the sessions stay oldest first (shedding)
         session = self.sessions[hello.node_id] = AgentSession(hello.node_id, stream_id, hello.newest_sequence)
         session.applied_sequence = self.state.nodes[hello.node_id].last_sequence
         # Always, even empty: "no job has a complete checkpoint" is an answer a
@@ -327,10 +328,32 @@ class Coordinator:
         return await asyncio.wait_for(asyncio.shield(session.send(command)), timeout_s)
 
     async def watch_lag(self, period_s: float = TICK_S) -> None:
-        """Tick the lag monitor's event-loop clock, forever (cancel to stop)."""
+        """Tick the lag monitor's event-loop clock and shed streams while it stays behind, forever (cancel to stop)."""
         while True:
             await asyncio.sleep(period_s)
-            self.lag.tick(self._clock())
+            now_mono = self._clock()
+            self.lag.tick(now_mono)
+            self.shed_if_behind(now_mono)
+
+    def shed_if_behind(self, now_mono: float) -> None:
+        """End the newest streams while the coordinator stays behind (coordinator/ingest/capacity.py)."""
+        reading = self.lag.read(now_mono)
+        count = self.streams.shed_count(len(self.sessions), reading, now_mono)
+        if not count:
+            return
+        newest = [s for s in reversed(self.sessions.values()) if s.shed is None][:count]
+        for session in newest:
+            refused = self.streams.shed(session.node_id, now_mono)
+            self.state.excuse(session.node_id, refused.excused_until_s)
+            session.shed = self.streams.refusal(refused, reading, len(self.sessions))
+        logger.warning(
+            "shedding %d of %d agent streams, the newest: the coordinator has been behind for %.0f s (%s); "
+            "their agents come back after a retry delay and lose nothing",
+            len(newest),
+            len(self.sessions),
+            now_mono - reading.behind_since_s,
+            reading.figures(),
+        )
 
     async def watch_liveness(self, period_s: float = 0.2) -> None:
         """Mark silent nodes unreachable and drop finished jobs, forever (cancel to stop).

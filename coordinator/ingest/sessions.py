@@ -6,6 +6,7 @@ import asyncio
 import collections
 
 from clusterwatch.coordinator.ingest.report_checks import check_command_result
+from clusterwatch.errors import ResourceExhaustedError
 from clusterwatch.v1 import agent_pb2
 
 ACK_INTERVAL_S = 2.0
@@ -33,6 +34,9 @@ class AgentSession:
         # Reports up to this sequence were buffered before the stream opened (Hello.newest_sequence).
         self.replay_through = replay_through
         self.applied_sequence = 0
+        # Set when the coordinator sheds this stream (coordinator/ingest/capacity.py): the reader raises it
+        # before applying the next report.
+        self.shed: ResourceExhaustedError | None = None
         # True when the agent has not been told the current applied_sequence;
         # starts True so a new stream is acknowledged at once.
         self.ack_due = True

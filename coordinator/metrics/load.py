@@ -25,8 +25,8 @@ AGENTS_WAITING = gauge(
 )
 STREAMS_REFUSED = counter(
     "clusterwatch_coordinator_agent_streams_refused_total",
-    "Agent hellos refused with a retry delay because the coordinator was at capacity, by reason "
-    "(behind, stream_limit, admission_rate).",
+    "Agent streams refused (or shed) with a retry delay because the coordinator was at capacity, by reason "
+    "(behind, busy, stream_limit, admission_rate, shed).",
 )
 
 

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import random
 
 import pytest
 
-from clusterwatch.coordinator.ingest.capacity import MIN_RETRY_S, REFUSALS_PER_S, Refusal, StreamGate
+from clusterwatch.coordinator.ingest.capacity import (
+    ADMIT_BELOW_LAG_S,
+    MIN_RETRY_S,
+    REFUSALS_PER_S,
+    SHED_AFTER_S,
+    Refusal,
+    StreamGate,
+)
 from clusterwatch.coordinator.model.lag import Lag, LagReading
 from clusterwatch.wire.grpc_status import PUSHBACK_JITTER_FACTOR
 
@@ -44,6 +52,27 @@ def test_behind_refuses_new_streams_saying_why_and_when_to_retry() -> None:
     assert "retry in 1.0 s" in str(error)
     assert gate.refused_total[Refusal.BEHIND] == 1
     assert gate.refused_recently(1.0) == 1
+
+
+def test_a_coordinator_near_its_capacity_admits_nobody_new() -> None:
+    gate = StreamGate(0, 0.0)
+    busy = dataclasses.replace(KEEPING_UP, lag_s=ADMIT_BELOW_LAG_S)
+    refused = gate.admit("n1", 10, busy, 0.0)
+    assert refused is not None
+    assert refused.reason == Refusal.BUSY
+    assert "near its capacity" in str(gate.refusal(refused, busy, 10))
+
+
+def test_a_coordinator_behind_for_long_sheds_its_newest_streams_once_a_second() -> None:
+    gate = StreamGate(0, 0.0)
+    assert gate.shed_count(100, BEHIND, SHED_AFTER_S - 1) == 0  # not for long yet
+    assert gate.shed_count(100, KEEPING_UP, SHED_AFTER_S + 1) == 0
+    assert gate.shed_count(100, BEHIND, SHED_AFTER_S + 1) == 5
+    assert gate.shed_count(95, BEHIND, SHED_AFTER_S + 1.5) == 0  # once a second
+    assert gate.shed_count(95, BEHIND, SHED_AFTER_S + 2.1) == 5
+    shed = gate.shed("n1", SHED_AFTER_S + 2.1)
+    assert shed.reason == Refusal.SHED
+    assert "sheds its newest streams" in str(gate.refusal(shed, BEHIND, 95))
 
 
 def test_the_stream_limit_refuses_beyond_it() -> None:
