@@ -40,6 +40,7 @@ from bench.synthetic import StampedReport, hello, node_report, rank_reports
 from clusterwatch.agent.uplink import RECONNECT_MAX_S
 from clusterwatch.runtime.backoff import Backoff
 from clusterwatch.v1 import agent_pb2, node_pb2
+from clusterwatch.wire import report_digest
 
 CONNECT = "/clusterwatch.v1.AgentService/Connect"
 # Distinct node bodies per process (GPU UUIDs, serials); nodes share them round robin.
@@ -67,6 +68,8 @@ class WorkerSpec:
         streams_per_connection: Connect streams per TCP connection.
         ramp_s: streams open evenly over this long after the start.
         tick_s: scheduler period (sends are batched per tick and connection).
+        digest: send report digests (coordinator.hardware_series = "agents"), as real agents
+            do when that coordinator asks; the generator does not wait to be asked.
     """
 
     worker: int
@@ -83,6 +86,7 @@ class WorkerSpec:
     streams_per_connection: int
     ramp_s: float
     tick_s: float
+    digest: bool = False
 
 
 @dataclasses.dataclass
@@ -259,9 +263,12 @@ def node_template(
     return StampedReport(body, rank_list, step_s)
 
 
-def node_bodies(prefix: str, gpus: int, interval_s: float) -> list[node_pb2.NodeReport]:
-    """NODE_VARIANTS node reports without ranks (nodes share them round robin)."""
+def node_bodies(prefix: str, gpus: int, interval_s: float, digest: bool = False) -> list[node_pb2.NodeReport]:
+    """NODE_VARIANTS node reports without ranks (nodes share them round robin); their digests
+    with ``digest``."""
     bodies = [node_report(f"{prefix}-v{k}", gpus=gpus) for k in range(NODE_VARIANTS)]
+    if digest:
+        bodies = [report_digest.digest(body) for body in bodies]
     for body in bodies:
         body.interval_seconds = interval_s
     return bodies
@@ -271,7 +278,7 @@ def build_agents(
     spec: WorkerSpec, stats: WorkerStats, retries: list[tuple[float, str, Agent]]
 ) -> list[Agent]:
     """The process's agents with their report templates, sorted by phase; closed streams go to ``retries``."""
-    bodies = node_bodies(node_id(spec.agents[0]), spec.gpus, spec.interval_s)
+    bodies = node_bodies(node_id(spec.agents[0]), spec.gpus, spec.interval_s, spec.digest)
     step_s = spec.interval_s / max(1, spec.steps)
     agents = []
     for position, index in enumerate(spec.agents):
