@@ -29,7 +29,10 @@ most once per command id) and their results sent back up, on a later stream
 if this one broke meanwhile; the coordinator's table of complete checkpoints
 goes to ``on_checkpoints``; ``on_connection`` hears when a stream starts (its
 first ack: a report reached the coordinator) and when it is lost (systemd's
-READY and STATUS).
+READY and STATUS). A coordinator that asks for digests (``ReportSettings``,
+coordinator.hardware_series = "agents") gets each report's digest
+(clusterwatch/wire/report_digest.py), replays included; the buffer keeps full
+reports, so a stream to a coordinator that does not ask gets full ones again.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from clusterwatch.runtime.backoff import Backoff
 from clusterwatch.runtime.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc
 from clusterwatch.wire.grpc_status import PUSHBACK_JITTER_FACTOR, retry_pushback_s
+from clusterwatch.wire.report_digest import digest
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +103,8 @@ class Uplink:
         self._running_commands: set[asyncio.Task[None]] = set()
         self.connected = False
         self.connections_total = 0
+        # What this stream's coordinator asked for (ReportSettings); full reports until it asks.
+        self.digest_reports = False
         # When the current outage began (monotonic), for the log line saying how long it lasted.
         self._lost_at_s: float | None = None
         # The delay before the latest reconnect attempt, seconds.
@@ -154,6 +160,7 @@ class Uplink:
                 await asyncio.wait_for(stop.wait(), timeout=delay_s)
 
     async def _session(self, stop: asyncio.Event) -> None:
+        self.digest_reports = False  # an older coordinator never says: it gets full reports
         async with self._channel() as channel:
             stub = agent_pb2_grpc.AgentServiceStub(channel)
             # No request iterator: this call is driven with write()/done_writing(),
@@ -212,6 +219,11 @@ class Uplink:
             task.add_done_callback(self._running_commands.discard)
         elif kind == "checkpoints" and self._on_checkpoints is not None:
             self._on_checkpoints(message.checkpoints)
+        elif kind == "report_settings":
+            self.digest_reports = message.report_settings.digest
+            logger.info(
+                "coordinator %s asks for %s reports", self.target, "digest" if self.digest_reports else "full"
+            )
 
     async def _carry_out(self, command: agent_pb2.Command) -> None:
         """Run one command; its result goes up on this stream or, if it closed meanwhile, the next."""
@@ -230,7 +242,9 @@ class Uplink:
             while self._outbox:
                 await call.write(agent_pb2.AgentMessage(command_result=self._outbox.popleft()))
             for report in self._buffer.after(sent):
-                await call.write(agent_pb2.AgentMessage(report=report))
+                await call.write(
+                    agent_pb2.AgentMessage(report=digest(report) if self.digest_reports else report)
+                )
                 sent = report.sequence
             if stop.is_set():
                 await call.done_writing()

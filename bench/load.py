@@ -24,6 +24,10 @@ script measures for --seconds:
   is behind; or it lagged its own schedule), streams the coordinator closed
   (the agents reconnect with the uplink's backoff).
 
+With --hardware-series agents the coordinator runs with
+coordinator.hardware_series = "agents" and every simulated agent sends report
+digests (clusterwatch/wire/report_digest.py), as real agents do when asked.
+
 Every figure comes with what it cost to observe: each snapshot poll and each
 scrape is work on the coordinator, as it is for a real `clusterwatch top` or
 Prometheus.
@@ -58,6 +62,7 @@ import psutil
 from bench.coordinator_process import start_coordinator, stop_coordinator
 from bench.load_agents import WorkerSpec, worker_main
 from bench.load_probes import ProbeAgents, Prober, Sampler, Scraper, cpu_s, percentile
+from clusterwatch.config import HARDWARE_SERIES
 from clusterwatch.runtime.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
 
@@ -71,10 +76,12 @@ class Coordinator:
 
 
 @contextlib.contextmanager
-def coordinator_process(state_dir: Path, log_level: str = "warning") -> Iterator[Coordinator]:
+def coordinator_process(
+    state_dir: Path, log_level: str = "warning", hardware_series: str = "coordinator"
+) -> Iterator[Coordinator]:
     """A `clusterwatch coordinator` on loopback ports, state and log (at ``log_level``) in ``state_dir``."""
     log = state_dir / "coordinator.log"
-    started = start_coordinator(state_dir, log_level=log_level, log=log)
+    started = start_coordinator(state_dir, "--hardware-series", hardware_series, log_level=log_level, log=log)
     try:
         assert started.metrics_port is not None
         yield Coordinator(started.process.pid, started.grpc_port, started.metrics_port, log)
@@ -158,6 +165,12 @@ def main() -> int:
         "--py-spy-out", type=Path, help="profile the coordinator into this file (.svg or .txt)"
     )
     parser.add_argument("--py-spy-s", type=float, default=20.0)
+    parser.add_argument(
+        "--hardware-series",
+        choices=HARDWARE_SERIES,
+        default=HARDWARE_SERIES[0],
+        help="the coordinator's mode; with agents, the simulated agents send report digests",
+    )
     parser.add_argument("--json", type=Path, help="write the results here as JSON")
     parser.add_argument("--coordinator-log", type=Path, help="keep the coordinator's log here")
     parser.add_argument(
@@ -168,7 +181,7 @@ def main() -> int:
         args.seconds = 60.0
     with tempfile.TemporaryDirectory(prefix="clusterwatch-load-") as tmp:
         try:
-            with coordinator_process(Path(tmp), args.coordinator_log_level) as coord:
+            with coordinator_process(Path(tmp), args.coordinator_log_level, args.hardware_series) as coord:
                 result = run(args, coord)
         finally:
             if args.coordinator_log:
@@ -200,6 +213,7 @@ def run(args: argparse.Namespace, coord: Coordinator) -> dict[str, Any]:
             streams_per_connection=args.streams_per_connection,
             ramp_s=args.ramp_s,
             tick_s=args.tick_s,
+            digest=args.hardware_series == "agents",
         )
         control: Any = context.Queue()
         process = context.Process(
@@ -230,6 +244,7 @@ def run(args: argparse.Namespace, coord: Coordinator) -> dict[str, Any]:
         ranks=args.ranks,
         steps=args.steps,
         interval_s=args.probe_period_s * args.probes,
+        digest=args.hardware_series == "agents",
     )
     probes.start()
     prober = Prober(
@@ -505,6 +520,7 @@ def summary(r: dict[str, Any]) -> str:
     cfg = r["config"]
     lines = [
         f"{cfg['agents']} agents x {cfg['rate']} Hz, {cfg['gpus']} GPUs, {cfg['ranks']} ranks x {cfg['steps']} steps, "
+        f"hardware series from the {cfg.get('hardware_series', 'coordinator')}, "
         f"{cfg['procs']} generator processes; measured {r['window_s']} s after {cfg['warmup_s']} s warm-up "
         f"(load average {r['machine']['loadavg_before'][0]:.1f} -> {r['machine']['loadavg_after'][0]:.1f} "
         f"on {r['machine']['cpus']} CPUs)",

@@ -45,6 +45,7 @@ from bench.synthetic import StampedReport, hello, node_report, rank_reports
 from clusterwatch.agent.uplink import RECONNECT_MAX_S
 from clusterwatch.runtime.backoff import Backoff
 from clusterwatch.v1 import agent_pb2, node_pb2
+from clusterwatch.wire import report_digest
 from clusterwatch.wire.grpc_status import PUSHBACK_JITTER_FACTOR, retry_pushback_s
 
 CONNECT = "/clusterwatch.v1.AgentService/Connect"
@@ -73,6 +74,8 @@ class WorkerSpec:
         streams_per_connection: Connect streams per TCP connection.
         ramp_s: streams open evenly over this long after the start.
         tick_s: scheduler period (sends are batched per tick and connection).
+        digest: send report digests (coordinator.hardware_series = "agents"), as real agents
+            do when that coordinator asks; the generator does not wait to be asked.
     """
 
     worker: int
@@ -89,6 +92,7 @@ class WorkerSpec:
     streams_per_connection: int
     ramp_s: float
     tick_s: float
+    digest: bool = False
 
 
 @dataclasses.dataclass
@@ -280,9 +284,12 @@ def node_template(
     return StampedReport(body, rank_list, step_s)
 
 
-def node_bodies(prefix: str, gpus: int, interval_s: float) -> list[node_pb2.NodeReport]:
-    """NODE_VARIANTS node reports without ranks (nodes share them round robin)."""
+def node_bodies(prefix: str, gpus: int, interval_s: float, digest: bool = False) -> list[node_pb2.NodeReport]:
+    """NODE_VARIANTS node reports without ranks (nodes share them round robin); their digests
+    with ``digest``."""
     bodies = [node_report(f"{prefix}-v{k}", gpus=gpus) for k in range(NODE_VARIANTS)]
+    if digest:
+        bodies = [report_digest.digest(body) for body in bodies]
     for body in bodies:
         body.interval_seconds = interval_s
     return bodies
@@ -292,7 +299,7 @@ def build_agents(
     spec: WorkerSpec, stats: WorkerStats, retries: list[tuple[float, str, Agent]]
 ) -> list[Agent]:
     """The process's agents with their report templates, sorted by phase; closed streams go to ``retries``."""
-    bodies = node_bodies(node_id(spec.agents[0]), spec.gpus, spec.interval_s)
+    bodies = node_bodies(node_id(spec.agents[0]), spec.gpus, spec.interval_s, spec.digest)
     step_s = spec.interval_s / max(1, spec.steps)
     agents = []
     for position, index in enumerate(spec.agents):

@@ -58,13 +58,22 @@ class ProbeAgents:
     """
 
     def __init__(
-        self, host: str, port: int, count: int, *, gpus: int, ranks: int, steps: int, interval_s: float
+        self,
+        host: str,
+        port: int,
+        count: int,
+        *,
+        gpus: int,
+        ranks: int,
+        steps: int,
+        interval_s: float,
+        digest: bool = False,
     ):
         self._host, self._port = host, port
         self._interval_s = interval_s
         self._steps = steps
         self.stats = WorkerStats(worker=-1)
-        bodies = node_bodies("probe", gpus, interval_s)
+        bodies = node_bodies("probe", gpus, interval_s, digest)
         self.agents = []
         for k in range(count):
             template = node_template(

@@ -12,7 +12,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,30 +24,51 @@ START_TIMEOUT_S = 30.0
 class PrometheusServer:
     """``prometheus`` (Debian's package) with a file_sd target list, storing into ``workdir``.
 
+    Args:
+        agent_job: settings of a second scrape job, ``clusterwatch-agent``, whose targets
+            ``scrape_agents`` names (coordinator.hardware_series = "agents"); None: no such job.
+
     Raises:
         FileNotFoundError: prometheus is not installed.
         RuntimeError: it exited or did not become ready within START_TIMEOUT_S.
     """
 
-    def __init__(self, workdir: Path, scrape_interval_s: int = 1, binary: str | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        scrape_interval_s: int = 1,
+        binary: str | None = None,
+        agent_job: Mapping[str, Any] | None = None,
+    ) -> None:
         binary = binary or shutil.which("prometheus")
         if binary is None:
             raise FileNotFoundError("prometheus is not installed (apt-get install prometheus)")
         workdir.mkdir(parents=True, exist_ok=True)
         self.targets_path = workdir / "targets.json"
         self.targets_path.write_text("[]")
+        self.agent_targets_path = workdir / "agent-targets.json"
+        self.agent_targets_path.write_text("[]")
+        jobs: list[dict[str, Any]] = [
+            {
+                "job_name": "clusterwatch-coordinator",
+                "honor_labels": True,  # as deploy/prometheus/prometheus.yml: keep training jobs' job label
+                "file_sd_configs": [{"files": [str(self.targets_path)]}],
+            }
+        ]
+        if agent_job is not None:
+            jobs.append(
+                {
+                    **agent_job,
+                    "job_name": "clusterwatch-agent",
+                    "file_sd_configs": [{"files": [str(self.agent_targets_path)]}],
+                }
+            )
         config = workdir / "prometheus.yml"
         config.write_text(
             json.dumps(  # JSON is YAML; Prometheus re-reads file_sd targets when the file changes
                 {
                     "global": {"scrape_interval": f"{scrape_interval_s}s", "evaluation_interval": "1s"},
-                    "scrape_configs": [
-                        {
-                            "job_name": "clusterwatch-coordinator",
-                            "honor_labels": True,  # as deploy/prometheus/prometheus.yml: keep training jobs' job label
-                            "file_sd_configs": [{"files": [str(self.targets_path)]}],
-                        }
-                    ],
+                    "scrape_configs": jobs,
                 }
             )
         )
@@ -95,12 +116,12 @@ class PrometheusServer:
             return bool(response.status == 200)
 
     def scrape(self, *urls: str) -> None:
-        """Scrape these /metrics URLs from now on."""
-        targets = [urllib.parse.urlsplit(url) for url in urls]
-        groups = [{"targets": [t.netloc], "labels": {"__metrics_path__": t.path}} for t in targets]
-        tmp = self.targets_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(groups))
-        tmp.replace(self.targets_path)  # atomic: Prometheus never reads half a file
+        """Scrape these /metrics URLs from now on (job clusterwatch-coordinator)."""
+        _write_targets(self.targets_path, urls)
+
+    def scrape_agents(self, *urls: str) -> None:
+        """Scrape these agents' /metrics URLs from now on (job clusterwatch-agent, see ``agent_job``)."""
+        _write_targets(self.agent_targets_path, urls)
 
     def api(self, path: str, **params: str) -> Any:
         """GET /api/v1/<path>; the ``data`` of a success, else AssertionError with Prometheus' error."""
@@ -149,3 +170,11 @@ class PrometheusServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(timeout=10)
+
+
+def _write_targets(path: Path, urls: Iterable[str]) -> None:
+    targets = [urllib.parse.urlsplit(url) for url in urls]
+    groups = [{"targets": [t.netloc], "labels": {"__metrics_path__": t.path}} for t in targets]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(groups))
+    tmp.replace(path)  # atomic: Prometheus never reads half a file

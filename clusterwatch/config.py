@@ -38,6 +38,8 @@ ENV_PREFIX = "CLUSTERWATCH_"
 CONFIG_PATH_ENV = "CLUSTERWATCH_CONFIG"
 
 GPU_BACKENDS = ("auto", "nvml", "sim", "none")
+# Who exports the per-GPU and other per-node hardware series (see CoordinatorSettings.hardware_series).
+HARDWARE_SERIES = ("coordinator", "agents")
 COLLECTORS = ("gpu", "host", "network", "infiniband")
 
 
@@ -148,6 +150,14 @@ class CoordinatorSettings(TransportSettings):
     )
     admin_names: list[str] = setting(
         [], "client certificate names (CN or DNS SAN) that may act like an admin token (comma-separated)"
+    )
+    # One switch for the fleet: the coordinator tells each agent on its stream which reports to send.
+    hardware_series: str = setting(
+        "coordinator",
+        "who exports per-GPU and other per-node hardware series: coordinator (its /metrics has them all: "
+        "one scrape) or agents (Prometheus scrapes each agent's /metrics; agents send the coordinator "
+        "only the digest detection, status and top read: for ~1,000 nodes and more)",
+        choices=HARDWARE_SERIES,
     )
 
 

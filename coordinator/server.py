@@ -207,7 +207,13 @@ class CoordinatorServer:
             interceptors=[ErrorMappingInterceptor(gate=self.access.gate)], options=SERVER_OPTIONS
         )
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(self.core, self.access), self._server)
+        # One setting configures the fleet: in agents mode every stream is asked for digests.
+        # Nothing is said in the default mode, where agents send full reports unasked.
+        lean = self.settings.hardware_series == "agents"
+        report_settings = agent_pb2.ReportSettings(digest=True) if lean else None
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(
+            AgentServicer(self.core, self.access, report_settings), self._server
+        )
         cluster_pb2_grpc.add_ClusterServiceServicer_to_server(
             ClusterServicer(self.core, self.watchdog, self.actions, self.access), self._server
         )
@@ -270,6 +276,7 @@ class CoordinatorServer:
             reports_rejected=page.reports_rejected,
             state_db=page.state,
             load=page.load,
+            hardware=self.settings.hardware_series == "coordinator",
         )
 
     async def _page(self) -> MetricsPage:

@@ -44,12 +44,24 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoRun]:
     run.close()
 
 
+@pytest.fixture(scope="session")
+def lean_demo_run(tmp_path_factory: pytest.TempPathFactory, demo_run: DemoRun) -> Iterator[DemoRun]:
+    """The demo in the large-cluster mode (coordinator.hardware_series = "agents"), started when
+    ``demo_run`` has ended so that the two never compete for the machine's cores."""
+    from demo_run import DemoRun
+
+    run = DemoRun(tmp_path_factory.mktemp("lean-demo"), hardware_series="agents", after=demo_run)
+    yield run
+    run.close()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _demo_early(request: pytest.FixtureRequest) -> None:
-    """Start the demo with the session's first test when a selected test will look at it: it
-    trains in the background for a minute while other tests run, instead of being waited for."""
-    if any("demo_run" in getattr(item, "fixturenames", ()) for item in request.session.items):
-        request.getfixturevalue("demo_run")
+    """Start the demos with the session's first test when a selected test will look at them:
+    each trains in the background for a minute while other tests run, instead of being waited for."""
+    for name in ("demo_run", "lean_demo_run"):
+        if any(name in getattr(item, "fixturenames", ()) for item in request.session.items):
+            request.getfixturevalue(name)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -1,4 +1,4 @@
-"""One ``clusterwatch demo`` for the whole session, watched by tests/e2e/test_demo.py and tests/deploy/test_dashboards.py.
+"""One ``clusterwatch demo`` per mode for the whole session, watched by tests/e2e/test_demo.py and tests/deploy/test_dashboards.py.
 
 The demo (two simulated nodes, an elastic torchrun job, a straggler and a hang, both
 recovered) takes about a minute; both modules look at the same run instead of each
@@ -8,9 +8,16 @@ from its start whoever asks for it: a real Prometheus (where one is installed) s
 coordinator, and one more node reports over the real agent protocol with what the demo
 machine lacks (InfiniBand ports, one down; an XID; ECC errors; a rank that was killed).
 
-Imported as ``demo_run``; tests get the run from the session fixture ``demo_run``
-(tests/conftest.py). Prometheus is imported only to start it: tests/e2e/test_demo.py does
-not need it.
+With ``hardware_series="agents"`` (the session fixture ``lean_demo_run``) the demo's
+coordinator runs in the large-cluster mode: its agents send report digests and serve the
+hardware series on their own /metrics, which Prometheus scrapes as
+deploy/prometheus/prometheus-agents.yml says; the extra node then sends digests too, once
+asked, and serves its /metrics as an agent would. That run starts once the default one has
+ended (``after``), so that the two never share the machine's two cores.
+
+Imported as ``demo_run``; tests get the run from the session fixtures ``demo_run`` and
+``lean_demo_run`` (tests/conftest.py). Prometheus is imported only to start it:
+tests/e2e/test_demo.py does not need it.
 """
 
 from __future__ import annotations
@@ -31,7 +38,12 @@ from helpers import clusterwatch_cmd, run_cli
 from training_builders import EXITED, AgentStream, rank_report, step
 
 from clusterwatch.cli.demo_training import DIR_ENV
-from clusterwatch.v1 import node_pb2, training_pb2
+from clusterwatch.client import ClusterClient
+from clusterwatch.exposition.http_server import MetricsHttpServer
+from clusterwatch.exposition.node_metrics import NODE_UP, register_node_families, write_node, write_node_info
+from clusterwatch.exposition.promtext import Exposition
+from clusterwatch.v1 import cluster_pb2, node_pb2, training_pb2
+from clusterwatch.wire.report_digest import digest
 
 if TYPE_CHECKING:
     from prometheus_server import PrometheusServer
@@ -41,6 +53,8 @@ FABRIC_JOB = "fabric-job"
 BANNER_TIMEOUT_S = 90.0
 FABRIC_REPORT_INTERVAL_S = 0.5
 STATUS_TIMEOUT_S = 60.0
+# Reports each demo node has sent when the snapshot is taken.
+MIN_REPORTS = 5
 STOP_TIMEOUT_S = 30.0
 
 
@@ -66,9 +80,14 @@ class DemoRun:
 
     Args:
         workdir: the demo's log, summary and temporary directory (``tmpdir``), and Prometheus' data.
+        hardware_series: the coordinator's mode (``--hardware-series``).
+        after: start once this run's demo has ended (None: at once).
     """
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(
+        self, workdir: Path, hardware_series: str = "coordinator", after: DemoRun | None = None
+    ) -> None:
+        self.hardware_series = hardware_series
         self.log = workdir / "demo.log"
         self.summary_path = workdir / "summary.json"
         self.tmpdir = workdir / "t"  # short: the demo's agent sockets go in a directory under it
@@ -78,15 +97,29 @@ class DemoRun:
         self.prometheus_error: Exception | None = None
         if shutil.which("prometheus"):
             try:  # prometheus_server needs bench: the repository root on sys.path (python -m pytest)
-                from prometheus_server import start_prometheus
+                from prometheus_server import deployed_agent_job, start_prometheus
 
-                self.prometheus = start_prometheus(workdir / "prometheus")
+                agent_job = deployed_agent_job() if hardware_series == "agents" else None
+                self.prometheus = start_prometheus(workdir / "prometheus", agent_job)
             except (ImportError, RuntimeError) as exc:
                 self.prometheus_error = exc
         self.scraped_since_s: float | None = None
         self.status: subprocess.CompletedProcess[str] | None = None
+        # The coordinator's full snapshot, taken while the demo ran (with both demo nodes in it).
+        self.snapshot: cluster_pb2.ClusterSnapshot | None = None
         self.fabric_error: BaseException | None = None
+        self._fabric_report: node_pb2.NodeReport | None = None
         self._closing = threading.Event()
+        self._started = threading.Event()
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log.touch()
+        self._after = after
+        if after is None:
+            self._start()
+        self._watcher = threading.Thread(target=self._watch, name="demo-run-watcher", daemon=True)
+        self._watcher.start()
+
+    def _start(self) -> None:
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(
                 clusterwatch_cmd(
@@ -97,13 +130,14 @@ class DemoRun:
                     "0",
                     "--summary-json",
                     str(self.summary_path),
+                    "--hardware-series",
+                    self.hardware_series,
                 ),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "TMPDIR": str(self.tmpdir)},
             )
-        self._watcher = threading.Thread(target=self._watch, name="demo-run-watcher", daemon=True)
-        self._watcher.start()
+        self._started.set()
 
     def banner(self, key: str) -> str | None:
         """What follows ``key`` on the first line of the demo's output that has it."""
@@ -127,7 +161,23 @@ class DemoRun:
         )
 
     def ended(self) -> bool:
-        return self.process.poll() is not None
+        return self.process is not None and self.process.poll() is not None
+
+    def wait_started(self, timeout_s: float) -> bool:
+        """Whether the demo has started (a run ``after`` another waits for that one's end)."""
+        return self._started.wait(timeout_s)
+
+    def wait(self, timeout_s: float) -> int:
+        """The demo's exit status, once it has started and ended.
+
+        Raises:
+            subprocess.TimeoutExpired: not ended within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        if not self._started.wait(timeout_s):
+            raise subprocess.TimeoutExpired("clusterwatch demo (not started yet)", timeout_s)
+        assert self.process is not None
+        return self.process.wait(max(0.0, deadline - time.monotonic()))
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
@@ -139,7 +189,7 @@ class DemoRun:
         it at once and leave them running for the rest of the session).
         """
         self._closing.set()
-        if self.process.poll() is None:
+        if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(timeout=STOP_TIMEOUT_S)
@@ -154,12 +204,25 @@ class DemoRun:
             self.prometheus.close()
 
     def _watch(self) -> None:
+        if self._after is not None:  # its end, or the session's: then there is nothing to wait for
+            while not (self._after.ended() or self._closing.is_set()):
+                time.sleep(0.2)
+            if self._closing.is_set():
+                return
+            self._start()
         try:
             address, metrics_url = self.endpoints()
         except AssertionError:
             return  # the tests that ask for the endpoints say why
+        fabric_metrics = None
+        if self.hardware_series == "agents":  # the extra node serves its /metrics as an agent does
+            fabric_metrics = MetricsHttpServer("127.0.0.1:0", self._fabric_page, lambda: True)
+            fabric_metrics.start()
         if self.prometheus is not None:
             self.prometheus.scrape(metrics_url)
+            agents = (self.banner("agents:") or "").split(" (")[0].split()
+            if fabric_metrics is not None:
+                self.prometheus.scrape_agents(*agents, f"http://127.0.0.1:{fabric_metrics.port}/metrics")
             self.scraped_since_s = time.time()
         threading.Thread(
             target=self._take_status, args=(address,), name="demo-run-status", daemon=True
@@ -168,6 +231,20 @@ class DemoRun:
             asyncio.run(self._feed_fabric_node(address))
         except Exception as exc:  # also when the demo ends: its coordinator stops under the stream
             self.fabric_error = exc  # shown by test_dashboards if its queries miss the fabric node
+        finally:
+            if fabric_metrics is not None:
+                fabric_metrics.close()
+
+    def _fabric_page(self) -> bytes:
+        """The extra node's /metrics, rendered as an agent renders its own (agent/runtime.py)."""
+        exp = Exposition()
+        write_node_info(exp, FABRIC_NODE, FABRIC_NODE, "test", "")
+        exp.add(NODE_UP, f'node="{FABRIC_NODE}"', 1)
+        register_node_families(exp)
+        report = self._fabric_report
+        if report is not None:
+            write_node(exp, FABRIC_NODE, report)
+        return exp.render()
 
     def _take_status(self, address: str) -> None:
         """``clusterwatch status`` once it shows both demo nodes, while the demo runs (test_demo checks it)."""
@@ -176,8 +253,21 @@ class DemoRun:
             status = run_cli("status", "--insecure", "--coordinator", address)
             if all(f"demo-node-{n}" in status.stdout for n in (0, 1)):  # the agents connect in any order
                 self.status = status
+                self._take_snapshot(address, deadline)
                 return
             time.sleep(0.2)
+
+    def _take_snapshot(self, address: str, deadline: float) -> None:
+        """The coordinator's full snapshot once both demo nodes sent a few reports (the first ones
+        of a stream may come before the agent hears what the coordinator asks for)."""
+        with ClusterClient(address) as client:
+            while not (self.ended() or self._closing.is_set()) and time.monotonic() < deadline:
+                snapshot = client.snapshot()
+                demo_nodes = [n for n in snapshot.nodes if n.node_id.startswith("demo-node-")]
+                if len(demo_nodes) == 2 and all(n.report.sequence >= MIN_REPORTS for n in demo_nodes):
+                    self.snapshot = snapshot
+                    return
+                time.sleep(0.2)
 
     async def _feed_fabric_node(self, address: str) -> None:
         """One node over the real agent protocol; its job's rank 1 is killed by SIGKILL."""
@@ -192,7 +282,9 @@ class DemoRun:
                 ranks = [rank_report(0, job=FABRIC_JOB, steps=[step(beats)])]
                 if beats > 3:  # a clean start, then the failure
                     ranks.append(rank_report(1, job=FABRIC_JOB, state=EXITED, exit=killed))
-                await node.report(*ranks, hardware=fabric_hardware(xids=0 if beats < 3 else 1))
+                hardware = self._fabric_report = fabric_hardware(xids=0 if beats < 3 else 1)
+                asked = any(m.report_settings.digest for m in node.messages if m.HasField("report_settings"))
+                await node.report(*ranks, hardware=digest(hardware) if asked else hardware)
                 await asyncio.sleep(FABRIC_REPORT_INTERVAL_S)
 
 

@@ -8,7 +8,9 @@ the rank, node and cause, and recovers: the straggler's node is checkpointed
 and left out of the elastic job, the hung job is restarted from its last
 complete checkpoint. A live timeline is printed, then a summary; exit 0
 once training completes. With ``--no-train``: the coordinator and agents
-only, until Ctrl-C or ``--duration``.
+only, until Ctrl-C or ``--duration``. With ``--hardware-series agents`` the
+coordinator runs in the large-cluster mode (report digests, no per-GPU
+series on its /metrics) and each agent serves its node's /metrics.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import IO, Any
 from clusterwatch.cli import demo_faults, demo_training
 from clusterwatch.cli.demo_timeline import FaultOutcome, Timeline
 from clusterwatch.client import ClusterClient
+from clusterwatch.config import HARDWARE_SERIES
 
 DEMO_NODES = ("demo-node-0", "demo-node-1")
 RANKS_PER_NODE = 2
@@ -82,6 +85,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--steps", type=int, default=150, help="steps the job trains (default: 150)")
     parser.add_argument("--summary-json", type=Path, help="also write the summary to this file")
     parser.add_argument(
+        "--hardware-series",
+        choices=HARDWARE_SERIES,
+        default=HARDWARE_SERIES[0],
+        help="who exports per-GPU series: the coordinator (default) or the agents, each on its own "
+        "/metrics (the large-cluster mode, coordinator.hardware_series)",
+    )
+    parser.add_argument(
         "--top",
         action="store_true",
         help="watch it live in clusterwatch top; the timeline and summary are printed when top quits",
@@ -105,9 +115,10 @@ def run(args: argparse.Namespace) -> int:
             ports = _start_cluster(args, workdir, child_log, processes)
             address = f"127.0.0.1:{ports['grpc_port']}"
             metrics_url = f"http://127.0.0.1:{ports['metrics_port']}/metrics"
+            agent_urls = _agent_metrics_urls(processes[1:]) if args.hardware_series == "agents" else []
 
             def demo() -> int:
-                _print_banner(args, address, metrics_url, faults)
+                _print_banner(args, address, metrics_url, faults, agent_urls)
                 if not args.train:
                     return _idle(processes, args.duration)
                 return _train(args, workdir, (address, metrics_url), faults, (processes, jobs))
@@ -170,6 +181,8 @@ def _start_cluster(
             str(args.state_dir or workdir / "state"),
             "--ready-file",
             str(ready_file),
+            "--hardware-series",
+            args.hardware_series,
             *DEMO_RECOVERY,
         ],
         log_level,
@@ -195,6 +208,9 @@ def _start_cluster(
                     str(args.interval),
                     "--socket",
                     str(workdir / f"{node}.sock"),
+                    # Any free port: the banner says which (agents mode; empty: off).
+                    "--metrics-listen",
+                    "127.0.0.1:0" if args.hardware_series == "agents" else "",
                 ],
                 log_level,
                 errors,
@@ -203,8 +219,31 @@ def _start_cluster(
     return ports
 
 
+def _agent_metrics_urls(agents: list[subprocess.Popen[bytes]]) -> list[str]:
+    """Each agent's /metrics URL, once it listens (the agents pick free ports)."""
+    import psutil  # the agent's dependency; the demo runs agents
+
+    def port(agent: subprocess.Popen[bytes]) -> int | None:
+        listening = [c for c in psutil.Process(agent.pid).net_connections("tcp") if c.status == "LISTEN"]
+        return listening[0].laddr.port if listening else None
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    urls: list[str] = []
+    for agent in agents:
+        while (found := port(agent)) is None:
+            if agent.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("an agent did not serve its /metrics")
+            time.sleep(0.05)
+        urls.append(f"http://127.0.0.1:{found}/metrics")
+    return urls
+
+
 def _print_banner(
-    args: argparse.Namespace, address: str, metrics_url: str, faults: list[demo_faults.Fault]
+    args: argparse.Namespace,
+    address: str,
+    metrics_url: str,
+    faults: list[demo_faults.Fault],
+    agent_urls: list[str],
 ) -> None:
     lines = [
         f"clusterwatch demo: a coordinator and {len(DEMO_NODES)} agents with simulated GPUs are running."
@@ -218,6 +257,7 @@ def _print_banner(
     lines += [
         f"  API (gRPC):  {address}",
         f"  metrics:     {metrics_url}",
+        *([f"  agents:      {' '.join(agent_urls)} (hardware series; agents mode)"] if agent_urls else []),
         f"  try:         clusterwatch status --insecure --coordinator {address}",
         f"               clusterwatch incidents --all --insecure --coordinator {address}",
         f"               clusterwatch topology --insecure --coordinator {address}",

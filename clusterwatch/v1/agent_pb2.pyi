@@ -449,30 +449,64 @@ class JobCheckpoints(_message.Message):
 Global___JobCheckpoints: _TypeAlias = JobCheckpoints  # noqa: Y015
 
 @_typing.final
+class ReportSettings(_message.Message):
+    """What this coordinator wants in node reports; sent first on every stream by
+    a coordinator that wants digests, nothing by one that wants full reports.
+    An agent that is never told (an older coordinator) sends full reports, and
+    goes back to full reports on each new stream until told again.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DIGEST_FIELD_NUMBER: _builtins.int
+    digest: _builtins.bool
+    """Send the digest (clusterwatch/wire/report_digest.py): only the fields the
+    coordinator's detection, status, top and topology read; per-link NVLink,
+    PCIe, energy and the like are left to the agent's own /metrics, which
+    Prometheus scrapes (coordinator.hardware_series = "agents").
+    """
+    def __init__(
+        self,
+        *,
+        digest: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportSettings: _TypeAlias = ReportSettings  # noqa: Y015
+
+@_typing.final
 class CoordinatorMessage(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ACK_FIELD_NUMBER: _builtins.int
     COMMAND_FIELD_NUMBER: _builtins.int
     CHECKPOINTS_FIELD_NUMBER: _builtins.int
+    REPORT_SETTINGS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ack(self) -> Global___Ack: ...
     @_builtins.property
     def command(self) -> Global___Command: ...
     @_builtins.property
     def checkpoints(self) -> Global___JobCheckpoints: ...
+    @_builtins.property
+    def report_settings(self) -> Global___ReportSettings: ...
     def __init__(
         self,
         *,
         ack: Global___Ack | None = ...,
         command: Global___Command | None = ...,
         checkpoints: Global___JobCheckpoints | None = ...,
+        report_settings: Global___ReportSettings | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "checkpoints", b"checkpoints", "command", b"command", "kind", b"kind"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "checkpoints", b"checkpoints", "command", b"command", "kind", b"kind", "report_settings", b"report_settings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "checkpoints", b"checkpoints", "command", b"command", "kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "checkpoints", b"checkpoints", "command", b"command", "kind", b"kind", "report_settings", b"report_settings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["ack", "command", "checkpoints"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["ack", "command", "checkpoints", "report_settings"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

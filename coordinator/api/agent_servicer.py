@@ -28,9 +28,19 @@ WRITER_STOP_S = 1.0
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, coordinator: Coordinator, access: AccessPolicy | None = None) -> None:
+    """Args:
+    report_settings: sent first on every stream (None: nothing, agents send full reports).
+    """
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        access: AccessPolicy | None = None,
+        report_settings: agent_pb2.ReportSettings | None = None,
+    ) -> None:
         self._core = coordinator
         self._access = access or AccessPolicy({}, ())
+        self._report_settings = report_settings
 
     # Driven with context.read()/write() so acks and commands can be written
     # while reports are read; the generated base class only types the
@@ -46,6 +56,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             raise InvalidReportError("the first message on a stream must be a hello")
         self._access.check_node(context, first.hello.node_id)
         session = self._core.open_stream(first.hello)
+        if self._report_settings is not None:
+            session.send_report_settings(self._report_settings)
         writer = asyncio.create_task(self._write(session, context), name=f"acks-{session.node_id}")
         graceful = False
         try:
@@ -83,6 +95,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             session.wake.clear()
             if session.stopping:
                 return
+            report_settings = session.take_report_settings()
+            if report_settings is not None:
+                await context.write(agent_pb2.CoordinatorMessage(report_settings=report_settings))
             sequence = session.take_ack()
             if sequence is not None:
                 await context.write(agent_pb2.CoordinatorMessage(ack=agent_pb2.Ack(sequence=sequence)))

@@ -42,6 +42,7 @@ class AgentSession:
         self.ack_due = True
         self.outbox: collections.deque[agent_pb2.Command] = collections.deque()
         self._checkpoints: agent_pb2.JobCheckpoints | None = None
+        self._report_settings: agent_pb2.ReportSettings | None = None
         self.wake = asyncio.Event()
         self.wake.set()
         # Set when the stream ends: the writer returns once the write under way is done
@@ -89,6 +90,15 @@ class AgentSession:
         """The checkpoint state to send now, or None if nothing new."""
         checkpoints, self._checkpoints = self._checkpoints, None
         return checkpoints
+
+    def send_report_settings(self, settings: agent_pb2.ReportSettings) -> None:
+        """Queue what this coordinator wants in reports; the writer sends it before anything else."""
+        self._report_settings = settings
+        self.wake.set()
+
+    def take_report_settings(self) -> agent_pb2.ReportSettings | None:
+        settings, self._report_settings = self._report_settings, None
+        return settings
 
     def resolve(self, result: agent_pb2.CommandResult) -> None:
         """Hand a command's result to whoever waits for it (nobody: it is dropped).

@@ -69,11 +69,18 @@ def render(
     *,
     state_db: StateHealth | None = None,
     load: LoadView | None = None,
+    hardware: bool = True,
 ) -> bytes:
     """The whole page. Hardware series come only from nodes that are up, so a
     node that went silent does not keep exporting its last values; training
     series follow them when ``training`` is given, incident series when ``incidents`` is.
-    ``reports_rejected`` is a copy of Coordinator.reports_rejected_total (taken on the loop)."""
+    ``reports_rejected`` is a copy of Coordinator.reports_rejected_total (taken on the loop).
+
+    With ``hardware`` False (coordinator.hardware_series = "agents") there are no
+    per-GPU, host, NIC, InfiniBand, topology or collector series: Prometheus
+    scrapes them from each agent's /metrics, where they have the same names and
+    labels, and the page stays small at 10,000 nodes. Node identity, up/down
+    and report counts stay: only the coordinator knows a node is unreachable."""
     exp = Exposition()
     exp.add(COORDINATOR_INFO, f'version="{escape(__version__)}"', 1)
     if load is not None:
@@ -98,12 +105,8 @@ def render(
     exp.lines(REPORTS_REJECTED)  # HELP and TYPE even before the first refusal
     for (node_id, reason), count in sorted((reports_rejected or {}).items()):
         exp.add(REPORTS_REJECTED, f'node="{escape(node_id)}",reason="{escape(reason)}"', count)
-    register_node_families(exp)
-    for v in views:
-        if v.state == NodeState.NODE_STATE_UP and v.report is not None:
-            write_node(exp, v.node_id, v.report)
-        if v.state == NodeState.NODE_STATE_UP and v.wiring is not None:
-            write_topology(exp, v.node_id, v.wiring)
+    if hardware:
+        _write_hardware(exp, views)
     if training is not None:
         write_training(exp, training)
     if incidents is not None:
@@ -116,3 +119,12 @@ def render(
         exp.add(STATE_PENDING_WRITES, "", state_db.pending_writes)
         exp.add(STATE_DROPPED_WRITES, "", state_db.dropped_writes_total)
     return exp.render()
+
+
+def _write_hardware(exp: Exposition, views: Sequence[NodeView]) -> None:
+    register_node_families(exp)
+    for v in views:
+        if v.state == NodeState.NODE_STATE_UP and v.report is not None:
+            write_node(exp, v.node_id, v.report)
+        if v.state == NodeState.NODE_STATE_UP and v.wiring is not None:
+            write_topology(exp, v.node_id, v.wiring)

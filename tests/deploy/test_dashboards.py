@@ -7,6 +7,11 @@ ECC errors; a rank that was killed). A real Prometheus scraped the demo's coordi
 start; once it holds enough samples of every metric the dashboards use, every variable, panel
 query and annotation of every dashboard is run through Prometheus' HTTP API at that moment,
 the way Grafana would with "All" selected, and must parse and return data.
+
+The same holds in the large-cluster mode (coordinator.hardware_series = "agents"): a second
+demo run (``lean_demo_run``, after the first) whose agents send the coordinator report
+digests and serve the hardware series themselves, scraped by Prometheus as
+deploy/prometheus/prometheus-agents.yml says. The dashboards are not changed for it.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ RATE_INTERVAL_S = 4 * SCRAPE_INTERVAL_S
 MIN_SAMPLES = 6
 # Values some variables must offer; none may offer Prometheus' own scrape job name (honor_labels).
 EXPECTED_VALUES = {"job": {"demo-train", FABRIC_JOB}, "node": {"demo-node-1", FABRIC_NODE}}
-SCRAPE_JOBS = {"clusterwatch-coordinator"}
+SCRAPE_JOBS = {"clusterwatch-coordinator", "clusterwatch-agent"}
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -132,6 +137,49 @@ def samples_of(
 
 
 def test_every_panel_of_every_dashboard_returns_data_from_a_real_prometheus(demo_run: DemoRun) -> None:
+    check_every_dashboard(demo_run)
+
+
+# Waits for the default run to end, then for its own (a minute each).
+@pytest.mark.timeout(540)
+def test_in_agents_mode_every_panel_returns_data_and_the_coordinator_got_digests(
+    lean_demo_run: DemoRun,
+) -> None:
+    """Agents -> coordinator (digests) for detection; agents' /metrics -> Prometheus -> dashboards."""
+    assert lean_demo_run.wait_started(300), "the default demo did not end"
+    at_s = check_every_dashboard(lean_demo_run)
+    prometheus = lean_demo_run.prometheus
+    assert prometheus is not None
+    window = f"{int(at_s - (lean_demo_run.scraped_since_s or at_s)) + 1}s"
+    # Every hardware series came from the agents; the coordinator exported none.
+    from_coordinator = f'count(count_over_time({{__name__=~"clusterwatch_gpu_.+",job="clusterwatch-coordinator"}}[{window}]))'
+    assert prometheus.query(from_coordinator, at_s) == []
+    gpus = prometheus.query(
+        f"count by (job) (count_over_time(clusterwatch_gpu_utilization_ratio[{window}]))", at_s
+    )
+    assert {g["metric"]["job"] for g in gpus} == {"clusterwatch-agent"}
+    # The coordinator held digests: what detection and top read, no per-link NVLink or energy.
+    snapshot = lean_demo_run.snapshot
+    assert snapshot is not None, lean_demo_run.tail()
+    reports = [n.report for n in snapshot.nodes if n.node_id.startswith("demo-node-")]
+    assert len(reports) == 2
+    for report in reports:
+        assert report.gpus, report
+        for gpu in report.gpus:
+            assert gpu.HasField("sm_clock_hertz")
+            assert gpu.HasField("utilization_ratio")
+            assert not gpu.nvlinks
+            assert not gpu.HasField("energy_joules_total")
+    # ... and detected and recovered from both faults as in the default mode (tests/e2e/test_demo.py).
+    assert lean_demo_run.wait(timeout_s=240) == 0, lean_demo_run.tail()
+    summary = json.loads(lean_demo_run.summary_path.read_text())
+    straggler, hang = summary["faults"]
+    assert (straggler["cause"], straggler["action"]) == ("compute", "exclude node and restart"), summary
+    assert hang["action"] == "restart", summary
+
+
+def check_every_dashboard(demo_run: DemoRun) -> float:
+    """Every query of every dashboard against what Prometheus scraped of ``demo_run``; when they ran."""
     require("prometheus")
     prometheus = demo_run.prometheus
     assert prometheus is not None, f"Prometheus did not start: {demo_run.prometheus_error}"
@@ -165,6 +213,7 @@ def test_every_panel_of_every_dashboard_returns_data_from_a_real_prometheus(demo
     failures = check_every_query(prometheus, dashboards, (scraped_since_s, at_s))
     fabric = f"the fabric node's stream failed: {demo_run.fabric_error!r}\n" if demo_run.fabric_error else ""
     assert not failures, "\n".join(failures) + f"\n{fabric}--- demo log ---\n{demo_run.tail()}"
+    return float(at_s)
 
 
 def check_every_query(

@@ -23,6 +23,7 @@ What is checked, offline (no cluster, no kubectl):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import http.server
 import json
@@ -46,9 +47,10 @@ from helpers import ROOT, wait_for
 from prometheus_server import require
 
 from clusterwatch import config
+from clusterwatch.agent.runtime import AGENT_CONNECTED
 from clusterwatch.cli import build_parser
 from clusterwatch.cli.common import settings_from_args
-from clusterwatch.exposition.node_metrics import write_node
+from clusterwatch.exposition.node_metrics import NODE_UP, write_node, write_node_info
 from clusterwatch.exposition.promtext import Exposition
 from clusterwatch.v1 import node_pb2
 
@@ -147,64 +149,68 @@ _RELABEL_CONFIG = {
         "targetLabel": {"type": "string"},
     },
 }
-# The monitoring.coreos.com/v1 ServiceMonitor fields this repository uses, as the CRD types them.
-SERVICE_MONITOR_SCHEMA = {
+_ENDPOINT = {
     "type": "object",
     "additionalProperties": False,
-    "required": ["apiVersion", "kind", "metadata", "spec"],
     "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "ServiceMonitor"},
-        "metadata": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["name", "namespace"],
-            "properties": {
-                "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
-                "namespace": {"type": "string"},
-                "labels": _STRING_MAP,
+        "port": {"type": "string"},
+        "path": {"type": "string"},
+        "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
+        "interval": _DURATION,
+        "scrapeTimeout": _DURATION,
+        "honorLabels": {"type": "boolean"},
+        "relabelings": {"type": "array", "items": _RELABEL_CONFIG},
+        "metricRelabelings": {"type": "array", "items": _RELABEL_CONFIG},
+    },
+}
+
+
+def monitor_schema(kind: str, endpoints: str) -> Doc:
+    """The monitoring.coreos.com/v1 ServiceMonitor or PodMonitor fields this repository uses, as the CRD types them."""
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": kind},
+            "metadata": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "namespace"],
+                "properties": {
+                    "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+                    "namespace": {"type": "string"},
+                    "labels": _STRING_MAP,
+                },
             },
-        },
-        "spec": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["endpoints", "selector"],
-            "properties": {
-                "selector": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {"matchLabels": _STRING_MAP},
-                },
-                "namespaceSelector": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {
-                        "any": {"type": "boolean"},
-                        "matchNames": {"type": "array", "items": {"type": "string"}},
+            "spec": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": [endpoints, "selector"],
+                "properties": {
+                    "selector": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {"matchLabels": _STRING_MAP},
                     },
-                },
-                "endpoints": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {
+                    "namespaceSelector": {
                         "type": "object",
                         "additionalProperties": False,
                         "properties": {
-                            "port": {"type": "string"},
-                            "path": {"type": "string"},
-                            "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
-                            "interval": _DURATION,
-                            "scrapeTimeout": _DURATION,
-                            "honorLabels": {"type": "boolean"},
-                            "relabelings": {"type": "array", "items": _RELABEL_CONFIG},
-                            "metricRelabelings": {"type": "array", "items": _RELABEL_CONFIG},
+                            "any": {"type": "boolean"},
+                            "matchNames": {"type": "array", "items": {"type": "string"}},
                         },
                     },
+                    endpoints: {"type": "array", "minItems": 1, "items": _ENDPOINT},
                 },
             },
         },
-    },
-}
+    }
+
+
+SERVICE_MONITOR_SCHEMA = monitor_schema("ServiceMonitor", "endpoints")
+POD_MONITOR_SCHEMA = monitor_schema("PodMonitor", "podMetricsEndpoints")
 
 
 def duration_s(text: str) -> float:
@@ -230,6 +236,23 @@ def test_service_monitor_matches_the_crd_fields_it_uses_and_the_service() -> Non
         assert endpoint["honorLabels"] is True
 
 
+def test_pod_monitor_scrapes_every_agents_metrics_port() -> None:
+    monitor = find("PodMonitor", "clusterwatch-agent")
+    jsonschema.Draft202012Validator(POD_MONITOR_SCHEMA).validate(monitor)
+    assert monitor["metadata"]["namespace"] == NAMESPACE
+    daemonset = find("DaemonSet", "clusterwatch-agent")
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items()
+        <= daemonset["spec"]["template"]["metadata"]["labels"].items()
+    )
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+        assert container_port(container, endpoint["port"])
+        assert endpoint["path"] == "/metrics"
+        assert duration_s(endpoint["scrapeTimeout"]) <= duration_s(endpoint["interval"])
+        assert endpoint["honorLabels"] is True  # a GPU's training pod labels win over the agent pod's
+
+
 def test_service_monitor_schema_rejects_an_unknown_field() -> None:
     monitor = copy.deepcopy(find("ServiceMonitor", "clusterwatch-coordinator"))
     monitor["spec"]["endpoints"][0]["honourLabels"] = True
@@ -248,6 +271,9 @@ def test_kustomization_lists_every_manifest_and_the_image() -> None:
     assert len(listed) == len(set(listed))
     on_disk = {p.name for p in MANIFESTS.glob("*.y*ml")} - {"kustomization.yaml"}
     assert set(listed) == on_disk
+    # The one component, offered commented out: the folder it names exists and is a Component.
+    assert "# components:\n#   - hardware-series-agents\n" in (MANIFESTS / "kustomization.yaml").read_text()
+    assert component()["kind"] == "Component"
     # No namespace transformer: it would move the Role in the jobs' namespace.
     assert "namespace" not in kustomization
     images = {image["name"] for image in kustomization["images"]}
@@ -446,37 +472,99 @@ def test_rbac_grants_the_kubernetes_launcher_what_kubectl_needs_and_no_more() ->
     }
 
 
-# --- what Prometheus stores from the ServiceMonitor's scrape -------------------
+# --- the hardware-series-agents component --------------------------------------
+
+COMPONENT = MANIFESTS / "hardware-series-agents" / "kustomization.yaml"
+
+
+def component() -> Doc:
+    doc: Doc = yaml.safe_load(COMPONENT.read_text())
+    return doc
+
+
+def json_patch(doc: Doc, operations: list[Doc]) -> Doc:
+    """``doc`` with the RFC 6902 operations the component uses (add, replace), as kustomize applies them."""
+    doc = copy.deepcopy(doc)
+    for operation in operations:
+        *parents, last = operation["path"].lstrip("/").split("/")
+        where: Any = doc
+        for key in parents:
+            where = where[int(key)] if isinstance(where, list) else where[key]
+        if operation["op"] == "add" and isinstance(where, list):
+            assert last == "-", operation
+            where.append(operation["value"])
+        else:
+            assert operation["op"] == "replace", operation
+            assert last in where, operation
+            where[last] = operation["value"]
+    return doc
+
+
+def with_component(kind: str, name: str) -> Doc:
+    """The object as ``kubectl apply -k`` makes it with the component enabled."""
+    doc = find(kind, name)
+    for patch in component()["patches"]:
+        target = patch["target"]
+        if (target["kind"], target["name"]) == (kind, name):
+            assert target.get("group") in (None, doc["apiVersion"].rpartition("/")[0]), target
+            doc = json_patch(doc, yaml.safe_load(patch["patch"]))
+    return doc
+
+
+def test_the_component_switches_the_coordinator_and_the_pod_monitor_to_agents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    patched_kinds = {(p["target"]["kind"], p["target"]["name"]) for p in component()["patches"]}
+    assert patched_kinds == {("Deployment", "clusterwatch-coordinator"), ("PodMonitor", "clusterwatch-agent")}
+    default = find("Deployment", "clusterwatch-coordinator")
+    lean = with_component("Deployment", "clusterwatch-coordinator")
+    settings = container_settings(default, config.CoordinatorSettings, tmp_path, monkeypatch)
+    assert settings.hardware_series == "coordinator"
+    settings = container_settings(lean, config.CoordinatorSettings, tmp_path, monkeypatch)
+    assert settings.hardware_series == "agents"
+    assert kubernetes_validate.validate(lean, KUBERNETES_VERSION, strict=True) == KUBERNETES_VERSION
+    jsonschema.Draft202012Validator(POD_MONITOR_SCHEMA).validate(
+        with_component("PodMonitor", "clusterwatch-agent")
+    )
+
+
+# --- what Prometheus stores from the monitors' scrapes -------------------------
 
 
 def scrape_config_from(monitor: Doc, target: str, target_labels: dict[str, str]) -> Doc:
     """The scrape job the Prometheus Operator renders for the monitor's first endpoint.
 
-    The operator discovers the Service's endpoints and sets the target labels
-    namespace, service, pod, container and endpoint; here they are given
-    statically, then the endpoint's own settings and relabelings follow as the
-    operator copies them. The interval is 1 s to keep the test short.
+    The operator discovers the Service's endpoints (the pods, for a PodMonitor)
+    and sets the target labels namespace, service, pod, container and
+    endpoint; here they are given statically, then the endpoint's own settings,
+    relabelings and metric relabelings follow as the operator copies them. The
+    interval is 1 s to keep the test short.
     """
-    endpoint = monitor["spec"]["endpoints"][0]
+    kind = monitor["kind"]
+    endpoint = monitor["spec"]["endpoints" if kind == "ServiceMonitor" else "podMetricsEndpoints"][0]
     keys = {"sourceLabels": "source_labels", "targetLabel": "target_label"}
-    relabel_configs = [
-        {keys.get(k, k): (v.lower() if k == "action" else v) for k, v in rule.items()}
-        for rule in endpoint.get("relabelings", [])
-    ]
+
+    def rules(name: str) -> list[Doc]:
+        return [
+            {keys.get(k, k): (v.lower() if k == "action" else v) for k, v in rule.items()}
+            for rule in endpoint.get(name, [])
+        ]
+
     meta = monitor["metadata"]
     return {
-        "job_name": f"serviceMonitor/{meta['namespace']}/{meta['name']}/0",
+        "job_name": f"{kind[0].lower()}{kind[1:]}/{meta['namespace']}/{meta['name']}/0",
         "honor_labels": endpoint.get("honorLabels", False),
         "metrics_path": endpoint["path"],
         "scrape_interval": "1s",
+        "scrape_timeout": "1s",
         "static_configs": [{"targets": [target], "labels": target_labels}],
-        "relabel_configs": relabel_configs,
+        "relabel_configs": rules("relabelings"),
+        "metric_relabel_configs": rules("metricRelabelings"),
     }
 
 
-@pytest.fixture
-def coordinator_page() -> Iterator[str]:
-    """A /metrics page of one node whose GPU 0 is assigned to a training pod; its host:port."""
+def node_page() -> bytes:
+    """A node's /metrics series (as the coordinator or its agent renders them): GPU 0 is a training pod's."""
     report = node_pb2.NodeReport(sequence=1, timestamp_unix_seconds=1.0)
     report.gpu_inventory.backend = "nvml"
     report.gpus.add(
@@ -485,7 +573,12 @@ def coordinator_page() -> Iterator[str]:
     report.gpus.add(index=1, uuid="GPU-1", utilization_ratio=0.1)
     exp = Exposition()
     write_node(exp, NODE_NAME, report)
-    page = exp.render()
+    return exp.render()
+
+
+@contextlib.contextmanager
+def serving(page: bytes) -> Iterator[str]:
+    """``page`` on /metrics of a loopback HTTP server; its host:port."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -500,26 +593,17 @@ def coordinator_page() -> Iterator[str]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
-def test_prometheus_keeps_the_training_pods_labels_and_not_the_coordinators(
-    coordinator_page: str, tmp_path: Path
-) -> None:
-    monitor = find("ServiceMonitor", "clusterwatch-coordinator")
-    coordinator_pod = {
-        "namespace": NAMESPACE,
-        "service": "clusterwatch-coordinator",
-        "pod": "clusterwatch-coordinator-5d8f7-x2x9k",
-        "container": "coordinator",
-        "endpoint": "metrics",
-    }
+def stored_after_scrapes(scrape_config: Doc, tmp_path: Path) -> list[dict[str, str]]:
+    """The label sets of every series a real Prometheus stores from two scrapes with ``scrape_config``."""
     config_path = tmp_path / "prometheus.yml"
-    config_path.write_text(
-        json.dumps({"scrape_configs": [scrape_config_from(monitor, coordinator_page, coordinator_pod)]})
-    )
+    config_path.write_text(json.dumps({"scrape_configs": [scrape_config]}))
     with (tmp_path / "prometheus.log").open("wb") as log:
         prometheus = subprocess.Popen(
             [
@@ -545,17 +629,36 @@ def test_prometheus_keeps_the_training_pods_labels_and_not_the_coordinators(
 
         port = wait_for(listening_port, 30, "Prometheus to listen")
 
-        def gpu_series() -> dict[str, dict[str, str]] | None:
-            query = urllib.parse.urlencode({"query": "clusterwatch_gpu_utilization_ratio"})
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?{query}", timeout=10) as r:
-                result = json.load(r)["data"]["result"]
-            return {s["metric"]["gpu"]: s["metric"] for s in result} if len(result) == 2 else None
+        def query(expr: str) -> list[Doc]:
+            params = urllib.parse.urlencode({"query": expr})
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?{params}", timeout=10) as r:
+                return list(json.load(r)["data"]["result"])
 
-        series = wait_for(gpu_series, 30, "Prometheus to scrape both GPUs")
+        # Two scrapes: everything one scrape stores is then in the second's samples.
+        wait_for(lambda: query("count_over_time(up[5m]) > 1") or None, 30, "two scrapes")
+        return [s["metric"] for s in query('{__name__=~".+"}')]
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=10)
-    assigned, unassigned = series["0"], series["1"]
+
+
+def by_gpu(series: list[dict[str, str]], name: str) -> dict[str, dict[str, str]]:
+    return {s["gpu"]: s for s in series if s["__name__"] == name}
+
+
+def test_prometheus_keeps_the_training_pods_labels_and_not_the_coordinators(tmp_path: Path) -> None:
+    monitor = find("ServiceMonitor", "clusterwatch-coordinator")
+    coordinator_pod = {
+        "namespace": NAMESPACE,
+        "service": "clusterwatch-coordinator",
+        "pod": "clusterwatch-coordinator-5d8f7-x2x9k",
+        "container": "coordinator",
+        "endpoint": "metrics",
+    }
+    with serving(node_page()) as target:
+        series = stored_after_scrapes(scrape_config_from(monitor, target, coordinator_pod), tmp_path)
+    gpus = by_gpu(series, "clusterwatch_gpu_utilization_ratio")
+    assigned, unassigned = gpus["0"], gpus["1"]
     assert (assigned["pod"], assigned["namespace"], assigned["container"]) == (
         "llama-0",
         "training",
@@ -565,3 +668,45 @@ def test_prometheus_keeps_the_training_pods_labels_and_not_the_coordinators(
     assert not {"pod", "namespace", "container"} & unassigned.keys(), unassigned
     assert assigned["node"] == unassigned["node"] == NODE_NAME
     assert assigned["service"] == "clusterwatch-coordinator"  # which scrape it came from stays visible
+
+
+@pytest.mark.parametrize("hardware_series", ["coordinator", "agents"])
+def test_prometheus_stores_from_the_agents_what_the_mode_wants(hardware_series: str, tmp_path: Path) -> None:
+    """Default mode: the agents' own health only. Agents mode: the node's hardware series, with the
+    training pod's labels (not the agent pod's), the job the alerts name, and no second node_up."""
+    monitor = (
+        find("PodMonitor", "clusterwatch-agent")
+        if hardware_series == "coordinator"
+        else with_component("PodMonitor", "clusterwatch-agent")
+    )
+    agent_pod = {
+        "namespace": NAMESPACE,
+        "pod": "clusterwatch-agent-q7x2m",
+        "container": "agent",
+        "endpoint": "metrics",
+        "__meta_kubernetes_pod_node_name": NODE_NAME,
+    }
+    exp = Exposition()
+    write_node_info(exp, NODE_NAME, NODE_NAME, "0.1.0", "nvml")
+    exp.add(NODE_UP, f'node="{NODE_NAME}"', 1)
+    exp.add(AGENT_CONNECTED, f'node="{NODE_NAME}"', 1)
+    with serving(node_page() + exp.render()) as target:
+        series = stored_after_scrapes(scrape_config_from(monitor, target, agent_pod), tmp_path)
+    names = {s["__name__"] for s in series if s["__name__"].startswith("clusterwatch_")}
+    (up,) = [s for s in series if s["__name__"] == "up"]
+    assert (up["job"], up["instance"]) == ("clusterwatch-agent", NODE_NAME)  # ClusterwatchAgentDown's
+    if hardware_series == "coordinator":
+        assert names == {"clusterwatch_agent_connected"}  # the coordinator has the rest
+        return
+    assert "clusterwatch_node_up" not in names
+    assert "clusterwatch_node_info" not in names
+    gpus = by_gpu(series, "clusterwatch_gpu_utilization_ratio")
+    assigned, unassigned = gpus["0"], gpus["1"]
+    assert (assigned["pod"], assigned["namespace"], assigned["container"]) == (
+        "llama-0",
+        "training",
+        "pytorch",
+    )
+    assert not {"pod", "namespace", "container"} & unassigned.keys(), unassigned
+    assert assigned["node"] == NODE_NAME
+    assert assigned["job"] == "clusterwatch-agent"

@@ -28,8 +28,10 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_scrape_configuration_is_valid() -> None:
-    result = promtool("check", "config", "prometheus.yml")
+@pytest.mark.parametrize("config", ["prometheus.yml", "prometheus-agents.yml"])
+def test_the_scrape_configuration_is_valid(config: str) -> None:
+    """One per coordinator.hardware_series: "coordinator" (the default) and "agents"."""
+    result = promtool("check", "config", config)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
 

@@ -25,9 +25,9 @@ def test_the_demo_detects_and_recovers_from_a_straggler_and_a_hang(demo_run: Dem
         status = wait_for(
             lambda: demo_run.status, 60, "both demo nodes in clusterwatch status, taken while it ran"
         )
-        assert demo_run.process.wait(timeout=240) == 0, demo_run.log.read_text()
+        assert demo_run.wait(timeout_s=240) == 0, demo_run.log.read_text()
     finally:
-        if demo_run.process.poll() is None:
+        if demo_run.process is not None and demo_run.process.poll() is None:
             demo_run.process.kill()
     assert status.returncode == 0
     assert "demo-node-0" in status.stdout

@@ -110,6 +110,23 @@ def test_bad_recovery_values_name_the_key(tables: dict[str, object], key: str) -
     assert str(info.value).startswith(f"{key}:")
 
 
+def test_hardware_series_defaults_to_the_coordinator_and_refuses_anything_else(tmp_path: Path) -> None:
+    """One scrape stays the default; a typo is one line naming the key and exit 2, nothing started."""
+    assert config.load(CoordinatorSettings, file_tables={}, environ={}).hardware_series == "coordinator"
+    env = {"CLUSTERWATCH_COORDINATOR_HARDWARE_SERIES": "agents"}
+    assert config.load(CoordinatorSettings, file_tables={}, environ=env).hardware_series == "agents"
+    with pytest.raises(ConfigError) as info:
+        config.load(
+            CoordinatorSettings, file_tables={"coordinator": {"hardware_series": "agent"}}, environ={}
+        )
+    assert info.value.key == "coordinator.hardware_series"
+    refused = run_cli("coordinator", "--state-dir", str(tmp_path), "--hardware-series", "prometheus")
+    assert refused.returncode == 2
+    (line,) = refused.stderr.strip().splitlines()
+    assert "coordinator.hardware_series: must be one of coordinator, agents" in line, line
+    assert not list(tmp_path.iterdir())  # refused before it opened its state
+
+
 def test_config_file_errors(tmp_path: Path) -> None:
     broken = tmp_path / "broken.toml"
     broken.write_text("[agent\ninterval_s = 1")
