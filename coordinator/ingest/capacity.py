@@ -20,7 +20,9 @@ of every agent grew, or the machine got slower), and it *sheds* the newest
 SHED_FRACTION of its streams each second until it is no longer behind. A shed
 stream ends with the same RESOURCE_EXHAUSTED and retry delay before its next
 report is applied, so its agent replays that report later and nothing is lost;
-a coordinator that stays behind would instead be blind for every node. The refusal says when to retry,
+a coordinator that stays behind would instead be blind for every node. For
+ADMIT_PAUSE_AFTER_SHED_S after shedding nobody new is admitted: the load that
+was too much is still there, and admitting at once would only shed again. The refusal says when to retry,
 in the status message and in the trailing metadata (``grpc-retry-pushback-ms``,
 gRPC's own name for it): ``retry_s = max(MIN_RETRY_S, waiting / REFUSALS_PER_S)``,
 where ``waiting`` counts the agents refused and not yet due back. An agent waits
@@ -56,6 +58,8 @@ MIN_RETRY_S = 1.0
 SHED_AFTER_S = 15.0
 SHED_FRACTION = 0.05
 SHED_PERIOD_S = 1.0
+# After shedding, nobody new is admitted for this long: the load that was too much is still there.
+ADMIT_PAUSE_AFTER_SHED_S = 30.0
 # Refusals counted for the status header.
 RECENT_S = 60.0
 
@@ -115,7 +119,7 @@ class StreamGate:
         self._forget_due(now_s)
         if lag.behind:
             reason = Refusal.BEHIND
-        elif lag.lag_s >= ADMIT_BELOW_LAG_S:
+        elif lag.lag_s >= ADMIT_BELOW_LAG_S or now_s - self._shed_s < ADMIT_PAUSE_AFTER_SHED_S:
             reason = Refusal.BUSY
         elif self.max_streams and streams_open >= self.max_streams:
             reason = Refusal.STREAM_LIMIT

@@ -10,6 +10,7 @@ import pytest
 
 from clusterwatch.coordinator.ingest.capacity import (
     ADMIT_BELOW_LAG_S,
+    ADMIT_PAUSE_AFTER_SHED_S,
     MIN_RETRY_S,
     REFUSALS_PER_S,
     SHED_AFTER_S,
@@ -73,6 +74,10 @@ def test_a_coordinator_behind_for_long_sheds_its_newest_streams_once_a_second() 
     shed = gate.shed("n1", SHED_AFTER_S + 2.1)
     assert shed.reason == Refusal.SHED
     assert "sheds its newest streams" in str(gate.refusal(shed, BEHIND, 95))
+    paused = gate.admit("n2", 90, KEEPING_UP, SHED_AFTER_S + 3)
+    assert paused is not None
+    assert paused.reason == Refusal.BUSY  # nobody new for a while after shedding
+    assert gate.admit("n2", 90, KEEPING_UP, SHED_AFTER_S + 2.1 + ADMIT_PAUSE_AFTER_SHED_S) is None
 
 
 def test_the_stream_limit_refuses_beyond_it() -> None:
