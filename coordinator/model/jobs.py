@@ -345,14 +345,14 @@ class JobStore:
         for report in reports:
             try:
                 parsed = parse_rank_report(report, self.recent_steps)
-                record, job = self._record_for(node_id, report, now_mono, now_unix)
+                record, job = self._record_for(node_id, parsed.kept, now_mono, now_unix)
             except RankReportError as exc:
                 if exc.reason != RejectReason.JOB_ENDED:  # an ended job's teardown is no bad data
                     key = (node_id, exc.reason.value)
                     self.rejected_total[key] = self.rejected_total.get(key, 0) + 1
                 outcome.rejections.append(Rejection(node_id, exc.reason, str(exc)))
                 continue
-            self._apply(job, record, report, parsed, node_id=node_id, now_mono=now_mono, now_unix=now_unix)
+            self._apply(job, record, parsed, node_id=node_id, now_mono=now_mono, now_unix=now_unix)
             outcome.applied += 1
             results = report.checkpoint_results
             if results:
@@ -459,7 +459,7 @@ class JobStore:
         if current is not None and current.identity.instance_id == identity.instance_id:
             if current.identity != identity:  # backend or GPU learned after the hello
                 _check_labels(identity)
-                current.identity = _copy_identity(identity)
+                current.identity = identity
                 job.reported_labels = dict(identity.labels)
             return current, job
         _check_labels(identity)
@@ -491,9 +491,7 @@ class JobStore:
             job.ranks = {rank: r for rank, r in job.ranks.items() if rank < job.world_size}
         job.reported_labels = dict(identity.labels)
         job.contested.pop(identity.rank, None)  # the rank has one holder again
-        record = job.ranks[identity.rank] = RankRecord(
-            _copy_identity(identity), node_id, StepRing(self.recent_steps)
-        )
+        record = job.ranks[identity.rank] = RankRecord(identity, node_id, StepRing(self.recent_steps))
         return record, job
 
     def _check_not_ended(self, report: training_pb2.RankReport) -> None:
@@ -546,7 +544,6 @@ class JobStore:
         self,
         job: JobRecord,
         record: RankRecord,
-        report: training_pb2.RankReport,
         parsed: ParsedRankReport,
         *,
         node_id: str,
@@ -555,33 +552,22 @@ class JobStore:
     ) -> None:
         job.last_report_mono_s = record.last_report_mono_s = now_mono
         record.node_id = node_id
-        record.state = report.state
-        record.slurm_job_id = report.slurm_job_id
-        if report.HasField("launcher_exit"):
-            launcher_exit = training_pb2.LauncherExit()
-            launcher_exit.CopyFrom(report.launcher_exit)
-            record.launcher_exit = launcher_exit
-        else:
-            record.launcher_exit = None
-        if report.HasField("heartbeat"):
+        kept = parsed.kept
+        record.state = kept.state
+        record.slurm_job_id = kept.slurm_job_id
+        record.launcher_exit = kept.launcher_exit if kept.HasField("launcher_exit") else None
+        if kept.HasField("heartbeat"):
+            heartbeat = kept.heartbeat
             previous = record.heartbeat
-            if previous is None or report.heartbeat.timestamp_unix_seconds > previous.timestamp_unix_seconds:
+            if previous is None or heartbeat.timestamp_unix_seconds > previous.timestamp_unix_seconds:
                 record.heartbeat_advanced_mono_s = now_mono
-            # Copies, never references: a sub-message would keep the whole
-            # node report (every step of every rank) alive.
-            heartbeat = training_pb2.Heartbeat()
-            heartbeat.CopyFrom(report.heartbeat)
             record.heartbeat = heartbeat
-        if report.HasField("exit"):
-            rank_exit = training_pb2.RankExit()
-            rank_exit.CopyFrom(report.exit)
-            record.exit = rank_exit
-        record.steps_dropped_total = report.steps_dropped_total
+        if kept.HasField("exit"):
+            record.exit = kept.exit
+        record.steps_dropped_total = kept.steps_dropped_total
         if parsed.collectives:
             self._add_collectives(job, record, parsed.collectives)
-            holder = training_pb2.RankReport()  # one copy in its own arena, as for the heartbeat
-            holder.collectives.extend(report.collectives)
-            record.last_collectives = holder.collectives
+            record.last_collectives = kept.collectives
         if parsed.columns is None or parsed.last_step is None:
             return
         record.steps.extend(parsed.columns)
@@ -623,9 +609,3 @@ def _check_labels(identity: training_pb2.RankIdentity) -> None:
         raise RankReportError(
             RejectReason.BAD_LABELS, f"job {identity.job!r} rank {identity.rank}: labels: {problem}"
         )
-
-
-def _copy_identity(identity: training_pb2.RankIdentity) -> training_pb2.RankIdentity:
-    copy = training_pb2.RankIdentity()
-    copy.CopyFrom(identity)
-    return copy
