@@ -49,6 +49,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Collection
+from typing import NamedTuple
 
 from clusterwatch.coordinator.detection.mismatch import Mismatch, find_mismatches, group_sizes, position
 from clusterwatch.coordinator.model.jobs import JobRecord, RankRecord
@@ -146,6 +147,45 @@ def timeout_s(job: JobRecord, settings: HangSettings) -> float:
     return max(settings.floor_s, settings.p99_factor * p99)
 
 
+class HangClock(NamedTuple):
+    """What a job's hang verdict hangs on, apart from the clock: it is hung once
+    ``now - newest_progress_mono_s`` exceeds ``timeout_s``."""
+
+    newest_progress_mono_s: float
+    timeout_s: float
+
+
+def _current_generation(job: JobRecord) -> list[RankRecord]:
+    # Only the newest generation: right after torchrun restarted the group,
+    # ranks of the old one still show their last steps while the new ones
+    # start up, which is no hang.
+    return [r for r in job.ranks.values() if r.identity.restart_count == job.restart_count]
+
+
+def hang_clock(
+    job: JobRecord, settings: HangSettings, unreachable_nodes: Collection[str] = ()
+) -> HangClock | None:
+    """The job's newest progress and its timeout; None when the job is not judged (see detect_hang).
+
+    Changes only with the job's ranks and the set of unreachable nodes, so a
+    caller may keep it while neither changed and compare it with the clock.
+    """
+    ranks = _current_generation(job)
+    if not any(r.state == RUNNING for r in ranks):
+        return None
+    # Progress of the ranks still running, on nodes whose news still arrives: a
+    # relaunch of a finished job (same generation, new processes starting up)
+    # is judged once they stepped.
+    progressed = [
+        r.last_progress_mono_s
+        for r in ranks
+        if r.last_step is not None and r.state == RUNNING and r.node_id not in unreachable_nodes
+    ]
+    if not progressed:
+        return None
+    return HangClock(max(progressed), timeout_s(job, settings))
+
+
 def detect_hang(
     job: JobRecord, now_mono_s: float, settings: HangSettings, unreachable_nodes: Collection[str] = ()
 ) -> HangFinding | None:
@@ -158,22 +198,15 @@ def detect_hang(
     older generation (before a restart) are not judged at all, and ranks on
     ``unreachable_nodes`` only through their peers (see the module docstring).
     """
-    # Only the newest generation: right after torchrun restarted the group,
-    # ranks of the old one still show their last steps while the new ones
-    # start up, which is no hang.
-    ranks = [r for r in job.ranks.values() if r.identity.restart_count == job.restart_count]
-    if not any(r.state == RUNNING for r in ranks):
+    clock = hang_clock(job, settings, unreachable_nodes)
+    if clock is None:
         return None
-    heard = [r for r in ranks if r.node_id not in unreachable_nodes]
-    # Progress of the ranks still running: a relaunch of a finished job (same
-    # generation, new processes starting up) is judged once they stepped.
-    progressed = [r.last_progress_mono_s for r in heard if r.last_step is not None and r.state == RUNNING]
-    if not progressed:
-        return None
-    stalled_s = now_mono_s - max(progressed)
-    limit_s = timeout_s(job, settings)
+    stalled_s = now_mono_s - clock.newest_progress_mono_s
+    limit_s = clock.timeout_s
     if stalled_s <= limit_s:
         return None
+    ranks = _current_generation(job)
+    heard = [r for r in ranks if r.node_id not in unreachable_nodes]
     frozen = _frozen(heard, now_mono_s, settings.heartbeat_stale_s)
     silent = {c.rank for c in frozen}
     mismatches = find_mismatches(

@@ -214,6 +214,10 @@ class JobRecord:
             (JobStore.register); replaced, never mutated.
         reported_labels: the labels of the newest accepted rank identity;
             replaced, never mutated.
+        revision: counts the store's changes to the job and its ranks (a rank
+            report applied, a claim refused, a registration): a reader that
+            saw a revision knows the job is as it was then. 0 for a record the
+            store did not make (tests build some): never assume it unchanged.
     """
 
     job: str
@@ -228,6 +232,7 @@ class JobRecord:
     registered_nodes: tuple[str, ...] = ()
     reported_labels: dict[str, str] = dataclasses.field(default_factory=dict)
     contested: dict[int, RankConflict] = dataclasses.field(default_factory=dict)
+    revision: int = 0
 
     def verified_slurm_job_ids(self) -> set[str]:
         """The SLURM jobs that hold its ranks' processes, as their agents read it (not as the ranks say),
@@ -398,6 +403,7 @@ class JobStore:
         record = self.jobs.get(job)
         if record is None:
             record = self.jobs[job] = JobRecord(job, world_size=0, last_report_mono_s=now_mono)
+        record.revision += 1
         if labels:
             record.registered_labels = {**record.registered_labels, **labels}
         record.registered_nodes = tuple(sorted({*record.registered_nodes, *nodes}))
@@ -474,6 +480,7 @@ class JobStore:
                 f"(restart {identity.restart_count}) is older than the rank's or the job's current one",
             )
         if current is not None and self._held_elsewhere(current, node_id, now_mono):
+            job.revision += 1
             job.contested[identity.rank] = RankConflict(
                 identity.rank, current.node_id, current.identity.pid, node_id, identity.pid, now_unix
             )
@@ -551,6 +558,7 @@ class JobStore:
         now_unix: float,
     ) -> None:
         job.last_report_mono_s = record.last_report_mono_s = now_mono
+        job.revision += 1
         record.node_id = node_id
         kept = parsed.kept
         record.state = kept.state
