@@ -57,6 +57,10 @@ from clusterwatch.v1 import training_pb2
 
 # Ranks whose step times the p99 is taken over (see timeout_s).
 P99_SAMPLE_RANKS = 64
+# Culprits a finding's summary names, in the order above; the rest are counted. A hung job's
+# summary once named every rank of its unreachable nodes: 250 KB at 4,000 culprits, rebuilt,
+# stored and shown every round. The incident's ranks and nodes still list them all.
+SUMMARY_CULPRITS = 10
 EXITED = training_pb2.RANK_STATE_EXITED
 RUNNING = training_pb2.RANK_STATE_RUNNING
 
@@ -123,8 +127,13 @@ class HangFinding:
     def summary(self) -> str:
         head = f"job {self.job} made no progress for {self.stalled_s:.1f} s (timeout {self.timeout_s:.1f} s)"
         if self.culprits:
-            named = "; ".join(f"rank {c.rank} on {c.node_id}: {c.detail}" for c in self.culprits)
-            return f"{head}; {named}"
+            named = "; ".join(
+                f"rank {c.rank} on {c.node_id}: {c.detail}" for c in self.culprits[:SUMMARY_CULPRITS]
+            )
+            more = len(self.culprits) - SUMMARY_CULPRITS
+            return f"{head}; {named}" + (
+                f"; and {more} more ranks (the incident names them)" if more > 0 else ""
+            )
         if self.shared_collective is not None:
             c = self.shared_collective
             return f"{head}; every rank waits in {c.op} #{c.sequence} of group {c.group_name}"
