@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 from bench.synthetic import StampedReport, hello, node_report, rank_reports
 from clusterwatch.coordinator.ingest.sessions import AgentSession
 from clusterwatch.coordinator.model.event_log import EventLog
@@ -140,6 +142,7 @@ def main() -> int:
             profile.disable()
             profile.dump_stats(str(args.profile))
         incidents = len(watchdog.book.live())
+        rss_mb = psutil.Process().memory_info().rss / 2**20
 
     per_report_us = {
         "parse": parse_s / reports * 1e6,
@@ -155,6 +158,7 @@ def main() -> int:
         "rounds": rounds,
         "ms_per_round": detect_s / max(rounds, 1) * 1e3,
         "live_incidents": incidents,
+        "rss_mb": round(rss_mb, 1),
         "us_per_report": {k: round(v, 1) for k, v in per_report_us.items()},
     }
     if args.json:
@@ -162,7 +166,7 @@ def main() -> int:
     else:
         print(
             f"{args.nodes} nodes x {args.ranks} ranks, {reports} reports, {rounds} rounds "
-            f"({result['ms_per_round']:.2f} ms each), {incidents} live incidents"
+            f"({result['ms_per_round']:.2f} ms each), {incidents} live incidents, RSS {result['rss_mb']} MB"
         )
         print("µs of CPU per report: " + ", ".join(f"{k} {v:.1f}" for k, v in per_report_us.items()))
     return 0

@@ -465,7 +465,7 @@ class JobStore:
         if current is not None and current.identity.instance_id == identity.instance_id:
             if current.identity != identity:  # backend or GPU learned after the hello
                 _check_labels(identity)
-                current.identity = identity
+                current.identity = _copy_identity(identity)
                 job.reported_labels = dict(identity.labels)
             return current, job
         _check_labels(identity)
@@ -498,7 +498,9 @@ class JobStore:
             job.ranks = {rank: r for rank, r in job.ranks.items() if rank < job.world_size}
         job.reported_labels = dict(identity.labels)
         job.contested.pop(identity.rank, None)  # the rank has one holder again
-        record = job.ranks[identity.rank] = RankRecord(identity, node_id, StepRing(self.recent_steps))
+        record = job.ranks[identity.rank] = RankRecord(
+            _copy_identity(identity), node_id, StepRing(self.recent_steps)
+        )
         return record, job
 
     def _check_not_ended(self, report: training_pb2.RankReport) -> None:
@@ -617,3 +619,11 @@ def _check_labels(identity: training_pb2.RankIdentity) -> None:
         raise RankReportError(
             RejectReason.BAD_LABELS, f"job {identity.job!r} rank {identity.rank}: labels: {problem}"
         )
+
+
+def _copy_identity(identity: training_pb2.RankIdentity) -> training_pb2.RankIdentity:
+    """A copy in its own arena: a part of the report would keep all of it alive for as long as
+    the rank's instance lives (~2.5 KB per rank more)."""
+    copy = training_pb2.RankIdentity()
+    copy.CopyFrom(identity)
+    return copy

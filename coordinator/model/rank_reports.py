@@ -128,8 +128,8 @@ class ParsedRankReport:
 
     Attributes:
         kept: the report without its steps and checkpoint results, copied into its own
-            arena: what the store keeps of it (identity, heartbeat, exit, collectives)
-            are parts of this copy. A part of the report as it arrived would keep the
+            arena: what the store keeps of it from report to report (heartbeat, exit,
+            launcher exit, collectives) are parts of this copy. A part of the report as it arrived would keep the
             whole node report (every step of every rank) alive; one copy of the rest
             costs less than a copy of each part (~1 us against ~3 us per rank).
         columns: the report's steps column-wise, oldest first; None without steps.
