@@ -49,6 +49,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Collection
+from typing import NamedTuple
 
 from clusterwatch.coordinator.detection.mismatch import Mismatch, find_mismatches, group_sizes, position
 from clusterwatch.coordinator.model.jobs import JobRecord, RankRecord
@@ -56,6 +57,10 @@ from clusterwatch.v1 import training_pb2
 
 # Ranks whose step times the p99 is taken over (see timeout_s).
 P99_SAMPLE_RANKS = 64
+# Culprits a finding's summary names, in the order above; the rest are counted. A hung job's
+# summary once named every rank of its unreachable nodes: 250 KB at 4,000 culprits, rebuilt,
+# stored and shown every round. The incident's ranks and nodes still list them all.
+SUMMARY_CULPRITS = 10
 EXITED = training_pb2.RANK_STATE_EXITED
 RUNNING = training_pb2.RANK_STATE_RUNNING
 
@@ -122,8 +127,13 @@ class HangFinding:
     def summary(self) -> str:
         head = f"job {self.job} made no progress for {self.stalled_s:.1f} s (timeout {self.timeout_s:.1f} s)"
         if self.culprits:
-            named = "; ".join(f"rank {c.rank} on {c.node_id}: {c.detail}" for c in self.culprits)
-            return f"{head}; {named}"
+            named = "; ".join(
+                f"rank {c.rank} on {c.node_id}: {c.detail}" for c in self.culprits[:SUMMARY_CULPRITS]
+            )
+            more = len(self.culprits) - SUMMARY_CULPRITS
+            return f"{head}; {named}" + (
+                f"; and {more} more ranks (the incident names them)" if more > 0 else ""
+            )
         if self.shared_collective is not None:
             c = self.shared_collective
             return f"{head}; every rank waits in {c.op} #{c.sequence} of group {c.group_name}"
@@ -146,6 +156,45 @@ def timeout_s(job: JobRecord, settings: HangSettings) -> float:
     return max(settings.floor_s, settings.p99_factor * p99)
 
 
+class HangClock(NamedTuple):
+    """What a job's hang verdict hangs on, apart from the clock: it is hung once
+    ``now - newest_progress_mono_s`` exceeds ``timeout_s``."""
+
+    newest_progress_mono_s: float
+    timeout_s: float
+
+
+def _current_generation(job: JobRecord) -> list[RankRecord]:
+    # Only the newest generation: right after torchrun restarted the group,
+    # ranks of the old one still show their last steps while the new ones
+    # start up, which is no hang.
+    return [r for r in job.ranks.values() if r.identity.restart_count == job.restart_count]
+
+
+def hang_clock(
+    job: JobRecord, settings: HangSettings, unreachable_nodes: Collection[str] = ()
+) -> HangClock | None:
+    """The job's newest progress and its timeout; None when the job is not judged (see detect_hang).
+
+    Changes only with the job's ranks and the set of unreachable nodes, so a
+    caller may keep it while neither changed and compare it with the clock.
+    """
+    ranks = _current_generation(job)
+    if not any(r.state == RUNNING for r in ranks):
+        return None
+    # Progress of the ranks still running, on nodes whose news still arrives: a
+    # relaunch of a finished job (same generation, new processes starting up)
+    # is judged once they stepped.
+    progressed = [
+        r.last_progress_mono_s
+        for r in ranks
+        if r.last_step is not None and r.state == RUNNING and r.node_id not in unreachable_nodes
+    ]
+    if not progressed:
+        return None
+    return HangClock(max(progressed), timeout_s(job, settings))
+
+
 def detect_hang(
     job: JobRecord, now_mono_s: float, settings: HangSettings, unreachable_nodes: Collection[str] = ()
 ) -> HangFinding | None:
@@ -158,22 +207,15 @@ def detect_hang(
     older generation (before a restart) are not judged at all, and ranks on
     ``unreachable_nodes`` only through their peers (see the module docstring).
     """
-    # Only the newest generation: right after torchrun restarted the group,
-    # ranks of the old one still show their last steps while the new ones
-    # start up, which is no hang.
-    ranks = [r for r in job.ranks.values() if r.identity.restart_count == job.restart_count]
-    if not any(r.state == RUNNING for r in ranks):
+    clock = hang_clock(job, settings, unreachable_nodes)
+    if clock is None:
         return None
-    heard = [r for r in ranks if r.node_id not in unreachable_nodes]
-    # Progress of the ranks still running: a relaunch of a finished job (same
-    # generation, new processes starting up) is judged once they stepped.
-    progressed = [r.last_progress_mono_s for r in heard if r.last_step is not None and r.state == RUNNING]
-    if not progressed:
-        return None
-    stalled_s = now_mono_s - max(progressed)
-    limit_s = timeout_s(job, settings)
+    stalled_s = now_mono_s - clock.newest_progress_mono_s
+    limit_s = clock.timeout_s
     if stalled_s <= limit_s:
         return None
+    ranks = _current_generation(job)
+    heard = [r for r in ranks if r.node_id not in unreachable_nodes]
     frozen = _frozen(heard, now_mono_s, settings.heartbeat_stale_s)
     silent = {c.rank for c in frozen}
     mismatches = find_mismatches(

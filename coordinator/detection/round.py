@@ -18,12 +18,24 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 
 from clusterwatch.config import DetectionSettings
 from clusterwatch.coordinator.detection.causes import Cause, network_cause, straggler_cause
-from clusterwatch.coordinator.detection.failures import NodeFailureDetector, rank_failure
-from clusterwatch.coordinator.detection.hangs import HangFinding, HangSettings, detect_hang
+from clusterwatch.coordinator.detection.failures import (
+    UNREACHABLE,
+    UP,
+    NodeFailureDetector,
+    rank_failure,
+    running_ranks_by_node,
+)
+from clusterwatch.coordinator.detection.hangs import (
+    HangClock,
+    HangFinding,
+    HangSettings,
+    detect_hang,
+    hang_clock,
+)
 from clusterwatch.coordinator.detection.orphans import orphaned_ranks
 from clusterwatch.coordinator.detection.slowdowns import SlowdownDetector, SlowdownFinding, SlowdownSettings
 from clusterwatch.coordinator.detection.stragglers import (
@@ -32,8 +44,8 @@ from clusterwatch.coordinator.detection.stragglers import (
     StragglerSettings,
 )
 from clusterwatch.coordinator.model.incidents import Finding, Kind, Severity
-from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord
-from clusterwatch.coordinator.model.state import NodeRecord, NodeState
+from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord, RankRecord
+from clusterwatch.coordinator.model.state import NodeRecord
 
 
 def straggler_settings(settings: DetectionSettings) -> StragglerSettings:
@@ -57,8 +69,30 @@ def slowdown_settings(settings: DetectionSettings) -> SlowdownSettings:
     return SlowdownSettings(threshold_ratio=settings.slowdown_threshold_ratio)
 
 
+@dataclasses.dataclass(slots=True)
+class _JobVerdicts:
+    """What the per-job detectors said of one revision of a job (JobRecord.revision)."""
+
+    revision: int
+    failure: Finding | None
+    orphans: Finding | None
+    stragglers: list[StragglerFinding]
+    slow: set[int]
+    slowdown: SlowdownFinding | None
+
+
 class Detection:
     """The detectors, with the thresholds in force.
+
+    A round's work grows with what changed: the per-job detectors run for a
+    job whose revision moved since the previous round (new rank data), and
+    what they said is used again while it did not; the hang detector, whose
+    verdict moves with the clock, compares the time since the job's newest
+    progress with its timeout (both kept per revision) and looks closer only
+    when that is exceeded. Node reports are read once each
+    (NodeFailureDetector). Findings are made anew every round, so a
+    condition is reported while it holds and causes name the nodes' latest
+    reports.
 
     Args:
         settings: thresholds; ``apply`` changes them at run time.
@@ -70,6 +104,11 @@ class Detection:
         self._stragglers = StragglerDetector(straggler_settings(settings))
         self._slowdowns = SlowdownDetector(slowdown_settings(settings))
         self._nodes = NodeFailureDetector()
+        self._verdicts: dict[str, _JobVerdicts] = {}
+        # job -> (revision, unreachable nodes' generation, its hang clock)
+        self._hang_clocks: dict[str, tuple[int, int, HangClock | None]] = {}
+        self._unreachable: frozenset[str] = frozenset()
+        self._unreachable_generation = 0
 
     def apply(self, settings: DetectionSettings) -> None:
         """Use new thresholds from the next round on.
@@ -91,10 +130,14 @@ class Detection:
             self._slowdowns = SlowdownDetector(slowdowns)
         self._hang = hang
         self.settings = settings
+        self._verdicts.clear()
+        self._hang_clocks.clear()
 
     def forget(self, job: str) -> None:
         self._stragglers.forget(job)
         self._slowdowns.forget(job)
+        self._verdicts.pop(job, None)
+        self._hang_clocks.pop(job, None)
 
     def slowdown_ratios(self, job: JobRecord) -> dict[int, float]:
         """Rank -> compute time / the other ranks' median over the window of the latest round.
@@ -107,17 +150,23 @@ class Detection:
         self, jobs: Mapping[str, JobRecord], nodes: dict[str, NodeRecord], now_mono_s: float
     ) -> list[Finding]:
         """Every finding that holds now."""
-        unreachable = frozenset(
-            node_id for node_id, node in nodes.items() if node.state == NodeState.NODE_STATE_UNREACHABLE
-        )
+        unreachable = frozenset(node_id for node_id, node in nodes.items() if node.state == UNREACHABLE)
+        if unreachable != self._unreachable:
+            self._unreachable = unreachable
+            self._unreachable_generation += 1
+        if len(self._verdicts) > len(jobs):  # jobs the store dropped without a forget
+            self._verdicts = {name: v for name, v in self._verdicts.items() if name in jobs}
+            self._hang_clocks = {name: c for name, c in self._hang_clocks.items() if name in jobs}
         findings: list[Finding] = []
         for job in jobs.values():
             findings.extend(self._job(job, nodes, now_mono_s, unreachable))
+        ranks_by_node = running_ranks_by_node(jobs.values())
+        peers = _Peers(nodes)
         findings.extend(
-            judge_unreachable(f, jobs.values(), nodes, now_mono_s)
+            judge_unreachable(f, jobs, nodes, now_mono_s, ranks_by_node=ranks_by_node, peers=peers)
             if f.kind == Kind.NODE_UNREACHABLE and f.severity == Severity.CRITICAL
             else f
-            for f in self._nodes.update(nodes, dict(jobs))
+            for f in self._nodes.update(nodes, jobs, ranks_by_node)
         )
         return findings
 
@@ -125,15 +174,26 @@ class Detection:
         self, job: JobRecord, nodes: dict[str, NodeRecord], now_mono_s: float, unreachable: frozenset[str]
     ) -> list[Finding]:
         findings: list[Finding] = []
-        failure = rank_failure(job)
-        if failure is not None:
-            findings.append(failure)
-        orphans = orphaned_ranks(job)
-        if orphans is not None:
-            findings.append(orphans)
-        hang = detect_hang(job, now_mono_s, self._hang, unreachable)
+        verdicts = self._verdicts_of(job)
+        if verdicts.failure is not None:
+            findings.append(verdicts.failure)
+        if verdicts.orphans is not None:
+            findings.append(verdicts.orphans)
+        hang = self._hang_of(job, now_mono_s, unreachable)
         if hang is not None:
             findings.append(_hang_finding(job, hang))
+        for straggler in verdicts.stragglers:
+            cause = straggler_cause(job, straggler.rank, nodes, slow_ranks=verdicts.slow)
+            findings.append(_straggler_finding(job, straggler, cause))
+        if verdicts.slowdown is not None:
+            findings.append(_slowdown_finding(job, verdicts.slowdown, network_cause(job, nodes)))
+        return findings
+
+    def _verdicts_of(self, job: JobRecord) -> _JobVerdicts:
+        """The per-job detectors' verdicts on the job as it is (run again only if it changed)."""
+        verdicts = self._verdicts.get(job.job)
+        if verdicts is not None and verdicts.revision == job.revision and job.revision:
+            return verdicts
         stragglers = self._stragglers.update(job)
         # Not healthy peers for each other's cause: the flagged ranks, and those
         # slowing down that will be flagged a step or two later (the other
@@ -144,13 +204,30 @@ class Detection:
             if stragglers
             else set()
         )
-        for straggler in stragglers:
-            cause = straggler_cause(job, straggler.rank, nodes, slow_ranks=slow)
-            findings.append(_straggler_finding(job, straggler, cause))
-        slowdown = self._slowdowns.update(job)
-        if slowdown is not None:
-            findings.append(_slowdown_finding(job, slowdown, network_cause(job, nodes)))
-        return findings
+        verdicts = self._verdicts[job.job] = _JobVerdicts(
+            job.revision,
+            rank_failure(job),
+            orphaned_ranks(job),
+            stragglers,
+            slow,
+            self._slowdowns.update(job),
+        )
+        return verdicts
+
+    def _hang_of(self, job: JobRecord, now_mono_s: float, unreachable: frozenset[str]) -> HangFinding | None:
+        """detect_hang, skipped while the job's stall is within its timeout (the clock kept per revision)."""
+        kept = self._hang_clocks.get(job.job)
+        generation = self._unreachable_generation
+        if kept is None or not job.revision or kept[0] != job.revision or kept[1] != generation:
+            kept = self._hang_clocks[job.job] = (
+                job.revision,
+                generation,
+                hang_clock(job, self._hang, unreachable),
+            )
+        clock = kept[2]
+        if clock is None or now_mono_s - clock.newest_progress_mono_s <= clock.timeout_s:
+            return None
+        return detect_hang(job, now_mono_s, self._hang, unreachable)
 
 
 # How long after a rank finishes a step the coordinator may learn of it, beyond its
@@ -159,8 +236,46 @@ class Detection:
 STEP_NEWS_LAG_S = 0.5
 
 
+class _Peers:
+    """Per job, what its ranks on reachable nodes say (judge_unreachable), worked out once per round.
+
+    The peers of a rank on an unreachable node are its job's running ranks
+    of the current generation on nodes that are up, which do not depend on
+    which unreachable node asks: one pass over a job's ranks serves them all.
+    """
+
+    def __init__(self, nodes: Mapping[str, NodeRecord]) -> None:
+        self._nodes = nodes
+        self._by_job: dict[str, tuple[float, float] | None] = {}
+
+    def of(self, job: JobRecord) -> tuple[float, float] | None:
+        """(the longest report interval of their nodes, their newest progress), or None without peers."""
+        if job.job in self._by_job:
+            return self._by_job[job.job]
+        interval_s, newest_s, found = 0.0, 0.0, False
+        nodes = self._nodes
+        for r in job.ranks.values():
+            if r.state != RUNNING or r.identity.restart_count != job.restart_count:
+                continue
+            peer_node = nodes.get(r.node_id)
+            if peer_node is None or peer_node.state != UP:
+                continue
+            found = True
+            interval_s = max(interval_s, peer_node.interval_s)
+            newest_s = max(newest_s, r.last_progress_mono_s)
+        said = (interval_s, newest_s) if found else None
+        self._by_job[job.job] = said
+        return said
+
+
 def judge_unreachable(
-    finding: Finding, jobs: Iterable[JobRecord], nodes: Mapping[str, NodeRecord], now_mono_s: float
+    finding: Finding,
+    jobs: Mapping[str, JobRecord],
+    nodes: Mapping[str, NodeRecord],
+    now_mono_s: float,
+    *,
+    ranks_by_node: Mapping[str, list[RankRecord]] | None = None,
+    peers: _Peers | None = None,
 ) -> Finding:
     """A critical node_unreachable finding, made a warning while the node's ranks are known to be alive.
 
@@ -174,29 +289,29 @@ def judge_unreachable(
     warning too, so the policy does not act on a guess; after that, without
     the proof, critical as the failure detector made it. Assumes the job's
     ranks step together (a collective per step, as in DDP and FSDP).
+
+    Costs O(ranks of the node's jobs) with ``ranks_by_node`` (running_ranks_by_node)
+    and ``peers`` shared by the round's findings, not O(every rank).
     """
     node_id = finding.nodes[0] if finding.nodes else ""
     node = nodes.get(node_id)
     if node is None:
         return finding
+    peers = peers if peers is not None else _Peers(nodes)
+    if ranks_by_node is None:
+        ranks_by_node = running_ranks_by_node(jobs.values())
+    hosting = {r.identity.job for r in ranks_by_node.get(node_id, ())}
     waiting = False
-    for job in jobs:
-        if not any(r.node_id == node_id and r.state == RUNNING for r in job.ranks.values()):
+    for name in sorted(hosting):
+        job = jobs.get(name)
+        if job is None:
             continue
-        peers = [
-            r
-            for r in job.ranks.values()
-            if r.node_id != node_id
-            and r.state == RUNNING
-            and r.identity.restart_count == job.restart_count
-            and (peer_node := nodes.get(r.node_id)) is not None
-            and peer_node.state == NodeState.NODE_STATE_UP
-        ]
-        if not peers:
+        said = peers.of(job)
+        if said is None:
             return finding  # nobody to tell
-        peer_interval_s = max(nodes[r.node_id].interval_s for r in peers)
+        peer_interval_s, newest_progress_s = said
         proof_after_s = node.last_seen_monotonic_s + node.interval_s + peer_interval_s + STEP_NEWS_LAG_S
-        if any(r.last_progress_mono_s > proof_after_s for r in peers):
+        if newest_progress_s > proof_after_s:
             continue
         if now_mono_s <= proof_after_s + peer_interval_s + STEP_NEWS_LAG_S:
             waiting = True

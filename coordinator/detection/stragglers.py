@@ -611,19 +611,24 @@ def _comparable_columns(
     and each ring's compute times at those steps.
 
     Rings hold ascending step numbers (an instance counts up). In the usual
-    case every rank has the same newest steps, and this is one bisect, one
-    C-level array comparison and one slice per ring.
+    case every rank holds the same steps up to the newest one all of them
+    reached (some are a step ahead: their nodes report at other moments of
+    the second), and this is two bisects, one C-level array comparison and
+    one slice per ring.
     """
     first = rings[0].step
-    common = first[bisect.bisect_right(first, after_step) :]
+    reached = min(ring.step[-1] for ring in rings)
+    common = first[bisect.bisect_right(first, after_step) : bisect.bisect_right(first, reached)]
     columns: list[Sequence[float]] = []
     for ring in rings:
         start = bisect.bisect_right(ring.step, after_step)
-        if ring.step[start:] != common:
+        end = start + len(common)
+        if ring.step[start:end] != common:
             break
-        columns.append(ring.compute_s[start:])
+        columns.append(ring.compute_s[start:end])
     else:
         return common, columns
+    common = first[bisect.bisect_right(first, after_step) :]
     # Some rank is behind or dropped a step: intersect, then look the steps up.
     for ring in rings:
         common = array(
