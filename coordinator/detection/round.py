@@ -150,7 +150,13 @@ class Detection:
         self, jobs: Mapping[str, JobRecord], nodes: dict[str, NodeRecord], now_mono_s: float
     ) -> list[Finding]:
         """Every finding that holds now."""
-        unreachable = frozenset(node_id for node_id, node in nodes.items() if node.state == UNREACHABLE)
+        # Not heard from: unreachable, or refused admission and due back later (coordinator/ingest/capacity.py):
+        # their ranks are judged only through their peers.
+        unreachable = frozenset(
+            node_id
+            for node_id, node in nodes.items()
+            if node.state == UNREACHABLE or node.excused_until_monotonic_s > now_mono_s
+        )
         if unreachable != self._unreachable:
             self._unreachable = unreachable
             self._unreachable_generation += 1
