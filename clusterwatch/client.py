@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -55,8 +55,11 @@ class ClusterClient:
         """
         return client_factory(settings)()
 
-    def snapshot(self, summary_only: bool = False) -> cluster_pb2.ClusterSnapshot:
-        request = cluster_pb2.GetSnapshotRequest(summary_only=summary_only)
+    def snapshot(
+        self, summary_only: bool = False, nodes: Sequence[str] = (), jobs: Sequence[str] = ()
+    ) -> cluster_pb2.ClusterSnapshot:
+        """The cluster now; with ``nodes`` or ``jobs``, exactly those (and the incidents about them)."""
+        request = cluster_pb2.GetSnapshotRequest(summary_only=summary_only, nodes=nodes, jobs=jobs)
         return self._stub.GetSnapshot(request, timeout=self.timeout_s, wait_for_ready=True)
 
     def watch(self, interval_s: float = 0.0) -> Iterator[cluster_pb2.ClusterSnapshot]:

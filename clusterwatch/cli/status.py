@@ -38,6 +38,20 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--json", action="store_true", help="print JSON (one object with 'nodes' and 'jobs' lists)"
     )
+    parser.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        metavar="NODE",
+        help="only this node (repeatable; with --job: both)",
+    )
+    parser.add_argument(
+        "--job",
+        action="append",
+        default=[],
+        metavar="JOB",
+        help="only this job (repeatable; with --node: both)",
+    )
     add_settings_flags(parser, ClientSettings)
     parser.set_defaults(run=run)
     return parser
@@ -191,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, ClientSettings)
     try:
         with ClusterClient.from_settings(settings) as client:
-            snapshot = client.snapshot(summary_only=True)
+            snapshot = client.snapshot(summary_only=True, nodes=args.node, jobs=args.job)
     except grpc.RpcError as exc:
         print(
             f"clusterwatch: cannot get status from {settings.coordinator}: {exc.code().name}", file=sys.stderr
@@ -216,11 +230,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(document, indent=2))
         return 0
     print(coordinator_header(snapshot))
-    if not rows:
+    if not rows and args.node:
+        print(f"{settings.coordinator} knows no node {', '.join(args.node)}")
+    elif not rows and not args.job:
         print(f"no nodes have reported to {settings.coordinator} yet")
-    else:
+    elif rows:
         print(format_table(rows, snapshot.timestamp_unix_seconds or time.time()))
     if snapshot.jobs:
         print()
         print(format_jobs(list(snapshot.jobs)))
+    elif args.job:
+        print(f"{settings.coordinator} knows no job {', '.join(args.job)}")
     return 0

@@ -32,6 +32,8 @@ MIN_WATCH_INTERVAL_S = 0.1
 # Watch streams share a snapshot built at most this long ago (half the default interval): with
 # many `top`s open, one is built per interval instead of one per client.
 SHARED_SNAPSHOT_MAX_AGE_S = 0.5
+# Node statuses built between two turns of the event loop (ClusterServicer.snapshot).
+NODES_PER_SLICE = 100
 DEFAULT_EVENT_LIMIT = 1000
 _SETTABLE_STATES = (
     cluster_pb2.IncidentState.INCIDENT_STATE_ACKNOWLEDGED,
@@ -53,8 +55,8 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         self._watchdog = watchdog
         self._actions = actions
         self._access = access or AccessPolicy({}, ())
-        # summary_only -> (built at, monotonic; the snapshot) shared by Watch streams.
-        self._shared: dict[bool, tuple[float, cluster_pb2.ClusterSnapshot]] = {}
+        # summary_only -> (build began, monotonic; the build) shared by Watch streams.
+        self._shared: dict[bool, tuple[float, asyncio.Future[cluster_pb2.ClusterSnapshot]]] = {}
 
     def _authorize(self, context: grpc.aio.ServicerContext[Any, Any], what: str) -> str:
         """The admin principal asking for ``what``, recorded in the event log.
@@ -70,10 +72,15 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         self._core.record([Event(EventKind.ADMIN_REQUEST, "", time.time(), f"{who}: {what}")])
         return who
 
-    def snapshot(
+    async def snapshot(
         self, summary_only: bool = False, nodes: Collection[str] = (), jobs: Collection[str] = ()
     ) -> cluster_pb2.ClusterSnapshot:
         """Nodes and jobs now; jobs are small, so summaries keep them whole.
+
+        Built NODES_PER_SLICE nodes (and one job) at a time, letting the event loop run between
+        slices: a snapshot of thousands of nodes takes a second of CPU, and the loop reading reports
+        and answering other calls must not wait that long. The views are taken at once; each node's
+        status is consistent in itself, and the reports it reads are never changed once stored.
 
         Args:
             nodes / jobs: when either is given, exactly the nodes and jobs named (unknown names are
@@ -94,14 +101,21 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         if filtered:
             incidents = [i for i in incidents if i.job in wanted_jobs or not wanted_nodes.isdisjoint(i.nodes)]
         views = node_views(core.state, only=wanted_nodes if filtered else None)
-        return cluster_pb2.ClusterSnapshot(
+        snapshot = cluster_pb2.ClusterSnapshot(
             timestamp_unix_seconds=time.time(),
             coordinator_version=__version__,
-            nodes=[node_status(v, summary_only) for v in views],
-            jobs=[job_status(job) for job in training.jobs],
             incidents=[i.to_proto() for i in incidents],
             coordinator=self._health(now_mono),
         )
+        for start in range(0, len(views), NODES_PER_SLICE):
+            snapshot.nodes.extend(
+                node_status(v, summary_only) for v in views[start : start + NODES_PER_SLICE]
+            )
+            await asyncio.sleep(0)
+        for job in training.jobs:
+            snapshot.jobs.append(job_status(job))
+            await asyncio.sleep(0)
+        return snapshot
 
     def _health(self, now_mono: float) -> cluster_pb2.CoordinatorHealth:
         core = self._core
@@ -116,19 +130,22 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
             streams_refused_last_minute=core.streams.refused_recently(now_mono),
         )
 
-    def shared_snapshot(self, summary_only: bool) -> cluster_pb2.ClusterSnapshot:
-        """The whole snapshot, built at most SHARED_SNAPSHOT_MAX_AGE_S ago (for Watch streams)."""
+    async def shared_snapshot(self, summary_only: bool) -> cluster_pb2.ClusterSnapshot:
+        """The whole snapshot, whose build began at most SHARED_SNAPSHOT_MAX_AGE_S ago (for Watch streams):
+        the streams that ask while it is being built wait for the same build."""
         now_mono = self._core.now()[0]
         shared = self._shared.get(summary_only)
         if shared is None or now_mono - shared[0] > SHARED_SNAPSHOT_MAX_AGE_S:
-            shared = self._shared[summary_only] = (now_mono, self.snapshot(summary_only))
-        return shared[1]
+            build = asyncio.ensure_future(self.snapshot(summary_only))
+            shared = self._shared[summary_only] = (now_mono, build)
+        # Shielded: a Watch that ends does not cancel the build the others wait for.
+        return await asyncio.shield(shared[1])
 
     async def GetSnapshot(  # noqa: N802 - gRPC method name
         self, request: cluster_pb2.GetSnapshotRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.ClusterSnapshot:
         request_checks.check_get_snapshot(request)
-        return self.snapshot(request.summary_only, request.nodes, request.jobs)
+        return await self.snapshot(request.summary_only, request.nodes, request.jobs)
 
     async def Watch(  # noqa: N802
         self, request: cluster_pb2.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -136,7 +153,7 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         request_checks.check_watch(request)
         interval_s = max(MIN_WATCH_INTERVAL_S, request.interval_seconds or DEFAULT_WATCH_INTERVAL_S)
         while True:
-            yield self.shared_snapshot(request.summary_only)
+            yield await self.shared_snapshot(request.summary_only)
             await asyncio.sleep(interval_s)
 
     async def ListEvents(  # noqa: N802

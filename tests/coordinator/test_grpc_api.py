@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from helpers import ADMIN_TOKEN_FILE, FIXTURES, admin_channel
+from helpers import ADMIN_TOKEN_FILE, FIXTURES, admin_channel, run_cli
 
 from clusterwatch.agent.runtime import Agent, build_collectors
 from clusterwatch.config import AgentSettings, CoordinatorSettings
@@ -228,6 +228,9 @@ async def test_get_snapshot_asks_for_some_nodes_or_jobs(server: CoordinatorServe
             job_2 = await stub.GetSnapshot(cluster_pb2.GetSnapshotRequest(jobs=["j2"]), timeout=10)
             with pytest.raises(grpc.aio.AioRpcError) as too_many:
                 await stub.GetSnapshot(cluster_pb2.GetSnapshotRequest(nodes=["n"] * 10_001), timeout=10)
+            address = f"127.0.0.1:{server.grpc_port}"
+            only_j2 = await asyncio.to_thread(run_cli, "status", "--coordinator", address, "--job", "j2")
+            only_b = await asyncio.to_thread(run_cli, "status", "--coordinator", address, "--node", "b")
     finally:
         stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks), 20)
@@ -240,3 +243,8 @@ async def test_get_snapshot_asks_for_some_nodes_or_jobs(server: CoordinatorServe
     assert list(job_2.nodes) == []
     assert too_many.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "nodes: at most 10000 names" in (too_many.value.details() or "")
+    assert only_j2.returncode == 0, only_j2.stderr
+    assert "j2" in only_j2.stdout
+    assert "j1" not in only_j2.stdout
+    assert only_j2.stdout.startswith("coordinator ")  # the header: how the coordinator keeps up
+    assert [line.split()[0] for line in only_b.stdout.splitlines()[2:]] == ["b"]  # header, columns, node b
