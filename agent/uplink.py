@@ -59,6 +59,9 @@ logger = logging.getLogger(__name__)
 
 # The default cap of the reconnect backoff, seconds (see the module docstring).
 RECONNECT_MAX_S = 4.0
+# How long a new stream waits for the coordinator's first message before sending reports anyway:
+# a refusal comes in milliseconds; a coordinator that answers only reports must still get them.
+ADMISSION_WAIT_S = 2.0
 
 
 class Uplink:
@@ -233,9 +236,10 @@ class Uplink:
     async def _send(self, call: grpc.aio.StreamStreamCall, stop: asyncio.Event) -> None:  # type: ignore[type-arg]
         """The stream's only writer: replayed and new reports, then command results.
 
-        Starts once the coordinator admitted the stream (its first message), or stop is set.
+        Starts once the coordinator admitted the stream (its first message), or after
+        ADMISSION_WAIT_S without a word from it (a coordinator that answers only reports), or on stop.
         """
-        await _first_of(self._admitted.wait(), stop.wait())
+        await _first_of(self._admitted.wait(), stop.wait(), asyncio.sleep(ADMISSION_WAIT_S))
         sent = self._buffer.acked_sequence
         while True:
             self._outbox_ready.clear()

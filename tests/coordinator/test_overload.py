@@ -293,28 +293,29 @@ async def test_status_answers_while_a_flood_of_agents_is_refused(
         nonlocal refusals
         stub = agent_pb2_grpc.AgentServiceStub(channel)
         hello = agent_pb2.Hello(node_id=f"flood-{n}", instance_id="i", interval_seconds=1.0, hostname="h")
-        while True:
+        while not stopping.is_set():
             call = stub.Connect()  # type: ignore[call-arg]
-            await call.write(agent_pb2.AgentMessage(hello=hello))
             try:
+                await call.write(agent_pb2.AgentMessage(hello=hello))
                 async for _ in call:
-                    break  # admitted (the one stream): hold it
-                else:
-                    continue
-                await asyncio.Event().wait()
+                    await stopping.wait()  # admitted (the one stream): hold it
+                    return
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    refusals += 1
-                    if refusals >= 300:
-                        flooding.set()
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # CANCELLED when the test ends
+                    return
+                refusals += 1
+                if refusals >= 300:
+                    flooding.set()
             await asyncio.sleep(0.05)
 
+    stopping = asyncio.Event()
     channels = [grpc.aio.insecure_channel(address) for _ in range(10)]
     flood = [asyncio.create_task(hostile(n, channels[n % 10])) for n in range(300)]
     try:
         await asyncio.wait_for(flooding.wait(), 60)
         result = await asyncio.to_thread(run_cli, "status", "--coordinator", address)
     finally:
+        stopping.set()
         for task in flood:
             task.cancel()
         await asyncio.gather(*flood, return_exceptions=True)

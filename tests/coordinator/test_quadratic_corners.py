@@ -16,12 +16,14 @@ same calls, 10x as many iterations), while a quadratic one costs ~100x.
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
 import pytest
 
 from bench.synthetic import StampedReport, hello, node_report, rank_reports
+from clusterwatch.coordinator.ingest.capacity import StreamGate
 from clusterwatch.coordinator.metrics.incidents import incident_view
 from clusterwatch.coordinator.metrics.page import render
 from clusterwatch.coordinator.model.event_log import EventLog
@@ -38,6 +40,7 @@ TRAINING_S = 4  # then half the nodes go silent, the rest stop progressing
 SILENT_S = 10  # unreachable after 3 s, hung after 5 s without progress
 MAX_RATIO = 15.0
 MAX_PART_RATIO = 30.0
+MIN_PART_S = 0.01
 
 
 class Clock:
@@ -70,6 +73,8 @@ async def one_job(nodes: int, state_dir: Path) -> tuple[Costs, dict[Kind, int]]:
     """Play the scenario for one job over ``nodes`` nodes; its costs and the live incidents by kind."""
     clock = Clock()
     coordinator, watchdog = build_core(EventLog(state_dir), clock=clock.mono, wall_clock=clock.wall)
+    # The agents of a cluster connected over minutes; here all at one simulated instant.
+    coordinator.streams = StreamGate(0, clock.mono(), admit_per_s=math.inf, admit_burst=math.inf)
     template = node_report("template")
     world_size = nodes * RANKS_PER_NODE
     sessions = [coordinator.open_stream(hello(f"node-{i:05d}")) for i in range(nodes)]
@@ -134,7 +139,12 @@ async def test_ten_times_the_ranks_of_one_job_cost_about_ten_times_as_much(tmp_p
     # The scenario did what it is for: every silent node judged, one hang naming their ranks.
     assert (small_live.get(Kind.NODE_UNREACHABLE), small_live.get(Kind.HANG)) == (50, 1)
     assert (big_live.get(Kind.NODE_UNREACHABLE), big_live.get(Kind.HANG)) == (500, 1)
-    ratios = {part: big.seconds[part] / max(small.seconds[part], 1e-6) for part in big.seconds}
+    # Parts that take under 10 ms at 8,000 ranks are not compared alone: their ratio is noise.
+    ratios = {
+        part: big.seconds[part] / max(small.seconds[part], 1e-6)
+        for part in big.seconds
+        if big.seconds[part] >= MIN_PART_S
+    }
     summary = ", ".join(f"{part} {ratio:.1f}x" for part, ratio in ratios.items())
     print(f"8,000 vs 800 ranks: {big.total_s / small.total_s:.1f}x in all; {summary}")
     assert big.total_s / small.total_s <= MAX_RATIO, f"8,000 vs 800 ranks: {summary}"

@@ -178,7 +178,9 @@ def test_status_shows_both_nodes(running: Cluster) -> None:
         assert row["last_seen_unix_seconds"] > 0
     table = run_cli("status", "--coordinator", coordinator.address)
     assert table.returncode == 0, table.stderr
-    lines = table.stdout.splitlines()
+    header, *lines = table.stdout.splitlines()
+    assert header.startswith("coordinator ")
+    assert "keeping up" in header
     assert lines[0].split()[:3] == ["NODE", "STATE", "GPUS"]
     assert sorted(line.split()[0] for line in lines[1:]) == sorted(NODES)
 

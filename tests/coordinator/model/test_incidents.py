@@ -216,7 +216,8 @@ def _seconds_per_round(ranks: int, rounds: int) -> float:
 def test_seeing_a_large_incident_again_costs_in_proportion_to_its_ranks() -> None:
     # Issue 20: each round compared every rank of the finding with the incident's tuple of ranks,
     # so an 8,000-rank hung job cost 222 ms a round. Linear: 10x the ranks, ~10x the time
-    # (quadratic would be ~100x); compared within one run, best of three against noise.
-    small = min(_seconds_per_round(2_000, 20) for _ in range(3))
-    large = min(_seconds_per_round(20_000, 20) for _ in range(3))
-    assert large / small < 30, f"{large / small:.0f}x the time for 10x the ranks"
+    # (quadratic would be ~100x); compared within one run, best of five against noise (31x seen once
+    # on a loaded machine: the 20,000-rank set's cache misses).
+    small = min(_seconds_per_round(2_000, 20) for _ in range(5))
+    large = min(_seconds_per_round(20_000, 20) for _ in range(5))
+    assert large / small < 40, f"{large / small:.0f}x the time for 10x the ranks"
