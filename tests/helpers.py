@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from clusterwatch.client import ClusterClient
+from clusterwatch.config import AgentSettings
 from clusterwatch.v1 import cluster_pb2
 
 # The test tree's shared places: test files live in subfolders mirroring the source tree,
@@ -70,6 +71,20 @@ async def eventually(predicate: Callable[[], T | None], timeout_s: float, what: 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+def sim_agent_settings(grpc_port: int, node_id: str) -> AgentSettings:
+    """An in-process agent on loopback: one simulated GPU, reports every 0.1 s, quick reconnects, no socket."""
+    return AgentSettings(
+        coordinator=f"127.0.0.1:{grpc_port}",
+        node_id=node_id,
+        interval_s=0.1,
+        gpu_backend="sim",
+        sim_gpus=1,
+        collectors=["gpu", "host"],
+        reconnect_max_s=0.5,
+        socket="",
+    )
 
 
 def clusterwatch_cmd(*args: str) -> list[str]:

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from helpers import ADMIN_TOKEN_FILE, FIXTURES, admin_channel, run_cli
+from helpers import ADMIN_TOKEN_FILE, FIXTURES, admin_channel, run_cli, sim_agent_settings
 
 from clusterwatch.agent.runtime import Agent, build_collectors
 from clusterwatch.config import AgentSettings, CoordinatorSettings
@@ -37,16 +37,7 @@ async def server(tmp_path: Path) -> AsyncIterator[CoordinatorServer]:
 
 
 def agent_settings(srv: CoordinatorServer, node_id: str) -> AgentSettings:
-    return AgentSettings(
-        coordinator=f"127.0.0.1:{srv.grpc_port}",
-        node_id=node_id,
-        interval_s=0.1,
-        gpu_backend="sim",
-        sim_gpus=1,
-        collectors=["gpu", "host"],
-        reconnect_max_s=0.5,
-        socket="",
-    )
+    return sim_agent_settings(srv.grpc_port, node_id)
 
 
 async def wait_for(predicate: object, timeout_s: float, what: str) -> None:

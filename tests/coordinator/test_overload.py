@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import ROOT, run_cli
+from helpers import ROOT, run_cli, sim_agent_settings
 
 from clusterwatch.agent.runtime import Agent
 from clusterwatch.config import AgentSettings, CoordinatorSettings, DetectionSettings
@@ -180,16 +180,7 @@ async def one_stream_coordinator(tmp_path: Path) -> AsyncIterator[CoordinatorSer
 
 
 def agent_settings(server: CoordinatorServer, node_id: str) -> AgentSettings:
-    return AgentSettings(
-        coordinator=f"127.0.0.1:{server.grpc_port}",
-        node_id=node_id,
-        interval_s=0.1,
-        gpu_backend="sim",
-        sim_gpus=1,
-        collectors=["gpu", "host"],
-        reconnect_max_s=0.5,
-        socket="",
-    )
+    return sim_agent_settings(server.grpc_port, node_id)
 
 
 async def test_a_refused_agent_waits_the_delay_it_was_given_and_loses_nothing(
