@@ -22,6 +22,9 @@ from pathlib import Path
 import pytest
 
 from bench.synthetic import StampedReport, hello, node_report, rank_reports
+from clusterwatch.coordinator.ingest.capacity import StreamGate
+from clusterwatch.coordinator.ingest.core import Coordinator
+from clusterwatch.coordinator.ingest.sessions import AgentSession
 from clusterwatch.coordinator.metrics.incidents import incident_view
 from clusterwatch.coordinator.metrics.page import render
 from clusterwatch.coordinator.model.event_log import EventLog
@@ -66,13 +69,19 @@ class Costs:
         return sum(self.seconds.values())
 
 
+def open_streams(coordinator: Coordinator, nodes: int, clock: Clock) -> list[AgentSession]:
+    """Every node's stream, opened at once: admission (100 new streams a second) is not what is measured here."""
+    coordinator.streams = StreamGate(0, clock.mono_s, admit_burst=nodes)
+    return [coordinator.open_stream(hello(f"node-{i:05d}")) for i in range(nodes)]
+
+
 async def one_job(nodes: int, state_dir: Path) -> tuple[Costs, dict[Kind, int]]:
     """Play the scenario for one job over ``nodes`` nodes; its costs and the live incidents by kind."""
     clock = Clock()
     coordinator, watchdog = build_core(EventLog(state_dir), clock=clock.mono, wall_clock=clock.wall)
     template = node_report("template")
     world_size = nodes * RANKS_PER_NODE
-    sessions = [coordinator.open_stream(hello(f"node-{i:05d}")) for i in range(nodes)]
+    sessions = open_streams(coordinator, nodes, clock)
     stamped = [
         StampedReport(template, rank_reports(i, RANKS_PER_NODE, 1, job="big", world_size=world_size), 1.0)
         for i in range(nodes)
