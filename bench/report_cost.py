@@ -37,6 +37,7 @@ from pathlib import Path
 import psutil
 
 from bench.synthetic import StampedReport, hello, node_report, rank_reports
+from clusterwatch.coordinator.ingest.capacity import StreamGate
 from clusterwatch.coordinator.ingest.sessions import AgentSession
 from clusterwatch.coordinator.model.event_log import EventLog
 from clusterwatch.coordinator.wiring import build_core
@@ -79,6 +80,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="report-cost-") as state_dir:
         core = build_core(EventLog(Path(state_dir)), clock=clock.mono, wall_clock=clock.wall)
         coordinator, watchdog = core
+        # Every stream at once: admission (100 new streams a second) is not what is measured.
+        coordinator.streams = StreamGate(0, clock.mono(), admit_burst=args.nodes)
         template = node_report("template")
         sessions: list[AgentSession] = []
         stamped: list[StampedReport] = []

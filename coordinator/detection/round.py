@@ -21,7 +21,7 @@ import statistics
 from collections.abc import Collection, Mapping
 
 from clusterwatch.config import DetectionSettings
-from clusterwatch.coordinator.detection.causes import Cause, network_cause, straggler_cause
+from clusterwatch.coordinator.detection.causes import Cause, network_cause, straggler_causes
 from clusterwatch.coordinator.detection.failures import (
     UNREACHABLE,
     UP,
@@ -188,8 +188,9 @@ class Detection:
         hang = self._hang_of(job, now_mono_s, unreachable)
         if hang is not None:
             findings.append(_hang_finding(job, hang))
-        for straggler in verdicts.stragglers:
-            cause = straggler_cause(job, straggler.rank, nodes, slow_ranks=verdicts.slow)
+        # One picture of the healthy peers for all of the job's stragglers, not one each.
+        causes = straggler_causes(job, [s.rank for s in verdicts.stragglers], nodes, slow_ranks=verdicts.slow)
+        for straggler, cause in zip(verdicts.stragglers, causes, strict=True):
             findings.append(_straggler_finding(job, straggler, cause))
         if verdicts.slowdown is not None:
             findings.append(_slowdown_finding(job, verdicts.slowdown, network_cause(job, nodes)))
@@ -440,6 +441,6 @@ def _recently_slow(job: JobRecord, threshold_ratio: float) -> set[int]:
 
 
 def _gpus(job: JobRecord, ranks: Collection[int]) -> tuple[str, ...]:
-    return tuple(
-        sorted({r.identity.gpu_uuid for n, r in job.ranks.items() if n in ranks and r.identity.gpu_uuid})
-    )
+    """The GPUs of ``ranks``: O(len(ranks)), as it runs for each straggler."""
+    found = (job.ranks.get(n) for n in ranks)
+    return tuple(sorted({r.identity.gpu_uuid for r in found if r is not None and r.identity.gpu_uuid}))

@@ -50,27 +50,39 @@ the one per-device rule (coordinator/model/rates.py).
 
 One module per rule (``gpu``, ``host``, ``network``, ``compute``), what they
 share in ``shared``; ``straggler_cause`` below runs them in order.
+``straggler_causes`` judges all of a job's stragglers against one picture of
+their peers, summed up once (``shared.Peers``), as a detection round does:
+with a tenth of 1,600 ranks straggling, one ``straggler_cause`` each took
+0.8 s per round.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
-from clusterwatch.coordinator.detection.causes.compute import compute_cause
-from clusterwatch.coordinator.detection.causes.gpu import gpu_cause
-from clusterwatch.coordinator.detection.causes.host import host_cause
-from clusterwatch.coordinator.detection.causes.network import network_cause, rank_network_cause
+from clusterwatch.coordinator.detection.causes.compute import ComputePeers, compute_cause
+from clusterwatch.coordinator.detection.causes.gpu import GpuPeers, gpu_cause
+from clusterwatch.coordinator.detection.causes.host import HostPeers, host_cause
+from clusterwatch.coordinator.detection.causes.network import NetworkPeers, network_cause, rank_network_cause
 from clusterwatch.coordinator.detection.causes.shared import (
     DEFAULT_SETTINGS,
     Cause,
     CauseName,
     CauseSettings,
-    GpuIndex,
+    Peers,
 )
 from clusterwatch.coordinator.model.jobs import JobRecord
 from clusterwatch.coordinator.model.state import NodeRecord
 
-__all__ = ["DEFAULT_SETTINGS", "Cause", "CauseName", "CauseSettings", "network_cause", "straggler_cause"]
+__all__ = [
+    "DEFAULT_SETTINGS",
+    "Cause",
+    "CauseName",
+    "CauseSettings",
+    "network_cause",
+    "straggler_cause",
+    "straggler_causes",
+]
 
 
 def straggler_cause(
@@ -94,15 +106,43 @@ def straggler_cause(
     Returns:
         The first rule's cause that explains it, else ``compute``.
     """
-    record = job.ranks.get(rank)
-    if record is None:
-        return Cause(CauseName.COMPUTE, f"job {job.job} has no rank {rank}: nothing to compare", {})
-    slow = set(slow_ranks)
-    peers = [r for r in job.running_ranks() if r.rank != rank and r.rank not in slow]
-    gpus = GpuIndex(nodes)
-    return (
-        gpu_cause(record, peers, gpus, settings)
-        or host_cause(record, peers, nodes, settings)
-        or rank_network_cause(job, record, slow, nodes, settings)
-        or compute_cause(record, peers, gpus, settings)
-    )
+    (cause,) = straggler_causes(job, [rank], nodes, slow_ranks=slow_ranks, settings=settings)
+    return cause
+
+
+def straggler_causes(
+    job: JobRecord,
+    ranks: Sequence[int],
+    nodes: Mapping[str, NodeRecord],
+    *,
+    slow_ranks: Collection[int] = (),
+    settings: CauseSettings = DEFAULT_SETTINGS,
+) -> list[Cause]:
+    """The likely cause of each of a job's straggling ``ranks``, as ``straggler_cause`` finds it.
+
+    The stragglers are judged against one picture of their peers (``Peers``:
+    the job's running ranks less ``ranks`` and ``slow_ranks``), summed up
+    once: O(ranks + stragglers) in all, where one ``straggler_cause`` per
+    straggler costs O(ranks) each.
+
+    Returns:
+        One cause per rank of ``ranks``, in their order.
+    """
+    peers = Peers(job, nodes, {*slow_ranks, *ranks})
+    gpus, hosts, networks = GpuPeers(peers), HostPeers(peers, settings), NetworkPeers(peers)
+    computes = ComputePeers(peers, settings)
+    causes = []
+    for rank in ranks:
+        record = job.ranks.get(rank)
+        if record is None:
+            causes.append(
+                Cause(CauseName.COMPUTE, f"job {job.job} has no rank {rank}: nothing to compare", {})
+            )
+            continue
+        causes.append(
+            gpu_cause(record, gpus, settings)
+            or host_cause(record, hosts, settings)
+            or rank_network_cause(record, networks, settings)
+            or compute_cause(record, computes, gpus, settings)
+        )
+    return causes

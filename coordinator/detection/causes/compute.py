@@ -5,36 +5,43 @@ The rule's thresholds and order are in coordinator/detection/causes/__init__.py.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
 
+from clusterwatch.coordinator.detection.causes.gpu import GpuPeers
 from clusterwatch.coordinator.detection.causes.shared import (
     Cause,
     CauseName,
     CauseSettings,
-    GpuIndex,
-    gpus_of_peers,
+    Peers,
     median,
-    optional_value,
     put,
 )
 from clusterwatch.coordinator.model.jobs import RankRecord
 
 
-def compute_cause(
-    record: RankRecord, peers: Sequence[RankRecord], gpus: GpuIndex, settings: CauseSettings
-) -> Cause:
+class ComputePeers:
+    """The peers' median compute time, worked out once for all of a job's stragglers."""
+
+    def __init__(self, peers: Peers, settings: CauseSettings) -> None:
+        self._peers = peers
+        self._window = settings.compute_window_steps
+
+    @functools.cached_property
+    def compute_s(self) -> float | None:
+        return median(_mean_compute_s(peer, self._window) for peer in self._peers.ranks)
+
+
+def compute_cause(record: RankRecord, peers: ComputePeers, gpus: GpuPeers, settings: CauseSettings) -> Cause:
     """The fallback cause (rule 4): the rank computes slower, with the numbers that show how much."""
-    window = settings.compute_window_steps
-    compute_s = _mean_compute_s(record, window)
-    peer_compute_s = median(_mean_compute_s(peer, window) for peer in peers)
+    compute_s = _mean_compute_s(record, settings.compute_window_steps)
+    peer_compute_s = peers.compute_s
     evidence: dict[str, float] = {}
     put(evidence, "compute_seconds", compute_s)
     put(evidence, "peer_compute_seconds", peer_compute_s)
     gpu = gpus.gpu(record)
     if gpu is not None and gpu.HasField("sm_clock_hertz"):
         evidence["sm_clock_hertz"] = gpu.sm_clock_hertz
-        peer_gpus = gpus_of_peers(gpu.uuid, peers, gpus)
-        put(evidence, "peer_sm_clock_hertz", median(optional_value(g, "sm_clock_hertz") for g in peer_gpus))
+        put(evidence, "peer_sm_clock_hertz", gpus.without(gpu.uuid).sm_clock_hz)
     if compute_s is not None and peer_compute_s is not None and peer_compute_s > 0:
         numbers = (
             f"computes {compute_s:.3f} s per step vs {peer_compute_s:.3f} s on its peers "

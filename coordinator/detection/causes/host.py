@@ -6,12 +6,14 @@ The rule's thresholds and order are in coordinator/detection/causes/__init__.py.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 from clusterwatch.coordinator.detection.causes.shared import (
     Cause,
     CauseName,
     CauseSettings,
+    Peers,
     median,
     put,
     report_of,
@@ -75,26 +77,63 @@ def _host_signals(node: NodeRecord | None) -> _HostSignals | None:
     )
 
 
-def host_cause(
-    record: RankRecord, peers: Sequence[RankRecord], nodes: Mapping[str, NodeRecord], settings: CauseSettings
-) -> Cause | None:
+@dataclasses.dataclass(frozen=True, slots=True)
+class PeerHostFigures:
+    """What the rule reads of the peers' nodes' hosts (medians of the nodes that report them).
+
+    Attributes:
+        memory_pressure_shared / cpu_saturation_shared: half of the peer
+            nodes with data or more show it (false with none).
+    """
+
+    memory_available_ratio: float | None
+    cpu_utilization_ratio: float | None
+    load_per_cpu_ratio: float | None
+    memory_pressure_shared: bool
+    cpu_saturation_shared: bool
+
+
+class HostPeers:
+    """The peers' nodes' host signals, read once for all of a job's stragglers (rule 2).
+
+    A straggler's node is never among them where they count: a peer on its node rules the rule out.
+    """
+
+    def __init__(self, peers: Peers, settings: CauseSettings) -> None:
+        self.nodes = peers.nodes
+        self._peers = peers
+        self._settings = settings
+
+    def on_node(self, node_id: str) -> bool:
+        """Whether a peer runs on the node."""
+        return node_id in self._peers.node_ids
+
+    @functools.cached_property
+    def figures(self) -> PeerHostFigures:
+        nodes, settings = self._peers.nodes, self._settings
+        signals = [s for s in map(_host_signals, map(nodes.get, self._peers.node_ids)) if s is not None]
+        return PeerHostFigures(
+            median(s.memory_available_ratio for s in signals),
+            median(s.cpu_utilization_ratio for s in signals),
+            median(s.load_per_cpu_ratio for s in signals),
+            not _not_shared(signals, lambda s: s.memory_pressure(settings)),
+            not _not_shared(signals, lambda s: s.cpu_saturated(settings)),
+        )
+
+
+def host_cause(record: RankRecord, peers: HostPeers, settings: CauseSettings) -> Cause | None:
     """The host cause of a straggler (rule 2), or None when its node does not explain it."""
-    if any(peer.node_id == record.node_id for peer in peers):
+    if peers.on_node(record.node_id):
         return None  # healthy ranks share the node: a node-wide signal cannot single this one out
-    own = _host_signals(nodes.get(record.node_id))
+    own = _host_signals(peers.nodes.get(record.node_id))
     if own is None:
         return None
-    peer_nodes = sorted({peer.node_id for peer in peers})
-    peer_signals = [s for s in map(_host_signals, map(nodes.get, peer_nodes)) if s is not None]
+    figures = peers.figures
     where = f"{record.node_id}, where rank {record.rank} runs,"
-    if own.memory_pressure(settings) and _not_shared(peer_signals, lambda s: s.memory_pressure(settings)):
+    if own.memory_pressure(settings) and not figures.memory_pressure_shared:
         evidence: dict[str, float] = {}
         put(evidence, "host_memory_available_ratio", own.memory_available_ratio)
-        put(
-            evidence,
-            "peer_host_memory_available_ratio",
-            median(s.memory_available_ratio for s in peer_signals),
-        )
+        put(evidence, "peer_host_memory_available_ratio", figures.memory_available_ratio)
         put(evidence, "host_swap_used_bytes", own.swap_used_bytes)
         put(evidence, "host_swap_growth_bytes_per_second", own.swap_growth_bytes_per_s)
         parts = []
@@ -108,16 +147,12 @@ def host_cause(
             evidence,
             (record.node_id,),
         )
-    if own.cpu_saturated(settings) and _not_shared(peer_signals, lambda s: s.cpu_saturated(settings)):
+    if own.cpu_saturated(settings) and not figures.cpu_saturation_shared:
         evidence = {}
         put(evidence, "host_cpu_utilization_ratio", own.cpu_utilization_ratio)
-        put(
-            evidence,
-            "peer_host_cpu_utilization_ratio",
-            median(s.cpu_utilization_ratio for s in peer_signals),
-        )
+        put(evidence, "peer_host_cpu_utilization_ratio", figures.cpu_utilization_ratio)
         put(evidence, "host_load1_per_cpu_ratio", own.load_per_cpu_ratio)
-        put(evidence, "peer_host_load1_per_cpu_ratio", median(s.load_per_cpu_ratio for s in peer_signals))
+        put(evidence, "peer_host_load1_per_cpu_ratio", figures.load_per_cpu_ratio)
         parts = []
         if own.cpu_utilization_ratio is not None:
             parts.append(f"CPU {own.cpu_utilization_ratio * 100:.0f} % busy")

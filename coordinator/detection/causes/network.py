@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import statistics
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Literal, NamedTuple, TypeVar
@@ -21,6 +22,7 @@ from clusterwatch.coordinator.detection.causes.shared import (
     Cause,
     CauseName,
     CauseSettings,
+    Peers,
     median,
     put,
     report_of,
@@ -74,8 +76,9 @@ def network_cause(
     for node_id in hosting:
         net = networks[node_id]
         # Each node against the others: the median without its own value.
-        peer_wait = _median_without(waits, net.transmit_wait_per_s)
-        peer_busbw = _median_without(bandwidths, busbw.get(node_id))
+        own_wait, own_busbw = net.transmit_wait_per_s, busbw.get(node_id)
+        peer_wait = _median_without(waits, () if own_wait is None else (own_wait,))
+        peer_busbw = _median_without(bandwidths, () if own_busbw is None else (own_busbw,))
         signals = _network_signals(net, peer_wait, busbw.get(node_id), peer_busbw, settings)
         if signals.reasons:
             culprits.append(_Culprit(node_id, signals))
@@ -290,36 +293,84 @@ def _network_signals(
     return _NetworkSignals(reasons, evidence, level, magnitude)
 
 
-def rank_network_cause(
-    job: JobRecord,
-    record: RankRecord,
-    slow: Collection[int],
-    nodes: Mapping[str, NodeRecord],
-    settings: CauseSettings,
-) -> Cause | None:
+class NetworkPeers:
+    """What rule 3 compares a straggler's node with, worked out once for all of a job's stragglers:
+    the job's link census, and its peers' nodes' transmit waits and its peers' bus bandwidths,
+    sorted, so that a straggler's node's own share is taken out of their medians in O(log n)."""
+
+    def __init__(self, peers: Peers) -> None:
+        self.nodes = peers.nodes
+        self._peers = peers
+
+    @functools.cached_property
+    def census(self) -> _LinkCensus:
+        return _LinkCensus(self.nodes, {r.node_id for r in self._peers.running})
+
+    @functools.cached_property
+    def op(self) -> str | None:
+        return _dominant_op(self._peers.job)
+
+    def busbw(self, node_id: str, op: str) -> float | None:
+        """The median bus bandwidth of the node's running ranks (slow or not) for ``op``."""
+        return median(r.bus_bandwidth_bytes_per_s.get(op) for r in self._running_by_node.get(node_id, ()))
+
+    def peer_wait_per_s(self, node_id: str) -> float | None:
+        """The median transmit wait of the peers' nodes but ``node_id``."""
+        own = self._waits_by_node.get(node_id)
+        return _median_without(self._waits, () if own is None else (own,))
+
+    def peer_busbw(self, node_id: str) -> float | None:
+        """The median bus bandwidth for ``op`` of the peers not on ``node_id``."""
+        return _median_without(self._busbws, self._busbws_by_node.get(node_id, ()))
+
+    @functools.cached_property
+    def _running_by_node(self) -> dict[str, list[RankRecord]]:
+        by_node: dict[str, list[RankRecord]] = {}
+        for record in self._peers.running:
+            by_node.setdefault(record.node_id, []).append(record)
+        return by_node
+
+    @functools.cached_property
+    def _waits_by_node(self) -> dict[str, float | None]:
+        return {node_id: _transmit_wait_per_s(self.nodes.get(node_id)) for node_id in self._peers.node_ids}
+
+    @functools.cached_property
+    def _waits(self) -> list[float]:
+        return sorted(w for w in self._waits_by_node.values() if w is not None)
+
+    @functools.cached_property
+    def _busbws_by_node(self) -> dict[str, list[float]]:
+        by_node: dict[str, list[float]] = {}
+        op = self.op
+        if op is None:
+            return by_node
+        for record in self._peers.ranks:
+            value = record.bus_bandwidth_bytes_per_s.get(op)
+            if value is not None:
+                by_node.setdefault(record.node_id, []).append(value)
+        return by_node
+
+    @functools.cached_property
+    def _busbws(self) -> list[float]:
+        return sorted(v for values in self._busbws_by_node.values() for v in values)
+
+
+def rank_network_cause(record: RankRecord, peers: NetworkPeers, settings: CauseSettings) -> Cause | None:
     """The network cause of a straggler (rule 3), or None when its node's network does not explain it."""
-    node = nodes.get(record.node_id)
+    node = peers.nodes.get(record.node_id)
     report = report_of(node)
     if node is None or report is None:
         return None
-    running = job.running_ranks()
-    census = _LinkCensus(nodes, {r.node_id for r in running} | {record.node_id})
     # With the node's topology, only the NICs next to the rank's GPU speak for it:
     # a port down elsewhere on the node carries other GPUs' traffic.
-    placement = place(record, nodes)
+    placement = place(record, peers.nodes)
     devices = _nearest_devices(placement)
-    net = _node_network(node, report, census, devices)
-    healthy_elsewhere = [
-        r for r in running if r.node_id != record.node_id and r.rank not in slow and r.rank != record.rank
-    ]
-    peer_nodes = sorted({r.node_id for r in healthy_elsewhere})
-    peer_waits = [_transmit_wait_per_s(nodes.get(node_id)) for node_id in peer_nodes]
-    op = _dominant_op(job)
+    net = _node_network(node, report, peers.census, devices)
     busbw = peer_busbw = None
-    if op is not None:
-        busbw = median(r.bus_bandwidth_bytes_per_s.get(op) for r in running if r.node_id == record.node_id)
-        peer_busbw = median(r.bus_bandwidth_bytes_per_s.get(op) for r in healthy_elsewhere)
-    signals = _network_signals(net, median(peer_waits), busbw, peer_busbw, settings)
+    if peers.op is not None:
+        busbw, peer_busbw = peers.busbw(record.node_id, peers.op), peers.peer_busbw(record.node_id)
+    peer_wait_per_s = peers.peer_wait_per_s(record.node_id)
+    signals = _network_signals(net, peer_wait_per_s, busbw, peer_busbw, settings)
     if not signals.reasons:
         return None
     where = ""
@@ -351,17 +402,24 @@ def _busbw_by_node(job: JobRecord, op: str) -> dict[str, float]:
     return {node_id: statistics.median(values) for node_id, values in by_node.items()}
 
 
-def _median_without(ordered: Sequence[float], value: float | None) -> float | None:
-    """The median of ``ordered`` (ascending) with one ``value`` taken out (none when None); O(log n)."""
-    if value is None:
-        return statistics.median(ordered) if ordered else None
-    n = len(ordered) - 1
+def _median_without(ordered: Sequence[float], removed: Collection[float]) -> float | None:
+    """The median of ``ordered`` (ascending) with each of ``removed`` (values in it) taken out once;
+    O(k log n) for k removed."""
+    n = len(ordered) - len(removed)
     if n <= 0:
         return None
-    removed = bisect.bisect_left(ordered, value)
+    # Where the removed values sit; equal values take consecutive places.
+    places: list[int] = []
+    for value in sorted(removed):
+        found = bisect.bisect_left(ordered, value)
+        places.append(max(found, places[-1] + 1) if places else found)
 
     def at(k: int) -> float:
-        return ordered[k if k < removed else k + 1]
+        for taken in places:
+            if taken > k:
+                break
+            k += 1
+        return ordered[k]
 
     h = n // 2
     return at(h) if n % 2 else (at(h - 1) + at(h)) / 2

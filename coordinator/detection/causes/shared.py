@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping
 from typing import Literal
 
-from clusterwatch.coordinator.model.jobs import RankRecord
+from clusterwatch.coordinator.model.jobs import JobRecord, RankRecord
 from clusterwatch.coordinator.model.state import NodeRecord
 from clusterwatch.errors import ConfigError
 from clusterwatch.v1 import node_pb2
@@ -139,16 +140,30 @@ class GpuIndex:
         return by_uuid.get(uuid)
 
 
-def gpus_of_peers(own_uuid: str, peers: Sequence[RankRecord], gpus: GpuIndex) -> list[node_pb2.GpuSample]:
-    """The peers' GPUs, each once, without the straggler's own (``own_uuid``)."""
-    seen = {own_uuid}
-    found = []
-    for peer in peers:
-        gpu = gpus.gpu(peer)
-        if gpu is not None and gpu.uuid not in seen:
-            seen.add(gpu.uuid)
-            found.append(gpu)
-    return found
+class Peers:
+    """The healthy ranks that a job's stragglers are compared with, gathered once per job and round.
+
+    They are the job's running ranks less ``excluded`` (the stragglers asked
+    about and the other slow ranks): the same for every straggler of the job.
+    So each rule sums them up once (``GpuPeers``, ``HostPeers``,
+    ``NetworkPeers``, ``ComputePeers``) and takes out of the sums what a
+    straggler shares with them (its GPU, its node) per straggler, instead of
+    reading every peer again for each straggler: O(ranks + stragglers), not
+    O(ranks x stragglers), which at 1,600 ranks with a tenth straggling took
+    0.8 s of a detection round that runs every 0.5 s.
+    """
+
+    def __init__(self, job: JobRecord, nodes: Mapping[str, NodeRecord], excluded: Collection[int]) -> None:
+        self.job = job
+        self.nodes = nodes
+        self.running = job.running_ranks()
+        self.ranks = [r for r in self.running if r.rank not in excluded]
+        self.gpus = GpuIndex(nodes)
+
+    @functools.cached_property
+    def node_ids(self) -> frozenset[str]:
+        """The nodes the peers run on."""
+        return frozenset(r.node_id for r in self.ranks)
 
 
 def report_of(node: NodeRecord | None) -> node_pb2.NodeReport | None:
