@@ -25,8 +25,9 @@ class Backoff:
 
     def pushed_back_s(self, retry_s: float, jitter_factor: float) -> float:
         """The delay before retrying when the server asked for ``retry_s``: ``uniform(retry_s,
-        jitter_factor * retry_s)``, and never less than the backoff's own next delay."""
-        return max(self.next_delay_s(), self._rng.uniform(retry_s, jitter_factor * retry_s))
+        jitter_factor * retry_s)``, exactly what it expects (it excuses the node's silence until then),
+        not stretched by the backoff's own delay."""
+        return self._rng.uniform(retry_s, jitter_factor * retry_s)
 
     def reset(self) -> None:
         self._attempt = 0

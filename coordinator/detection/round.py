@@ -150,12 +150,14 @@ class Detection:
         self, jobs: Mapping[str, JobRecord], nodes: dict[str, NodeRecord], now_mono_s: float
     ) -> list[Finding]:
         """Every finding that holds now."""
-        # Not heard from: unreachable, or refused admission and due back later (coordinator/ingest/capacity.py):
-        # their ranks are judged only through their peers.
+        # Not heard from: their ranks are judged only through their peers. Unreachable nodes, and nodes
+        # refused admission (coordinator/ingest/capacity.py) until a whole unreachable window after their
+        # excuse: by then they reported again or are unreachable, never "heard" with ranks gone stale
+        # while the coordinator kept them out.
         unreachable = frozenset(
             node_id
             for node_id, node in nodes.items()
-            if node.state == UNREACHABLE or node.excused_until_monotonic_s > now_mono_s
+            if node.state == UNREACHABLE or node.unheard_until_monotonic_s > now_mono_s
         )
         if unreachable != self._unreachable:
             self._unreachable = unreachable

@@ -60,6 +60,9 @@ SHED_FRACTION = 0.05
 SHED_PERIOD_S = 1.0
 # After shedding, nobody new is admitted for this long: the load that was too much is still there.
 ADMIT_PAUSE_AFTER_SHED_S = 30.0
+# A refused node is excused this long past the latest moment its agent is due back: a shed stream
+# ends only at the agent's next report (up to an interval later), and its hello must still arrive.
+EXCUSE_MARGIN_S = 3.0
 # Refusals counted for the status header.
 RECENT_S = 60.0
 
@@ -148,7 +151,7 @@ class StreamGate:
 
     def _refuse(self, node_id: str, reason: Refusal, now_s: float) -> Refused:
         retry_s = self.retry_s()
-        due_s = now_s + retry_s * PUSHBACK_JITTER_FACTOR
+        due_s = now_s + retry_s * PUSHBACK_JITTER_FACTOR + EXCUSE_MARGIN_S
         self._waiting.pop(node_id, None)
         self._waiting[node_id] = due_s
         self._recent.append(now_s)

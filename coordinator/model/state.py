@@ -80,6 +80,9 @@ class NodeRecord:
     topology_received_unix_s: float = 0.0
     # Its agent was refused admission and is due back by then (monotonic): not silent until then.
     excused_until_monotonic_s: float = 0.0
+    # ... and until a whole unreachable window later its ranks' data may be stale for that reason:
+    # detection treats it as not heard from (it reported again by then, or is unreachable).
+    unheard_until_monotonic_s: float = 0.0
 
     @property
     def topology(self) -> node_pb2.NodeTopology | None:
@@ -207,6 +210,9 @@ class ClusterState:
         record = self.nodes.get(node_id)
         if record is not None:
             record.excused_until_monotonic_s = max(record.excused_until_monotonic_s, until_mono)
+            record.unheard_until_monotonic_s = record.excused_until_monotonic_s + (
+                self.unreachable_after_intervals * record.interval_s
+            )
 
     def check_liveness(self, now_mono: float, now_unix: float, counts_from_mono: float = 0.0) -> list[Event]:
         """Mark nodes that missed too many intervals unreachable.
