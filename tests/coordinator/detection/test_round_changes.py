@@ -15,7 +15,7 @@ from clusterwatch.coordinator.detection.failures import NodeFailureDetector
 from clusterwatch.coordinator.detection.round import Detection
 from clusterwatch.coordinator.model.incidents import Kind
 from clusterwatch.coordinator.model.jobs import JobStore
-from clusterwatch.coordinator.model.state import NodeRecord, NodeState
+from clusterwatch.coordinator.model.state import ClusterState, NodeRecord, NodeState
 from clusterwatch.v1 import node_pb2, training_pb2
 
 pytestmark = pytest.mark.timeout(30)
@@ -106,3 +106,20 @@ def test_a_node_going_unreachable_renews_the_hang_clock() -> None:
     nodes["node-1"].state = NodeState.NODE_STATE_UNREACHABLE
     # Only node-0's rank is heard now, and it last progressed at 100.
     assert Kind.HANG in kinds(detection, store, nodes, 106.0)
+
+
+def test_a_job_kept_out_by_admission_is_not_hung_until_a_window_after_its_excuse() -> None:
+    """Every node of the job was refused admission (coordinator/ingest/capacity.py) after its last
+    step: its ranks' data is stale because the coordinator kept them out, which is no hang. Once the
+    excuse and a whole unreachable window have passed without a report, the node is unreachable and
+    the job is judged through its peers as usual."""
+    store = two_rank_job(at_mono_s=100.0)
+    state = ClusterState(unreachable_after_intervals=3.0)
+    for n in (0, 1):
+        state.nodes[f"node-{n}"] = NodeRecord(f"node-{n}", state=UP, last_seen_monotonic_s=100.0)
+        state.excuse(f"node-{n}", until_mono=130.0)
+    detection = Detection(DetectionSettings())
+    assert Kind.HANG not in kinds(detection, store, state.nodes, 120.0)  # refused: not heard from
+    assert Kind.HANG not in kinds(detection, store, state.nodes, 132.9)  # excuse over, window not
+    assert state.check_liveness(132.9, 132.9) == []
+    assert [e.node_id for e in state.check_liveness(133.1, 133.1)] == ["node-0", "node-1"]

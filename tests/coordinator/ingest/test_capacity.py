@@ -11,6 +11,7 @@ import pytest
 from clusterwatch.coordinator.ingest.capacity import (
     ADMIT_BELOW_LAG_S,
     ADMIT_PAUSE_AFTER_SHED_S,
+    EXCUSE_MARGIN_S,
     MIN_RETRY_S,
     REFUSALS_PER_S,
     SHED_AFTER_S,
@@ -46,7 +47,8 @@ def test_behind_refuses_new_streams_saying_why_and_when_to_retry() -> None:
     assert refused is not None
     assert refused.reason == Refusal.BEHIND
     assert refused.retry_s == MIN_RETRY_S
-    assert refused.excused_until_s == pytest.approx(MIN_RETRY_S * PUSHBACK_JITTER_FACTOR)
+    # Excused until the agent is due back at the latest, with a margin for its hello to arrive.
+    assert refused.excused_until_s == pytest.approx(MIN_RETRY_S * PUSHBACK_JITTER_FACTOR + EXCUSE_MARGIN_S)
     error = gate.refusal(refused, BEHIND, 10)
     assert error.retry_after_s == MIN_RETRY_S
     assert "behind (lag 3.0 s" in str(error)
