@@ -22,7 +22,9 @@ retry delay in the trailing metadata (``grpc-retry-pushback-ms``,
 coordinator/ingest/capacity.py): the agent waits between that delay and 1.5
 times it (jitter), keeps buffering meanwhile, and loses nothing. Reports go up
 only after the stream's first message from the coordinator (it acknowledges a
-stream at once), so a refused stream costs the hello alone.
+stream at once), so a refused stream costs the hello alone. A call cancelled
+unread by the coordinator's gRPC server (it is too swamped to pick calls up and
+refuse them) is retried with a longer backoff, up to BUSY_RECONNECT_MAX_S.
 
 Commands arriving on the stream are carried out by the CommandHandler (at
 most once per command id) and their results sent back up, on a later stream
@@ -59,6 +61,9 @@ logger = logging.getLogger(__name__)
 
 # The default cap of the reconnect backoff, seconds (see the module docstring).
 RECONNECT_MAX_S = 4.0
+# The cap of the backoff after a call the coordinator's gRPC server cancelled without a word (it left
+# the call unread for 30 s: the coordinator is overloaded and does not see it to refuse it with a delay).
+BUSY_RECONNECT_MAX_S = 30.0
 # How long a new stream waits for the coordinator's first message before sending reports anyway:
 # a refusal comes in milliseconds; a coordinator that answers only reports must still get them.
 ADMISSION_WAIT_S = 2.0
@@ -99,6 +104,7 @@ class Uplink:
         self._buffer = buffer
         self._commands = commands
         self._backoff = Backoff(cap_s=reconnect_max_s)
+        self._busy_backoff = Backoff(base_s=1.0, cap_s=BUSY_RECONNECT_MAX_S)
         self._outbox: collections.deque[agent_pb2.CommandResult] = collections.deque()
         self._outbox_ready = asyncio.Event()
         # Commands being carried out; each runs on its own so a slow one (a
@@ -155,6 +161,8 @@ class Uplink:
                 break
             if pushback_s is not None:
                 delay_s = self._backoff.pushed_back_s(pushback_s, PUSHBACK_JITTER_FACTOR)
+            elif failing == grpc.StatusCode.CANCELLED and not self._admitted.is_set():
+                delay_s = self._busy_backoff.next_delay_s()  # cancelled unread: the coordinator is swamped
             else:
                 delay_s = self._backoff.next_delay_s()
             self.last_delay_s = delay_s
@@ -203,6 +211,7 @@ class Uplink:
                 self.connected = True
                 self.connections_total += 1
                 self._backoff.reset()
+                self._busy_backoff.reset()
                 if self._lost_at_s is None:
                     logger.info("connected to coordinator %s", self.target)
                 else:

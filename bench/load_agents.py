@@ -40,9 +40,11 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+import grpc
+
 from bench.h2_client import H2Connection
 from bench.synthetic import StampedReport, hello, node_report, rank_reports
-from clusterwatch.agent.uplink import RECONNECT_MAX_S
+from clusterwatch.agent.uplink import BUSY_RECONNECT_MAX_S, RECONNECT_MAX_S
 from clusterwatch.runtime.backoff import Backoff
 from clusterwatch.v1 import agent_pb2, node_pb2
 from clusterwatch.wire import report_digest
@@ -141,6 +143,7 @@ class Agent:
     __slots__ = (
         "acked",
         "backoff",
+        "busy_backoff",
         "conn",
         "connect_s",
         "name",
@@ -169,6 +172,7 @@ class Agent:
         self.name = name
         self.retries = retries
         self.backoff = Backoff(cap_s=RECONNECT_MAX_S)
+        self.busy_backoff = Backoff(base_s=1.0, cap_s=BUSY_RECONNECT_MAX_S)
         self.phase_s = phase_s
         self.connect_s = connect_s
         self.template = template
@@ -220,6 +224,7 @@ class Agent:
             self.stats.acks += 1
             self.stream_acked = True
             self.backoff.reset()
+            self.busy_backoff.reset()
         elif message[:1] == b"\x12":  # a command: not answered, but counted (the bench expects none)
             self.stats.commands += 1
 
@@ -243,11 +248,15 @@ class Agent:
             if (
                 self.retries is not None
             ):  # like the agent's uplink: the delay asked for, else a jittered backoff
-                delay_s = (
-                    self.backoff.pushed_back_s(pushback_s, PUSHBACK_JITTER_FACTOR)
-                    if pushback_s is not None
-                    else self.backoff.next_delay_s()
-                )
+                if pushback_s is not None:
+                    delay_s = self.backoff.pushed_back_s(pushback_s, PUSHBACK_JITTER_FACTOR)
+                elif (
+                    trailers.get("grpc-status") == str(grpc.StatusCode.CANCELLED.value[0])
+                    and not self.stream_acked
+                ):
+                    delay_s = self.busy_backoff.next_delay_s()  # cancelled unread, as the uplink does
+                else:
+                    delay_s = self.backoff.next_delay_s()
                 heapq.heappush(self.retries, (time.monotonic() + delay_s, self.name, self))
 
 

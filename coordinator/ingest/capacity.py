@@ -34,7 +34,11 @@ REFUSALS_PER_S**, plus the first attempts of agents not refused before.
 A refused agent keeps buffering (its replay buffer holds ``agent.buffer_s``,
 600 s by default), so nothing is lost; its node is *excused* until it is due
 back (ClusterState.excuse): the coordinator knows the agent is alive, because
-it just refused it, and does not call its node unreachable.
+it just refused it, and does not call its node unreachable. While refusals go
+on (an episode: none more than EPISODE_GAP_S apart), every node refused during
+it stays excused: its next hello may wait unread in gRPC core's queue of calls
+(grpc.aio picks new calls up from the busy event loop, and cancels those left
+unread for 30 s), which the coordinator cannot see.
 
 Pure state with injected monotonic times; runs on the event loop.
 """
@@ -65,6 +69,8 @@ ADMIT_PAUSE_AFTER_SHED_S = 30.0
 EXCUSE_MARGIN_S = 3.0
 # Refusals counted for the status header.
 RECENT_S = 60.0
+# Refusals less than this apart are one episode of refusing (StreamGate.refusing_since).
+EPISODE_GAP_S = 10.0
 
 
 class Refusal(enum.StrEnum):
@@ -114,6 +120,8 @@ class StreamGate:
         self._recent: collections.deque[float] = collections.deque()
         self.refused_total: collections.Counter[Refusal] = collections.Counter()
         self._shed_s = -math.inf
+        self._last_refusal_s: float | None = None
+        self._episode_start_s = 0.0
 
     def admit(self, node_id: str, streams_open: int, lag: LagReading, now_s: float) -> Refused | None:
         """Let a hello of ``node_id`` in (None), or say why not (the caller raises ``refusal``)."""
@@ -149,7 +157,18 @@ class StreamGate:
         """A stream of ``node_id`` is being shed: count it, and say until when its node is excused."""
         return self._refuse(node_id, Refusal.SHED, now_s)
 
+    def refusing_since(self, now_s: float) -> float | None:
+        """When the current episode of refusals began (monotonic); None when nobody was refused for
+        EPISODE_GAP_S. Until it ends, the nodes refused during it stay excused: a refused agent's next
+        hello may wait in gRPC's queue of calls not yet picked up, which the coordinator cannot see."""
+        if self._last_refusal_s is None or now_s - self._last_refusal_s > EPISODE_GAP_S:
+            return None
+        return self._episode_start_s
+
     def _refuse(self, node_id: str, reason: Refusal, now_s: float) -> Refused:
+        if self._last_refusal_s is None or now_s - self._last_refusal_s > EPISODE_GAP_S:
+            self._episode_start_s = now_s
+        self._last_refusal_s = now_s
         retry_s = self.retry_s()
         due_s = now_s + retry_s * PUSHBACK_JITTER_FACTOR + EXCUSE_MARGIN_S
         self._waiting.pop(node_id, None)

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 from clusterwatch.coordinator.ingest.admission import Admission
-from clusterwatch.coordinator.ingest.capacity import Refused, StreamGate
+from clusterwatch.coordinator.ingest.capacity import EXCUSE_MARGIN_S, Refused, StreamGate
 from clusterwatch.coordinator.ingest.report_checks import (
     ReportCheckError,
     ReportProblem,
@@ -359,11 +359,15 @@ class Coordinator:
         """Mark silent nodes unreachable and drop finished jobs, forever (cancel to stop).
 
         Nobody is marked while the coordinator's verdicts are held (it is behind, coordinator/model/lag.py),
-        and silence counts only from its last catch-up.
+        and silence counts only from its last catch-up; nodes refused admission stay excused while the
+        refusals go on (coordinator/ingest/capacity.py).
         """
         next_expiry = self._clock()
         while True:
             now_mono = self._clock()
+            refusing_since = self.streams.refusing_since(now_mono)
+            if refusing_since is not None:
+                self.state.extend_excuses(refusing_since, now_mono + EXCUSE_MARGIN_S)
             counts_from = self.lag.silence_counts_from_s(now_mono)
             if counts_from is not None:
                 self.record(self.state.check_liveness(now_mono, self._wall(), counts_from))

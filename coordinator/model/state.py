@@ -214,6 +214,13 @@ class ClusterState:
                 self.unreachable_after_intervals * record.interval_s
             )
 
+    def extend_excuses(self, since_mono: float, until_mono: float) -> None:
+        """Excuse until ``until_mono`` every node excused at or after ``since_mono`` (the coordinator is
+        still refusing agents: coordinator/ingest/capacity.py)."""
+        for record in self.nodes.values():
+            if record.excused_until_monotonic_s >= since_mono:
+                self.excuse(record.node_id, until_mono)
+
     def check_liveness(self, now_mono: float, now_unix: float, counts_from_mono: float = 0.0) -> list[Event]:
         """Mark nodes that missed too many intervals unreachable.
 

@@ -19,6 +19,7 @@ from clusterwatch.coordinator.ingest.capacity import (
     StreamGate,
 )
 from clusterwatch.coordinator.model.lag import Lag, LagReading
+from clusterwatch.coordinator.model.state import ClusterState, NodeRecord, NodeState
 from clusterwatch.wire.grpc_status import PUSHBACK_JITTER_FACTOR
 
 pytestmark = pytest.mark.timeout(20)
@@ -119,3 +120,25 @@ def test_refused_streams_per_second_stay_bounded_however_many_agents_wait() -> N
     assert rate <= REFUSALS_PER_S
     assert rate >= REFUSALS_PER_S / 2  # they do come back: the delay is not needlessly long
     assert gate.waiting() > 5_000
+
+
+def test_refusals_close_together_are_one_episode() -> None:
+    gate = StreamGate(0, 0.0)
+    assert gate.refusing_since(0.0) is None
+    gate.admit("n1", 0, BEHIND, 5.0)
+    gate.admit("n2", 0, BEHIND, 12.0)
+    assert gate.refusing_since(20.0) == 5.0  # the last refusal 8 s ago: still refusing
+    assert gate.refusing_since(22.5) is None
+    gate.admit("n3", 0, BEHIND, 30.0)
+    assert gate.refusing_since(30.0) == 30.0
+
+
+def test_nodes_refused_during_an_episode_stay_excused_while_it_lasts() -> None:
+    state = ClusterState(unreachable_after_intervals=3.0)
+    for node_id in ("refused", "other"):
+        state.nodes[node_id] = NodeRecord(node_id, state=NodeState.NODE_STATE_UP, last_seen_monotonic_s=0.0)
+    state.excuse("refused", 10.0)
+    state.extend_excuses(since_mono=5.0, until_mono=60.0)
+    assert [e.node_id for e in state.check_liveness(50.0, 50.0)] == ["other"]
+    assert state.check_liveness(62.0, 62.0) == []  # a whole window after its excuse
+    assert [e.node_id for e in state.check_liveness(63.5, 63.5)] == ["refused"]
