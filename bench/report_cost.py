@@ -36,9 +36,8 @@ from pathlib import Path
 
 import psutil
 
-from bench.synthetic import StampedReport, hello, node_report, rank_reports
-from clusterwatch.coordinator.ingest.capacity import StreamGate
-from clusterwatch.coordinator.ingest.sessions import AgentSession
+from bench.sim_core import SimClock, open_streams
+from bench.synthetic import StampedReport, node_report, rank_reports
 from clusterwatch.coordinator.model.event_log import EventLog
 from clusterwatch.coordinator.wiring import build_core
 from clusterwatch.v1 import agent_pb2
@@ -47,20 +46,6 @@ DETECTION_PERIOD_S = 0.5
 LIVENESS_PERIOD_S = 0.2
 # One finished step per rank per report, as bench/load.py sends by default.
 STEP_S = 1.0
-
-
-class SimClock:
-    """Monotonic and wall clocks that only move when told."""
-
-    def __init__(self) -> None:
-        self.mono_s = 1000.0
-        self.wall_offset_s = time.time() - self.mono_s
-
-    def mono(self) -> float:
-        return self.mono_s
-
-    def wall(self) -> float:
-        return self.mono_s + self.wall_offset_s
 
 
 def main() -> int:
@@ -80,14 +65,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="report-cost-") as state_dir:
         core = build_core(EventLog(Path(state_dir)), clock=clock.mono, wall_clock=clock.wall)
         coordinator, watchdog = core
-        # Every stream at once: admission (100 new streams a second) is not what is measured.
-        coordinator.streams = StreamGate(0, clock.mono(), admit_burst=args.nodes)
         template = node_report("template")
-        sessions: list[AgentSession] = []
+        sessions = open_streams(coordinator, [f"gpu-node-{i:05d}" for i in range(args.nodes)], clock.mono_s)
         stamped: list[StampedReport] = []
         for index in range(args.nodes):
-            node_id = f"gpu-node-{index:05d}"
-            sessions.append(coordinator.open_stream(hello(node_id)))
             job, position = divmod(index, args.job_nodes)
             ranks = (
                 rank_reports(

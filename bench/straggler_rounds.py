@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.synthetic import GPUS_PER_NODE, StampedReport, hello, node_report, rank_reports
-from clusterwatch.coordinator.ingest.capacity import StreamGate
+from bench.sim_core import SimClock, open_streams
+from bench.synthetic import GPUS_PER_NODE, StampedReport, node_report, rank_reports
 from clusterwatch.coordinator.model.event_log import EventLog
 from clusterwatch.coordinator.model.incidents import Kind
 from clusterwatch.coordinator.wiring import build_core
@@ -37,18 +37,6 @@ STEPS_PER_REPORT = 5
 STEP_S, SLOW_STEP_S = 0.02, 0.03  # every tenth node: compute 1.5x the others'
 SLOW_EVERY_NODES = 10
 ROUND_PERIOD_S = 0.5
-
-
-class SimClock:
-    def __init__(self) -> None:
-        self.mono_s = 1000.0
-        self.offset_s = time.time() - self.mono_s
-
-    def mono(self) -> float:
-        return self.mono_s
-
-    def wall(self) -> float:
-        return self.mono_s + self.offset_s
 
 
 def gpu_node_report(template: node_pb2.NodeReport, node_index: int) -> node_pb2.NodeReport:
@@ -64,9 +52,7 @@ async def straggling_job(nodes: int, state_dir: Path, seconds: int = 6) -> tuple
     """Play the scenario; the CPU seconds of each detection round and the straggler incidents open at the end."""
     clock = SimClock()
     coordinator, watchdog = build_core(EventLog(state_dir), clock=clock.mono, wall_clock=clock.wall)
-    # Every stream at once: admission (100 new streams a second) is not what is measured.
-    coordinator.streams = StreamGate(0, clock.mono_s, admit_burst=nodes)
-    sessions = [coordinator.open_stream(hello(f"node-{i:05d}")) for i in range(nodes)]
+    sessions = open_streams(coordinator, [f"node-{i:05d}" for i in range(nodes)], clock.mono_s)
     template, world_size = node_report("template"), nodes * RANKS_PER_NODE
     stamped = [
         StampedReport(

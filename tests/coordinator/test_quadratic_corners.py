@@ -30,11 +30,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.sim_core import SimClock, open_streams
 from bench.straggler_rounds import straggling_job
-from bench.synthetic import StampedReport, hello, node_report, rank_reports
-from clusterwatch.coordinator.ingest.capacity import StreamGate
-from clusterwatch.coordinator.ingest.core import Coordinator
-from clusterwatch.coordinator.ingest.sessions import AgentSession
+from bench.synthetic import StampedReport, node_report, rank_reports
 from clusterwatch.coordinator.metrics.incidents import incident_view
 from clusterwatch.coordinator.metrics.page import render
 from clusterwatch.coordinator.model.event_log import EventLog
@@ -54,18 +52,6 @@ MAX_PART_RATIO = 30.0
 MIN_PART_S = 0.01
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.mono_s = 1000.0
-        self.offset_s = time.time() - self.mono_s
-
-    def mono(self) -> float:
-        return self.mono_s
-
-    def wall(self) -> float:
-        return self.mono_s + self.offset_s
-
-
 class Costs:
     """CPU seconds per part of the coordinator's work."""
 
@@ -80,19 +66,13 @@ class Costs:
         return sum(self.seconds.values())
 
 
-def open_streams(coordinator: Coordinator, nodes: int, clock: Clock) -> list[AgentSession]:
-    """Every node's stream, opened at once: admission (100 new streams a second) is not what is measured here."""
-    coordinator.streams = StreamGate(0, clock.mono_s, admit_burst=nodes)
-    return [coordinator.open_stream(hello(f"node-{i:05d}")) for i in range(nodes)]
-
-
 async def one_job(nodes: int, state_dir: Path) -> tuple[Costs, dict[Kind, int]]:
     """Play the scenario for one job over ``nodes`` nodes; its costs and the live incidents by kind."""
-    clock = Clock()
+    clock = SimClock()
     coordinator, watchdog = build_core(EventLog(state_dir), clock=clock.mono, wall_clock=clock.wall)
     template = node_report("template")
     world_size = nodes * RANKS_PER_NODE
-    sessions = open_streams(coordinator, nodes, clock)
+    sessions = open_streams(coordinator, [f"node-{i:05d}" for i in range(nodes)], clock.mono_s)
     stamped = [
         StampedReport(template, rank_reports(i, RANKS_PER_NODE, 1, job="big", world_size=world_size), 1.0)
         for i in range(nodes)
