@@ -6,6 +6,7 @@ tests/ on sys.path, as for ``fakes``)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -73,9 +74,10 @@ async def eventually(predicate: Callable[[], T | None], timeout_s: float, what: 
         await asyncio.sleep(0.02)
 
 
-def sim_agent_settings(grpc_port: int, node_id: str) -> AgentSettings:
-    """An in-process agent on loopback: one simulated GPU, reports every 0.1 s, quick reconnects, no socket."""
-    return AgentSettings(
+def sim_agent_settings(grpc_port: int, node_id: str, **overrides: Any) -> AgentSettings:
+    """An in-process agent on loopback: one simulated GPU, reports every 0.1 s, quick reconnects, no socket;
+    ``overrides`` replace any of these."""
+    settings = AgentSettings(
         coordinator=f"127.0.0.1:{grpc_port}",
         node_id=node_id,
         interval_s=0.1,
@@ -85,6 +87,7 @@ def sim_agent_settings(grpc_port: int, node_id: str) -> AgentSettings:
         reconnect_max_s=0.5,
         socket="",
     )
+    return dataclasses.replace(settings, **overrides)
 
 
 def clusterwatch_cmd(*args: str) -> list[str]:

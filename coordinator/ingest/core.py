@@ -43,8 +43,6 @@ CHECKPOINT_RETENTION_S = 30 * 86400.0
 JOB_EXPIRY_PERIOD_S = 5.0
 # The ``reason`` of clusterwatch_reports_rejected_total for a report refused by the rate limit.
 RATE_LIMITED = "rate_limited"
-# Refusals of new streams less than this apart are one episode, logged once.
-REFUSAL_EPISODE_S = 60.0
 # A hello naming a node whose stream, from another agent instance, delivered
 # something this many intervals ago or less is a second agent with the same
 # node id (a restarted agent's old stream ends when its process does).
@@ -109,8 +107,6 @@ class Coordinator:
         self.state = ClusterState(unreachable_after_intervals)
         self.lag = lag if lag is not None else Lag(clock())
         self.streams = StreamGate(max_agent_streams, clock())
-        # When a hello was last refused for capacity (monotonic; None: not recently), to log episodes.
-        self._refusing_since: float | None = None
         self.event_log = event_log
         self.sessions: dict[str, AgentSession] = {}
         self._clock = clock
@@ -171,16 +167,16 @@ class Coordinator:
         return session
 
     def _refuse_stream(self, node_id: str, refused: Refused, reading: LagReading, now_mono: float) -> None:
-        """Excuse the refused node's silence and raise its refusal; the first of an episode is logged.
+        """Excuse the refused node's silence and raise its refusal; the first of an episode
+        (StreamGate.refusing_since) is logged.
 
         Raises:
             ResourceExhaustedError: always.
         """
         self.state.excuse(node_id, refused.excused_until_s)
         error = self.streams.refusal(refused, reading, len(self.sessions))
-        if self._refusing_since is None or now_mono - self._refusing_since > REFUSAL_EPISODE_S:
+        if self.streams.refusing_since(now_mono) == now_mono:  # this refusal began an episode
             logger.warning("refusing new agent streams (node %s first): %s", node_id, error)
-        self._refusing_since = now_mono
         raise error
 
     def _check_not_duplicate(self, hello: agent_pb2.Hello, now_mono: float) -> None:

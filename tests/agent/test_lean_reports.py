@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import eventually
+from helpers import eventually, sim_agent_settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from clusterwatch.agent.runtime import Agent
@@ -44,17 +44,8 @@ def hardware_samples(page: bytes) -> set[tuple[str, tuple[tuple[str, str], ...]]
 
 
 def agent_settings(port: int) -> AgentSettings:
-    return AgentSettings(
-        coordinator=f"127.0.0.1:{port}",
-        node_id=NODE,
-        interval_s=0.05,
-        gpu_backend="sim",
-        sim_gpus=2,
-        collectors=["gpu", "host"],
-        reconnect_max_s=0.5,
-        socket="",
-        metrics_listen="",
-        pod_resources_socket="",
+    return sim_agent_settings(
+        port, NODE, interval_s=0.05, sim_gpus=2, metrics_listen="", pod_resources_socket=""
     )
 
 
