@@ -17,6 +17,8 @@ class StartedCoordinator:
     process: subprocess.Popen[bytes]
     grpc_port: int
     metrics_port: int | None
+    # ClusterService's own port (coordinator.api_listen), when started with --api-listen.
+    api_port: int | None
     # time.monotonic() when its ready file appeared: gRPC (and /metrics) serve from then on.
     ready_at_s: float
 
@@ -80,7 +82,9 @@ def start_coordinator(
         time.sleep(poll_s)
     ready_at_s = time.monotonic()
     ports = json.loads(ready.read_text())
-    return StartedCoordinator(process, ports["grpc_port"], ports["metrics_port"], ready_at_s)
+    return StartedCoordinator(
+        process, ports["grpc_port"], ports["metrics_port"], ports["api_port"], ready_at_s
+    )
 
 
 def stop_coordinator(process: subprocess.Popen[bytes], timeout_s: float = 60) -> None:

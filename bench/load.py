@@ -72,19 +72,27 @@ class Coordinator:
     pid: int
     grpc_port: int
     metrics_port: int
+    # Where status, incidents and the probers call: ClusterService's own port, or the agents' (--api main).
+    api_port: int
     log: Path
 
 
 @contextlib.contextmanager
 def coordinator_process(
-    state_dir: Path, log_level: str = "warning", hardware_series: str = "coordinator"
+    state_dir: Path, log_level: str = "warning", hardware_series: str = "coordinator", api: str = "thread"
 ) -> Iterator[Coordinator]:
-    """A `clusterwatch coordinator` on loopback ports, state and log (at ``log_level``) in ``state_dir``."""
+    """A `clusterwatch coordinator` on loopback ports, state and log (at ``log_level``) in ``state_dir``;
+    with ``api`` "thread", ClusterService also on a port of its own (coordinator.api_listen)."""
     log = state_dir / "coordinator.log"
-    started = start_coordinator(state_dir, "--hardware-series", hardware_series, log_level=log_level, log=log)
+    api_listen = ("--api-listen", "127.0.0.1:0") if api == "thread" else ()
+    started = start_coordinator(
+        state_dir, "--hardware-series", hardware_series, *api_listen, log_level=log_level, log=log
+    )
     try:
         assert started.metrics_port is not None
-        yield Coordinator(started.process.pid, started.grpc_port, started.metrics_port, log)
+        api_port = started.api_port if api == "thread" else started.grpc_port
+        assert api_port is not None
+        yield Coordinator(started.process.pid, started.grpc_port, started.metrics_port, api_port, log)
     finally:
         stop_coordinator(started.process)
 
@@ -171,6 +179,13 @@ def main() -> int:
         default=HARDWARE_SERIES[0],
         help="the coordinator's mode; with agents, the simulated agents send report digests",
     )
+    parser.add_argument(
+        "--api",
+        choices=("thread", "main"),
+        default="thread",
+        help="where the probers call ClusterService: its own thread and port (coordinator.api_listen), "
+        "or the agents' server on the core's loop",
+    )
     parser.add_argument("--json", type=Path, help="write the results here as JSON")
     parser.add_argument("--coordinator-log", type=Path, help="keep the coordinator's log here")
     parser.add_argument(
@@ -181,7 +196,9 @@ def main() -> int:
         args.seconds = 60.0
     with tempfile.TemporaryDirectory(prefix="clusterwatch-load-") as tmp:
         try:
-            with coordinator_process(Path(tmp), args.coordinator_log_level, args.hardware_series) as coord:
+            with coordinator_process(
+                Path(tmp), args.coordinator_log_level, args.hardware_series, args.api
+            ) as coord:
                 result = run(args, coord)
         finally:
             if args.coordinator_log:
@@ -248,7 +265,7 @@ def run(args: argparse.Namespace, coord: Coordinator) -> dict[str, Any]:
     )
     probes.start()
     prober = Prober(
-        f"127.0.0.1:{coord.grpc_port}",
+        f"127.0.0.1:{coord.api_port}",
         probes,
         probe_period_s=args.probe_period_s,
         window=(begin, end),
@@ -259,7 +276,7 @@ def run(args: argparse.Namespace, coord: Coordinator) -> dict[str, Any]:
     coordinator = psutil.Process(coord.pid)
     generators = [psutil.Process(p.pid) for p in workers]
     myself = psutil.Process()
-    incidents_prober = IncidentsProber(f"127.0.0.1:{coord.grpc_port}", stop, window=(begin, end))
+    incidents_prober = IncidentsProber(f"127.0.0.1:{coord.api_port}", stop, window=(begin, end))
     for thread in (prober, scraper, sampler, incidents_prober):
         thread.start()
     load_before = os.getloadavg()
@@ -297,7 +314,7 @@ def run(args: argparse.Namespace, coord: Coordinator) -> dict[str, Any]:
     first = reading()
     time.sleep(max(0.0, end - time.time()))
     last = reading()
-    outcome = verdicts(f"127.0.0.1:{coord.grpc_port}")
+    outcome = verdicts(f"127.0.0.1:{coord.api_port}")
     stop.set()
     load_after = os.getloadavg()
     for process in workers:
@@ -521,6 +538,7 @@ def summary(r: dict[str, Any]) -> str:
     lines = [
         f"{cfg['agents']} agents x {cfg['rate']} Hz, {cfg['gpus']} GPUs, {cfg['ranks']} ranks x {cfg['steps']} steps, "
         f"hardware series from the {cfg.get('hardware_series', 'coordinator')}, "
+        f"ClusterService on the {cfg.get('api', 'main')} server, "
         f"{cfg['procs']} generator processes; measured {r['window_s']} s after {cfg['warmup_s']} s warm-up "
         f"(load average {r['machine']['loadavg_before'][0]:.1f} -> {r['machine']['loadavg_after'][0]:.1f} "
         f"on {r['machine']['cpus']} CPUs)",

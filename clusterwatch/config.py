@@ -132,6 +132,13 @@ class CoordinatorSettings(TransportSettings):
     metrics_listen: str = setting(
         "0.0.0.0:9470", "/metrics and /healthz on HOST:PORT (empty: off)", host_port=True, optional=True
     )
+    api_listen: str = setting(
+        "",
+        "also serve ClusterService (status, top, incidents) on HOST:PORT from a thread of its own, "
+        "which answers while agents keep the coordinator busy; point clients here at scale (empty: off)",
+        host_port=True,
+        optional=True,
+    )
     state_dir: Path = setting(Path("/var/lib/clusterwatch"), "directory for the SQLite event database")
     unreachable_after_intervals: float = setting(
         3.0, "a node that misses this many report intervals is unreachable", positive=True

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -24,7 +25,10 @@ from grpc_reflection.v1alpha import reflection
 from clusterwatch.config import CoordinatorSettings, DetectionSettings, RecoverySettings
 from clusterwatch.coordinator.api.access import AccessPolicy, read_tokens
 from clusterwatch.coordinator.api.agent_servicer import AgentServicer
-from clusterwatch.coordinator.api.cluster_servicer import ClusterServicer
+from clusterwatch.coordinator.api.api_thread import ApiThread
+from clusterwatch.coordinator.api.cluster_servicer import ClusterServicer, add_cluster_service
+from clusterwatch.coordinator.api.cluster_views import LiveViews, RecentViews, ViewSource, take_views
+from clusterwatch.coordinator.api.core_calls import CoreCalls
 from clusterwatch.coordinator.api.errors_interceptor import ErrorMappingInterceptor
 from clusterwatch.coordinator.metrics.incidents import IncidentView, incident_view
 from clusterwatch.coordinator.metrics.load import LoadView
@@ -48,12 +52,14 @@ from clusterwatch.runtime import sd_notify
 from clusterwatch.runtime.grpc_options import SERVER_OPTIONS
 from clusterwatch.runtime.peer_identity import PeerVerifier
 from clusterwatch.runtime.tls import TlsFiles
-from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2, cluster_pb2_grpc
+from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2
 
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 2.0
 RENDER_SNAPSHOT_TIMEOUT_S = 10.0
+# The interpreter's switch interval with the API thread on (coordinator.api_listen); see start().
+API_SWITCH_INTERVAL_S = 0.001
 # The [recovery] settings the launcher is built from: fixed until the coordinator restarts.
 LAUNCHER_FIELDS = (
     "launcher",
@@ -155,7 +161,9 @@ class CoordinatorServer:
         self.actions.recovery = self.recovery
         self.core.job_ended_listeners.append(self.recovery.forget_job)
         self.grpc_port = 0
+        self.api_port: int | None = None
         self.metrics_port: int | None = None
+        self._api: ApiThread | None = None
         self._server: grpc.aio.Server | None = None
         self._health: Any = None  # grpc_health.v1.health.aio.HealthServicer (untyped)
         self._http: MetricsHttpServer | None = None
@@ -214,9 +222,8 @@ class CoordinatorServer:
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
             AgentServicer(self.core, self.access, report_settings), self._server
         )
-        cluster_pb2_grpc.add_ClusterServiceServicer_to_server(
-            ClusterServicer(self.core, self.watchdog, self.actions, self.access), self._server
-        )
+        calls = CoreCalls(self._loop)
+        add_cluster_service(self._cluster_servicer(calls, LiveViews(self.core, self.watchdog)), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         services = (
             agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
@@ -237,13 +244,28 @@ class CoordinatorServer:
         for service in services[:2]:
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        if self.settings.api_listen:
+            # The core's loop keeps the interpreter busy: a thread waiting for it gets it after this
+            # interval (5 ms by default), and answering one call takes dozens of such turns.
+            sys.setswitchinterval(API_SWITCH_INTERVAL_S)
+            recent = RecentViews(
+                lambda: take_views(self.core, self.watchdog), calls, lambda: self.core.now()[0]
+            )
+            self._api = ApiThread(
+                self.settings.api_listen,
+                lambda: self._cluster_servicer(calls, recent),
+                [ErrorMappingInterceptor(gate=self.access.gate)],
+                self._tls.server_credentials() if self._tls is not None else None,
+            )
+            self.api_port = await self._api.start()
         if self.settings.metrics_listen:
             self._http = MetricsHttpServer(self.settings.metrics_listen, self.render_metrics, lambda: True)
             self._http.start()
             self.metrics_port = self._http.port
         logger.info(
-            "coordinator serving gRPC on port %d, /metrics on %s, state in %s",
+            "coordinator serving gRPC on port %d (ClusterService also on %s), /metrics on %s, state in %s",
             self.grpc_port,
+            self.api_port or "(no api_listen)",
             self.metrics_port or "(off)",
             self.settings.state_dir,
         )
@@ -256,6 +278,9 @@ class CoordinatorServer:
         ]
         if self.settings.ready_file:
             self._write_ready_file(Path(self.settings.ready_file))
+
+    def _cluster_servicer(self, calls: CoreCalls, views: ViewSource) -> ClusterServicer:
+        return ClusterServicer(self.core, self.watchdog, self.actions, self.access, calls=calls, views=views)
 
     async def _watch_incidents(self) -> None:
         """Detection rounds forever (cancel to stop); see Watchdog."""
@@ -297,7 +322,12 @@ class CoordinatorServer:
         )
 
     def _write_ready_file(self, path: Path) -> None:
-        ready = {"grpc_port": self.grpc_port, "metrics_port": self.metrics_port, "pid": os.getpid()}
+        ready = {
+            "grpc_port": self.grpc_port,
+            "api_port": self.api_port,
+            "metrics_port": self.metrics_port,
+            "pid": os.getpid(),
+        }
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(json.dumps(ready))
         tmp.replace(path)
@@ -332,6 +362,8 @@ class CoordinatorServer:
                 await task
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        if self._api is not None:
+            await self._api.stop()
         if self._server is not None:
             await self._server.stop(SHUTDOWN_GRACE_S)
         if self._http:

@@ -28,6 +28,10 @@ from clusterwatch.v1 import cluster_pb2
 NodeState = cluster_pb2.NodeState
 
 
+# The header says how old the state shown is from this age on (see CoordinatorHealth.views_age_seconds).
+VIEWS_AGE_SHOWN_S = 1.0
+
+
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "status",
@@ -198,7 +202,12 @@ def coordinator_header(snapshot: cluster_pb2.ClusterSnapshot) -> str:
         state = f"caught up ({figures}); verdicts resume in a moment"
     else:
         state = f"keeping up, {figures}"
-    return f"coordinator {snapshot.coordinator_version}: {state}; {streams}{refused}"
+    age = (
+        f"; as of {health.views_age_seconds:.1f} s ago"
+        if health.views_age_seconds >= VIEWS_AGE_SHOWN_S
+        else ""
+    )
+    return f"coordinator {snapshot.coordinator_version}: {state}; {streams}{refused}{age}"
 
 
 def run(args: argparse.Namespace) -> int:

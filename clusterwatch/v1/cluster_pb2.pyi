@@ -509,6 +509,7 @@ class CoordinatorHealth(_message.Message):
     VERDICTS_HELD_FIELD_NUMBER: _builtins.int
     AGENT_STREAMS_FIELD_NUMBER: _builtins.int
     STREAMS_REFUSED_LAST_MINUTE_FIELD_NUMBER: _builtins.int
+    VIEWS_AGE_SECONDS_FIELD_NUMBER: _builtins.int
     lag_seconds: _builtins.float
     """max(loop_delay_seconds, report_age_seconds)."""
     loop_delay_seconds: _builtins.float
@@ -524,6 +525,11 @@ class CoordinatorHealth(_message.Message):
     coordinator was at capacity.
     """
     streams_refused_last_minute: _builtins.int
+    views_age_seconds: _builtins.float
+    """How old the state this answer shows was when it was sent: 0 on the core's
+    own server; from coordinator.api_listen's thread up to 0.5 s while the
+    coordinator keeps up, up to 10 s while it is behind.
+    """
     def __init__(
         self,
         *,
@@ -534,10 +540,11 @@ class CoordinatorHealth(_message.Message):
         verdicts_held: _builtins.bool = ...,
         agent_streams: _builtins.int = ...,
         streams_refused_last_minute: _builtins.int = ...,
+        views_age_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_streams", b"agent_streams", "behind", b"behind", "lag_seconds", b"lag_seconds", "loop_delay_seconds", b"loop_delay_seconds", "report_age_seconds", b"report_age_seconds", "streams_refused_last_minute", b"streams_refused_last_minute", "verdicts_held", b"verdicts_held"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_streams", b"agent_streams", "behind", b"behind", "lag_seconds", b"lag_seconds", "loop_delay_seconds", b"loop_delay_seconds", "report_age_seconds", b"report_age_seconds", "streams_refused_last_minute", b"streams_refused_last_minute", "verdicts_held", b"verdicts_held", "views_age_seconds", b"views_age_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

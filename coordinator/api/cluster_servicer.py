@@ -5,28 +5,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Collection
-from typing import Any
+from collections.abc import AsyncIterator, Collection, Sequence
+from typing import Any, cast
 
 import grpc
 
 from clusterwatch import __version__, config
 from clusterwatch.coordinator.api import request_checks
 from clusterwatch.coordinator.api.access import AccessPolicy
+from clusterwatch.coordinator.api.cluster_views import ClusterViews, ViewSource
+from clusterwatch.coordinator.api.core_calls import CoreCalls
 from clusterwatch.coordinator.api.job_requests import check_begin, check_end
 from clusterwatch.coordinator.detection.watchdog import Watchdog
 from clusterwatch.coordinator.ingest.core import Coordinator
 from clusterwatch.coordinator.model.incidents import IncidentState
 from clusterwatch.coordinator.model.state import Event, EventKind
 from clusterwatch.coordinator.recovery.actions import Actions
-from clusterwatch.coordinator.views.jobs import job_status, job_view, training_view
-from clusterwatch.coordinator.views.nodes import node_status, node_views
+from clusterwatch.coordinator.views.jobs import JobView, job_status, job_view
+from clusterwatch.coordinator.views.nodes import NodeView, node_status
 from clusterwatch.coordinator.views.topology import cluster_topology
 from clusterwatch.errors import ClusterwatchError, InvalidRequestError
 from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+SERVICE_NAME = cluster_pb2.DESCRIPTOR.services_by_name["ClusterService"].full_name
 DEFAULT_WATCH_INTERVAL_S = 1.0
 MIN_WATCH_INTERVAL_S = 0.1
 # Watch streams share a snapshot built at most this long ago (half the default interval): with
@@ -42,7 +45,13 @@ _SETTABLE_STATES = (
 
 
 class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
-    """Reads are open; actions need an admin credential (see coordinator/api/access.py) and are recorded."""
+    """Reads are open; actions need an admin credential (see coordinator/api/access.py) and are recorded.
+
+    It serves on the core's event loop, or from the API thread's
+    (coordinator/api/api_thread.py): ``views`` is where snapshots and live
+    incidents come from, and everything else that touches the core's state goes
+    through ``calls`` (coordinator/api/core_calls.py), a plain call on the core's loop.
+    """
 
     def __init__(
         self,
@@ -50,15 +59,22 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         watchdog: Watchdog,
         actions: Actions,
         access: AccessPolicy | None = None,
+        *,
+        calls: CoreCalls,
+        views: ViewSource,
     ) -> None:
         self._core = coordinator
         self._watchdog = watchdog
         self._actions = actions
         self._access = access or AccessPolicy({}, ())
+        self._calls = calls
+        self._views = views
+        # summary_only -> (the views, the build of their whole snapshot, serialized).
+        self._built: dict[bool, tuple[ClusterViews, asyncio.Future[bytes]]] = {}
         # summary_only -> (build began, monotonic; the build) shared by Watch streams.
-        self._shared: dict[bool, tuple[float, asyncio.Future[cluster_pb2.ClusterSnapshot]]] = {}
+        self._shared: dict[bool, tuple[float, asyncio.Future[bytes]]] = {}
 
-    def _authorize(self, context: grpc.aio.ServicerContext[Any, Any], what: str) -> str:
+    async def _authorize(self, context: grpc.aio.ServicerContext[Any, Any], what: str) -> str:
         """The admin principal asking for ``what``, recorded in the event log.
 
         Raises:
@@ -69,68 +85,57 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         except ClusterwatchError as exc:
             logger.warning("refused %s from %s: %s", what, context.peer(), exc)
             raise
-        self._core.record([Event(EventKind.ADMIN_REQUEST, "", time.time(), f"{who}: {what}")])
+        event = Event(EventKind.ADMIN_REQUEST, "", time.time(), f"{who}: {what}")
+        await self._calls.run(lambda: self._core.record([event]))
         return who
 
     async def snapshot(
         self, summary_only: bool = False, nodes: Collection[str] = (), jobs: Collection[str] = ()
-    ) -> cluster_pb2.ClusterSnapshot:
-        """Nodes and jobs now; jobs are small, so summaries keep them whole.
+    ) -> bytes:
+        """A ClusterSnapshot, serialized: nodes and jobs (when either is given, exactly those named,
+        unknown names left out, and the incidents about them; else everything); jobs are small, so
+        summaries keep them whole.
 
-        Built NODES_PER_SLICE nodes (and one job) at a time, letting the event loop run between
-        slices: a snapshot of thousands of nodes takes a second of CPU, and the loop reading reports
-        and answering other calls must not wait that long. The views are taken at once; each node's
-        status is consistent in itself, and the reports it reads are never changed once stored.
-
-        Args:
-            nodes / jobs: when either is given, exactly the nodes and jobs named (unknown names are
-                left out) and the incidents about them; else everything.
+        Built from views (coordinator/api/cluster_views.py). A whole snapshot of the same views
+        (recent views are read many times) is built and serialized once: its bytes are shared, each
+        answer appending only its own views_age_seconds (protobuf merges concatenated messages).
         """
-        core = self._core
-        now_mono = core.now()[0]
-        filtered = bool(nodes or jobs)
-        wanted_nodes, wanted_jobs = frozenset(nodes), frozenset(jobs)
-        training = training_view(
-            core.jobs,
-            core.checkpoints,
-            now_mono,
-            self._watchdog.detection.slowdown_ratios,
-            only=wanted_jobs if filtered else None,
-        )
-        incidents = self._watchdog.book.live()
-        if filtered:
-            incidents = [i for i in incidents if i.job in wanted_jobs or not wanted_nodes.isdisjoint(i.nodes)]
-        views = node_views(core.state, only=wanted_nodes if filtered else None)
+        views = await self._views.read(nodes, jobs)
+        if nodes or jobs:
+            body = await self._build(views, summary_only)
+        else:
+            built = self._built.get(summary_only)
+            if built is None or built[0] is not views:
+                build = asyncio.ensure_future(self._build(views, summary_only))
+                built = self._built[summary_only] = (views, build)
+            # Shielded: a caller that goes away does not cancel the build others wait for.
+            body = await asyncio.shield(built[1])
+        age_s = max(0.0, self._core.now()[0] - views.taken_mono_s)
+        age = cluster_pb2.ClusterSnapshot(coordinator=cluster_pb2.CoordinatorHealth(views_age_seconds=age_s))
+        return body + age.SerializeToString()
+
+    async def _build(self, views: ClusterViews, summary_only: bool) -> bytes:
+        """The snapshot of ``views``, serialized. Thousands of nodes take a second of CPU, and the
+        loop that answers other calls must not wait that long: on the core's loop the messages are
+        built NODES_PER_SLICE nodes (and one job) at a time, letting the loop run between slices;
+        from the API thread, by a worker thread."""
         snapshot = cluster_pb2.ClusterSnapshot(
-            timestamp_unix_seconds=time.time(),
+            timestamp_unix_seconds=views.taken_unix_s,
             coordinator_version=__version__,
-            incidents=[i.to_proto() for i in incidents],
-            coordinator=self._health(now_mono),
+            incidents=[i.proto for i in views.incidents],
+            coordinator=views.health,
         )
-        for start in range(0, len(views), NODES_PER_SLICE):
-            snapshot.nodes.extend(
-                node_status(v, summary_only) for v in views[start : start + NODES_PER_SLICE]
-            )
+        if not self._calls.on_core():
+            return await asyncio.to_thread(_serialized, snapshot, views.nodes, views.jobs, summary_only)
+        for start in range(0, len(views.nodes), NODES_PER_SLICE):
+            _add_statuses(snapshot, views.nodes[start : start + NODES_PER_SLICE], (), summary_only)
             await asyncio.sleep(0)
-        for job in training.jobs:
-            snapshot.jobs.append(job_status(job))
+        for job in views.jobs:
+            _add_statuses(snapshot, (), (job,), summary_only)
             await asyncio.sleep(0)
-        return snapshot
+        return snapshot.SerializeToString()
 
-    def _health(self, now_mono: float) -> cluster_pb2.CoordinatorHealth:
-        core = self._core
-        lag = core.lag.read(now_mono)
-        return cluster_pb2.CoordinatorHealth(
-            lag_seconds=lag.lag_s,
-            loop_delay_seconds=lag.loop_delay_s,
-            report_age_seconds=lag.report_age_s,
-            behind=lag.behind,
-            verdicts_held=lag.held,
-            agent_streams=len(core.sessions),
-            streams_refused_last_minute=core.streams.refused_recently(now_mono),
-        )
-
-    async def shared_snapshot(self, summary_only: bool) -> cluster_pb2.ClusterSnapshot:
+    async def shared_snapshot(self, summary_only: bool) -> bytes:
         """The whole snapshot, whose build began at most SHARED_SNAPSHOT_MAX_AGE_S ago (for Watch streams):
         the streams that ask while it is being built wait for the same build."""
         now_mono = self._core.now()[0]
@@ -141,15 +146,16 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         # Shielded: a Watch that ends does not cancel the build the others wait for.
         return await asyncio.shield(shared[1])
 
-    async def GetSnapshot(  # noqa: N802 - gRPC method name
+    # GetSnapshot and Watch answer serialized snapshots (see add_cluster_service).
+    async def GetSnapshot(  # type: ignore[override]  # noqa: N802 - gRPC method name
         self, request: cluster_pb2.GetSnapshotRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> cluster_pb2.ClusterSnapshot:
+    ) -> bytes:
         request_checks.check_get_snapshot(request)
         return await self.snapshot(request.summary_only, request.nodes, request.jobs)
 
-    async def Watch(  # noqa: N802
+    async def Watch(  # type: ignore[override]  # noqa: N802
         self, request: cluster_pb2.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[cluster_pb2.ClusterSnapshot]:
+    ) -> AsyncIterator[bytes]:
         request_checks.check_watch(request)
         interval_s = max(MIN_WATCH_INTERVAL_S, request.interval_seconds or DEFAULT_WATCH_INTERVAL_S)
         while True:
@@ -160,8 +166,10 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         self, request: cluster_pb2.ListEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.ListEventsResponse:
         request_checks.check_list_events(request)
-        stored = self._core.event_log.events(
-            after_id=request.after_id, limit=request.limit or DEFAULT_EVENT_LIMIT, node_id=request.node_id
+        stored = await self._calls.run(
+            lambda: self._core.event_log.events(
+                after_id=request.after_id, limit=request.limit or DEFAULT_EVENT_LIMIT, node_id=request.node_id
+            )
         )
         return cluster_pb2.ListEventsResponse(
             events=[
@@ -182,11 +190,12 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         request_checks.check_list_incidents(request)
         limit = request.limit or DEFAULT_EVENT_LIMIT
         if request.include_resolved:  # history lives in the database
-            incidents = self._core.event_log.incidents(True, request.job, limit)
-        else:
-            live = self._watchdog.book.live()
-            incidents = [i for i in live if not request.job or i.job == request.job][-limit:]
-        return cluster_pb2.ListIncidentsResponse(incidents=[i.to_proto() for i in incidents])
+            stored = await self._calls.run(lambda: self._core.event_log.incidents(True, request.job, limit))
+            return cluster_pb2.ListIncidentsResponse(incidents=[i.to_proto() for i in stored])
+        live = await self._views.live_incidents()
+        return cluster_pb2.ListIncidentsResponse(
+            incidents=[i.proto for i in live if not request.job or i.job == request.job][-limit:]
+        )
 
     async def UpdateIncident(  # noqa: N802
         self, request: cluster_pb2.UpdateIncidentRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -198,33 +207,38 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
             raise InvalidRequestError(
                 f"state must be INCIDENT_STATE_ACKNOWLEDGED or INCIDENT_STATE_RESOLVED, got {request.state}"
             )
-        self._authorize(
+        await self._authorize(
             context, f"incident {request.id} -> {cluster_pb2.IncidentState.Name(request.state).lower()}"
         )
-        return self._watchdog.move(request.id, IncidentState.from_proto(request.state)).to_proto()
+        state = IncidentState.from_proto(request.state)
+        return await self._calls.run(lambda: self._watchdog.move(request.id, state).to_proto())
 
     async def GetDetectionSettings(  # noqa: N802
         self, request: cluster_pb2.GetDetectionSettingsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.DetectionSettings:
-        return cluster_pb2.DetectionSettings(values=config.as_strings(self._watchdog.settings))
+        return cluster_pb2.DetectionSettings(
+            values=await self._calls.run(lambda: config.as_strings(self._watchdog.settings))
+        )
 
     async def UpdateDetectionSettings(  # noqa: N802
         self, request: cluster_pb2.UpdateDetectionSettingsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.DetectionSettings:
         request_checks.check_update_detection_settings(request)
         changes = dict(request.values)
-        self._authorize(
+        await self._authorize(
             context, "detection settings " + ", ".join(f"{k}={v}" for k, v in sorted(changes.items()))
         )
-        settings = self._watchdog.update_settings(changes)
+        settings = await self._calls.run(lambda: self._watchdog.update_settings(changes))
         return cluster_pb2.DetectionSettings(values=config.as_strings(settings))
 
     async def ListActions(  # noqa: N802
         self, request: cluster_pb2.ListActionsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.ListActionsResponse:
         request_checks.check_list_actions(request)
-        actions = self._core.event_log.actions(
-            request.job, request.incident_id, request.limit or DEFAULT_EVENT_LIMIT
+        actions = await self._calls.run(
+            lambda: self._core.event_log.actions(
+                request.job, request.incident_id, request.limit or DEFAULT_EVENT_LIMIT
+            )
         )
         return cluster_pb2.ListActionsResponse(actions=actions)
 
@@ -232,28 +246,34 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         self, request: cluster_pb2.ActionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.ActionResponse:
         request_checks.check_action(request)
-        who = self._authorize(context, f"{request.action or 'action'} of job {request.job!r}")
-        return await self._actions.request(request, context.time_remaining(), requested_by=who)
+        who = await self._authorize(context, f"{request.action or 'action'} of job {request.job!r}")
+        time_remaining = context.time_remaining()
+        return await self._calls.run_async(
+            lambda: self._actions.request(request, time_remaining, requested_by=who)
+        )
 
     async def BeginJob(  # noqa: N802
         self, request: cluster_pb2.BeginJobRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.JobStatus:
         check_begin(request)
-        self._authorize(context, f"begin job {request.job!r}")
+        await self._authorize(context, f"begin job {request.job!r}")
+        return job_status(await self._calls.run(lambda: self._begin_job(request)))
+
+    def _begin_job(self, request: cluster_pb2.BeginJobRequest) -> JobView:
         core = self._core
         core.begin_job(request.job, request.labels, request.nodes)
         view = job_view(
             core.jobs, core.checkpoints, request.job, core.now()[0], self._watchdog.detection.slowdown_ratios
         )
-        assert view is not None  # noqa: S101 - registered just now, on this thread
-        return job_status(view)
+        assert view is not None  # noqa: S101 - registered just now, in this call on the core's loop
+        return view
 
     async def EndJob(  # noqa: N802
         self, request: cluster_pb2.EndJobRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.EndJobResponse:
         check_end(request)
-        self._authorize(context, f"end job {request.job!r}")
-        ended = self._core.end_job(request.job, request.reason)
+        await self._authorize(context, f"end job {request.job!r}")
+        ended = await self._calls.run(lambda: self._core.end_job(request.job, request.reason))
         if ended.known:
             message = (
                 f"job {request.job} ended: {_count(ended.ranks, 'rank')} dropped, "
@@ -271,7 +291,56 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         self, request: cluster_pb2.GetTopologyRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> cluster_pb2.ClusterTopology:
         request_checks.check_get_topology(request)
-        return cluster_topology(self._core.state, self._core.jobs, request.node, request.job)
+        return await self._calls.run(
+            lambda: cluster_topology(self._core.state, self._core.jobs, request.node, request.job)
+        )
+
+
+def add_cluster_service(servicer: ClusterServicer, server: grpc.aio.Server) -> None:
+    """Serve ``servicer`` on ``server``, GetSnapshot and Watch sending the bytes it serialized.
+
+    The generated registration serializes every answer: a whole snapshot is megabytes, asked for
+    by every `top` every second, and serializing the same one again per caller would cost the
+    coordinator more than building it once.
+    """
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+
+    class Registration:  # takes the generated handlers instead of a server
+        def add_generic_rpc_handlers(self, generic: object) -> None:
+            pass
+
+        def add_registered_method_handlers(self, service: str, method_handlers: dict[str, Any]) -> None:
+            handlers.update(method_handlers)
+
+    cluster_pb2_grpc.add_ClusterServiceServicer_to_server(servicer, cast(grpc.aio.Server, Registration()))
+    for method in ("GetSnapshot", "Watch"):
+        handlers[method] = handlers[method]._replace(response_serializer=_as_bytes)  # type: ignore[attr-defined]
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]  # as generated
+
+
+def _as_bytes(answer: bytes) -> bytes:
+    return answer
+
+
+def _serialized(
+    snapshot: cluster_pb2.ClusterSnapshot,
+    nodes: Sequence[NodeView],
+    jobs: Sequence[JobView],
+    summary_only: bool,
+) -> bytes:
+    _add_statuses(snapshot, nodes, jobs, summary_only)
+    return snapshot.SerializeToString()
+
+
+def _add_statuses(
+    snapshot: cluster_pb2.ClusterSnapshot,
+    nodes: Sequence[NodeView],
+    jobs: Sequence[JobView],
+    summary_only: bool,
+) -> None:
+    snapshot.nodes.extend(node_status(v, summary_only) for v in nodes)
+    snapshot.jobs.extend(job_status(j) for j in jobs)
 
 
 def _count(n: int, noun: str) -> str:
