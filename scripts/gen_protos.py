@@ -1,11 +1,13 @@
-"""Regenerate the protobuf and gRPC modules in clusterwatch/v1 and clusterwatch/kubelet from proto/.
+"""Regenerate the protobuf and gRPC modules in clusterwatch/v1, clusterwatch/kubelet and clusterwatch/etcd from proto/.
 
 Usage:
-    python scripts/gen_protos.py           # rewrite clusterwatch/{v1,kubelet}/*_pb2*.py[i]
+    python scripts/gen_protos.py           # rewrite clusterwatch/{v1,kubelet,etcd}/*_pb2*.py[i]
     python scripts/gen_protos.py --check   # exit 1 if the committed files are stale
 
 clusterwatch/v1 is our own API; clusterwatch/kubelet holds the subset of the
-kubelet's pod-resources API the agent calls (proto package ``v1`` as upstream).
+kubelet's pod-resources API the agent calls (proto package ``v1`` as upstream),
+clusterwatch/etcd the subset of etcd's v3 API the coordinators call (packages
+``etcdserverpb`` and ``mvccpb`` as upstream).
 
 The generated files are committed and never edited by hand; the test command
 runs --check so a proto change without regeneration fails CI.
@@ -25,7 +27,7 @@ from grpc_tools import protoc
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 # Each folder's protos are generated into the same folder under the repository root.
-PACKAGE_DIRS = (Path("clusterwatch") / "v1", Path("clusterwatch") / "kubelet")
+PACKAGE_DIRS = (Path("clusterwatch") / "v1", Path("clusterwatch") / "kubelet", Path("clusterwatch") / "etcd")
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
 
 

@@ -1,14 +1,16 @@
-"""Fixtures shared by the tests: a Cluster of real processes, torn down after each test, and
-the session's one ``clusterwatch demo`` run (tests/demo_run.py)."""
+"""Fixtures shared by the tests: a Cluster of real processes, torn down after each test, the
+session's one ``clusterwatch demo`` run (tests/demo_run.py) and its one etcd (tests/etcd_server.py)."""
 
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from etcd_server import EtcdServer, start_etcd
 from helpers import ADMIN_TOKEN_FILE, Cluster
 
 if TYPE_CHECKING:
@@ -69,3 +71,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     setattr(item, "rep_" + report.when, report)
     return report
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One real etcd for the session; each test keeps to its own prefix (``etcd_prefix``)."""
+    server = start_etcd(tmp_path_factory.mktemp("etcd"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def etcd_prefix(request: pytest.FixtureRequest) -> str:
+    return f"/clusterwatch-tests/{request.node.name}/{uuid.uuid4().hex[:8]}"

@@ -23,11 +23,11 @@ SCRAPE_INTERVAL_S = 1
 __all__ = ["SCRAPE_INTERVAL_S", "PrometheusServer", "deployed_agent_job", "require", "start_prometheus"]
 
 
-def require(tool: str) -> str:
-    """The path of ``tool`` (prometheus, promtool); skip without it, fail under CI."""
+def require(tool: str, package: str = "prometheus") -> str:
+    """The path of ``tool`` (prometheus, promtool; etcd from etcd-server); skip without it, fail under CI."""
     path = shutil.which(tool)
     if path is None:
-        why = f"{tool} is not installed (apt-get install prometheus; ./dev test does it as root)"
+        why = f"{tool} is not installed (apt-get install {package}; ./dev test does it as root)"
         if os.environ.get("CI"):
             pytest.fail(f"CI must not skip: {why}")
         pytest.skip(why)

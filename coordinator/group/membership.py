@@ -1,0 +1,199 @@
+"""The coordinators of one cluster, as etcd knows them: each registered under a lease it keeps alive.
+
+A coordinator joins by writing ``<prefix>/members/<shard id>`` under a lease of TTL_S seconds,
+renewed every RENEW_EVERY_S; it leaves by revoking the lease, and a coordinator that dies or is cut
+off from etcd leaves when its lease runs out. Everyone watches the prefix, so everyone sees the same
+members (coordinator/group/ownership.py turns them into owners).
+
+The revision at which a coordinator's key was created is its **fencing token**: it grows with
+every join, so a coordinator that took over a job's shard carries a higher one than the one it
+replaced, and an agent can refuse the older.
+
+A coordinator may act only while it surely holds its lease: ``holds_lease()`` is true until
+TTL_S after the last renewal etcd acknowledged, measured from when that renewal was *sent*, so its
+view errs towards having lost the lease, never towards still holding it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable
+
+from clusterwatch.errors import ClusterwatchError, FailedPreconditionError
+from clusterwatch.runtime.etcd import Change, Etcd, LeaseLostError
+
+logger = logging.getLogger(__name__)
+
+TTL_S = 5
+RENEW_EVERY_S = TTL_S / 3
+# After a watch fails, read the members again after this long.
+REWATCH_AFTER_S = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One live coordinator: where agents and clients reach it, and its fencing token."""
+
+    shard_id: str
+    address: str
+    api_address: str = ""
+    metrics_address: str = ""
+    token: int = 0
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "address": self.address,
+                "api_address": self.api_address,
+                "metrics_address": self.metrics_address,
+            }
+        ).encode()
+
+    @classmethod
+    def decode(cls, shard_id: str, value: bytes, token: int) -> Member:
+        """Raises: ValueError: not a member's JSON."""
+        fields = json.loads(value)
+        return cls(
+            shard_id,
+            str(fields["address"]),
+            str(fields.get("api_address", "")),
+            str(fields.get("metrics_address", "")),
+            token,
+        )
+
+
+class Membership:
+    """This coordinator's membership, and everyone's.
+
+    Args:
+        etcd: the client.
+        prefix: the cluster's key prefix (several clusters may share one etcd).
+        me: this coordinator (its token is set on joining).
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self, etcd: Etcd, prefix: str, me: Member, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._etcd = etcd
+        self._members_prefix = f"{prefix.rstrip('/')}/members/"
+        self.me = me
+        self._clock = clock
+        self._lease = 0
+        self._holds_until_s = 0.0
+        self.members: dict[str, Member] = {}
+        self.changed = asyncio.Event()
+
+    @property
+    def key(self) -> str:
+        return self._members_prefix + self.me.shard_id
+
+    async def join(self) -> Member:
+        """Register under a new lease; this coordinator with its fencing token.
+
+        Raises:
+            FailedPreconditionError: a live coordinator already holds this shard id.
+            EtcdUnavailableError: etcd could not be reached.
+        """
+        sent_s = self._clock()
+        self._lease = await self._etcd.grant(TTL_S)
+        revision = await self._etcd.put_if(self.key, self.me.encode(), mod_revision=0, lease=self._lease)
+        if revision is None:
+            await self._etcd.revoke(self._lease)
+            raise FailedPreconditionError(
+                f"shard id {self.me.shard_id!r} is held by a live coordinator ({self.key} exists in etcd)"
+            )
+        self._holds_until_s = sent_s + TTL_S
+        self.me = dataclasses.replace(self.me, token=revision)
+        await self._read_members()
+        logger.info(
+            "joined as shard %s (fencing token %d); members: %s",
+            self.me.shard_id,
+            revision,
+            ", ".join(sorted(self.members)),
+        )
+        return self.me
+
+    def holds_lease(self) -> bool:
+        """Whether this coordinator surely still holds its lease (see the module doc)."""
+        return self._clock() < self._holds_until_s
+
+    async def run(self) -> None:
+        """Keep the lease alive and the members current until cancelled; then leave.
+
+        Raises:
+            LeaseLostError: the lease ran out (cut off from etcd for TTL_S, or revoked).
+        """
+        watch = asyncio.create_task(self._watch_members(), name="members")
+        try:
+            await self._keep_alive()
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+
+    async def leave(self) -> None:
+        """Revoke the lease: the others see this coordinator gone at once."""
+        self._holds_until_s = 0.0
+        with contextlib.suppress(ClusterwatchError):
+            await self._etcd.revoke(self._lease)
+
+    async def _keep_alive(self) -> None:
+        while True:
+            sent_s = self._clock()
+            try:
+                await self._etcd.renew(self._lease)
+            except LeaseLostError:
+                self._holds_until_s = 0.0
+                raise
+            except ClusterwatchError as exc:  # unreachable: the lease runs out unless a renewal gets through
+                if not self.holds_lease():
+                    raise LeaseLostError(
+                        f"shard {self.me.shard_id}: lease lost, etcd unreachable: {exc}"
+                    ) from exc
+                logger.warning("shard %s: could not renew the lease: %s", self.me.shard_id, exc)
+            else:
+                self._holds_until_s = sent_s + TTL_S
+            await asyncio.sleep(RENEW_EVERY_S)
+
+    async def _read_members(self) -> int:
+        entries, revision = await self._etcd.get_prefix(self._members_prefix)
+        self.members = {}
+        for entry in entries:
+            self._apply(entry.key, entry.value, entry.create_revision)
+        self.changed.set()
+        return revision
+
+    async def _watch_members(self) -> None:
+        revision: int | None = None  # None: read them all first
+        while True:
+            try:
+                if revision is None:
+                    revision = await self._read_members()
+                async for changes in self._etcd.watch_prefix(self._members_prefix, revision + 1):
+                    for change in changes:
+                        self._apply_change(change)
+                        revision = change.revision
+                    self.changed.set()
+            except ClusterwatchError as exc:
+                logger.warning("watching the coordinators in etcd: %s; reading them again", exc)
+                await asyncio.sleep(REWATCH_AFTER_S)
+                revision = None
+
+    def _apply_change(self, change: Change) -> None:
+        if change.value is None:
+            self.members.pop(change.key.removeprefix(self._members_prefix), None)
+        else:  # a new key: created now (a member's key is written once, when it joins)
+            self._apply(change.key, change.value, change.revision)
+
+    def _apply(self, key: str, value: bytes, token: int) -> None:
+        shard_id = key.removeprefix(self._members_prefix)
+        try:
+            self.members[shard_id] = Member.decode(shard_id, value, token)
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.warning("ignored %s in etcd: not a coordinator's record (%s)", key, exc)
