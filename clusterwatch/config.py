@@ -149,6 +149,20 @@ class CoordinatorSettings(TransportSettings):
         "coordinator's own lag and 200 new streams a second limit them)",
         minimum=0,
     )
+    etcd: str = setting(
+        "",
+        "etcd endpoints http://HOST:PORT,...: join the group of coordinators that share this etcd "
+        "(empty: a group of one, as before)",
+    )
+    shard_id: str = setting("", "this coordinator's name in its group (default: hostname)")
+    etcd_prefix: str = setting("/clusterwatch", "the cluster's key prefix in etcd (clusters may share one)")
+    advertise: str = setting(
+        "",
+        "HOST:PORT agents and clients reach this coordinator at, as its group lists it "
+        "(default: hostname and the gRPC port)",
+        host_port=True,
+        optional=True,
+    )
     ready_file: str = setting("", "write the bound ports as JSON to this file once serving")
     admin_token_file: str = setting(
         "",

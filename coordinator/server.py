@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import sys
 import time
 import uuid
@@ -30,6 +31,7 @@ from clusterwatch.coordinator.api.cluster_servicer import ClusterServicer, add_c
 from clusterwatch.coordinator.api.cluster_views import LiveViews, RecentViews, ViewSource, take_views
 from clusterwatch.coordinator.api.core_calls import CoreCalls
 from clusterwatch.coordinator.api.errors_interceptor import ErrorMappingInterceptor
+from clusterwatch.coordinator.group.membership import Member, Membership
 from clusterwatch.coordinator.metrics.incidents import IncidentView, incident_view
 from clusterwatch.coordinator.metrics.load import LoadView
 from clusterwatch.coordinator.metrics.page import render
@@ -47,8 +49,10 @@ from clusterwatch.coordinator.recovery.launchers import (
 from clusterwatch.coordinator.views.jobs import TrainingView, training_view
 from clusterwatch.coordinator.views.nodes import NodeView, node_views
 from clusterwatch.coordinator.wiring import build_core
+from clusterwatch.errors import ClusterwatchError
 from clusterwatch.exposition.http_server import MetricsHttpServer
 from clusterwatch.runtime import sd_notify
+from clusterwatch.runtime.etcd import Etcd, LeaseLostError
 from clusterwatch.runtime.grpc_options import SERVER_OPTIONS
 from clusterwatch.runtime.peer_identity import PeerVerifier
 from clusterwatch.runtime.tls import TlsFiles
@@ -58,6 +62,8 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 2.0
 RENDER_SNAPSHOT_TIMEOUT_S = 10.0
+# After losing its lease, a coordinator tries to rejoin its group this often.
+REJOIN_AFTER_S = 1.0
 # The interpreter's switch interval with the API thread on (coordinator.api_listen); see start().
 API_SWITCH_INTERVAL_S = 0.001
 # The [recovery] settings the launcher is built from: fixed until the coordinator restarts.
@@ -157,6 +163,7 @@ class CoordinatorServer:
             launcher=launcher,
             wall_clock=time.time,
             send_stop=self._send_stop,
+            fenced=self._fenced,
         )
         self.actions.recovery = self.recovery
         self.core.job_ended_listeners.append(self.recovery.forget_job)
@@ -164,6 +171,8 @@ class CoordinatorServer:
         self.api_port: int | None = None
         self.metrics_port: int | None = None
         self._api: ApiThread | None = None
+        # With coordinator.etcd: this coordinator's place in its group (made in start()).
+        self.membership: Membership | None = None
         self._server: grpc.aio.Server | None = None
         self._health: Any = None  # grpc_health.v1.health.aio.HealthServicer (untyped)
         self._http: MetricsHttpServer | None = None
@@ -209,7 +218,19 @@ class CoordinatorServer:
         return await self.core.send_command(node_id, command, timeout_s)
 
     async def start(self) -> None:
+        """Serve, and join the group when coordinator.etcd is set.
+
+        Raises:
+            OSError: an address cannot be bound.
+            FailedPreconditionError: another live coordinator holds this shard id.
+            EtcdUnavailableError: etcd cannot be reached.
+        """
         self._loop = asyncio.get_running_loop()
+        if self.settings.etcd:
+            shard_id = self.settings.shard_id or socket.gethostname()
+            self.membership = Membership(
+                Etcd(self.settings.etcd), self.settings.etcd_prefix, Member(shard_id, "")
+            )
         # gRPC's aio objects bind to the running loop: create them here, not in __init__.
         self._server = grpc.aio.server(
             interceptors=[ErrorMappingInterceptor(gate=self.access.gate)], options=SERVER_OPTIONS
@@ -223,7 +244,9 @@ class CoordinatorServer:
             AgentServicer(self.core, self.access, report_settings), self._server
         )
         calls = CoreCalls(self._loop)
-        add_cluster_service(self._cluster_servicer(calls, LiveViews(self.core, self.watchdog)), self._server)
+        add_cluster_service(
+            self._cluster_servicer(calls, LiveViews(self.core, self.watchdog, self.membership)), self._server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         services = (
             agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
@@ -249,7 +272,9 @@ class CoordinatorServer:
             # interval (5 ms by default), and answering one call takes dozens of such turns.
             sys.setswitchinterval(API_SWITCH_INTERVAL_S)
             recent = RecentViews(
-                lambda: take_views(self.core, self.watchdog), calls, lambda: self.core.now()[0]
+                lambda: take_views(self.core, self.watchdog, group=self.membership),
+                calls,
+                lambda: self.core.now()[0],
             )
             self._api = ApiThread(
                 self.settings.api_listen,
@@ -276,8 +301,45 @@ class CoordinatorServer:
             asyncio.create_task(self._watch_incidents(), name="detection"),
             asyncio.create_task(self.recovery.run(), name="recovery"),
         ]
+        if self.membership is not None:
+            await self._join_group(self.membership)
+            self._tasks.append(asyncio.create_task(self._stay_in_group(self.membership), name="group"))
         if self.settings.ready_file:
             self._write_ready_file(Path(self.settings.ready_file))
+
+    async def _join_group(self, membership: Membership) -> None:
+        host = socket.gethostname()
+        membership.me = dataclasses.replace(
+            membership.me,
+            address=self.settings.advertise or f"{host}:{self.grpc_port}",
+            api_address=f"{host}:{self.api_port}" if self.api_port else "",
+            metrics_address=f"{host}:{self.metrics_port}" if self.metrics_port else "",
+        )
+        await membership.join()
+
+    async def _stay_in_group(self, membership: Membership) -> None:
+        """Keep the lease; when it is lost, rejoin (with a new fencing token) once etcd lets it."""
+        while True:
+            try:
+                await membership.run()
+            except LeaseLostError as exc:
+                logger.error("%s: this coordinator acts on nothing until it is back in its group", exc)
+            while True:
+                await asyncio.sleep(REJOIN_AFTER_S)
+                try:
+                    await membership.join()
+                    break
+                except ClusterwatchError as exc:  # its old key stays until etcd expires the old lease
+                    logger.warning("rejoining the group of coordinators: %s", exc)
+
+    def _fenced(self) -> str | None:
+        """Why recovery may not act (Recovery's ``fenced``): a lease this coordinator may have lost."""
+        if self.membership is None or self.membership.holds_lease():
+            return None
+        return (
+            f"this coordinator does not surely hold its lease in etcd ({self.settings.etcd}): another "
+            "coordinator may own its jobs now"
+        )
 
     def _cluster_servicer(self, calls: CoreCalls, views: ViewSource) -> ClusterServicer:
         return ClusterServicer(self.core, self.watchdog, self.actions, self.access, calls=calls, views=views)
@@ -338,7 +400,11 @@ class CoordinatorServer:
         Under systemd (Type=notify) it says READY=1 once gRPC and /metrics
         serve, pings the watchdog from this loop, and says STOPPING=1 on the way out.
         """
-        await self.start()
+        try:
+            await self.start()
+        except ClusterwatchError:  # e.g. it could not join its group: close what started, say why
+            await self.stop()
+            raise
         watchdog = sd_notify.start_watchdog()
         sd_notify.notify(
             sd_notify.READY,
@@ -364,6 +430,9 @@ class CoordinatorServer:
             await self._health.enter_graceful_shutdown()
         if self._api is not None:
             await self._api.stop()
+        if self.membership is not None:
+            await self.membership.leave()
+            await self.membership.etcd.close()
         if self._server is not None:
             await self._server.stop(SHUTDOWN_GRACE_S)
         if self._http:

@@ -6,11 +6,12 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 from typing import TYPE_CHECKING
 
 from clusterwatch.cli.common import add_settings_flags, run_until_signalled, settings_from_args
 from clusterwatch.config import CoordinatorSettings, DetectionSettings, RecoverySettings
-from clusterwatch.errors import ConfigError
+from clusterwatch.errors import ConfigError, FailedPreconditionError
 from clusterwatch.runtime.tls import credentials, warn_if_plaintext
 
 if TYPE_CHECKING:
@@ -40,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
     detection = settings_from_args(args, DetectionSettings)
     recovery = settings_from_args(args, RecoverySettings)
     tls = credentials(settings, "coordinator")
+    from clusterwatch.runtime.etcd import EtcdUnavailableError, parse_endpoints
+
+    if settings.etcd:
+        parse_endpoints(settings.etcd, "coordinator.etcd")
     from clusterwatch.coordinator.server import CoordinatorServer
 
     server = CoordinatorServer(settings, detection, recovery, tls=tls)
@@ -51,7 +56,11 @@ def run(args: argparse.Namespace) -> int:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_settings, server, args)
         await server.run(stop)
 
-    run_until_signalled(main)
+    try:
+        run_until_signalled(main)
+    except (FailedPreconditionError, EtcdUnavailableError) as exc:  # could not join its group
+        print(f"clusterwatch coordinator: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

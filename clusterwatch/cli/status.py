@@ -207,7 +207,17 @@ def coordinator_header(snapshot: cluster_pb2.ClusterSnapshot) -> str:
         if health.views_age_seconds >= VIEWS_AGE_SHOWN_S
         else ""
     )
-    return f"coordinator {snapshot.coordinator_version}: {state}; {streams}{refused}{age}"
+    return f"coordinator {snapshot.coordinator_version}{_group(health)}: {state}; {streams}{refused}{age}"
+
+
+def _group(health: cluster_pb2.CoordinatorHealth) -> str:
+    """Its place among several coordinators (nothing for a coordinator on its own)."""
+    if not health.shard_id:
+        return ""
+    members = f"{health.group_members} coordinator{'' if health.group_members == 1 else 's'}"
+    if not health.holds_lease:
+        return f" (shard {health.shard_id} of {members}; LEASE LOST: it acts on nothing until it rejoins)"
+    return f" (shard {health.shard_id} of {members}, fencing token {health.fencing_token})"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -510,6 +510,10 @@ class CoordinatorHealth(_message.Message):
     AGENT_STREAMS_FIELD_NUMBER: _builtins.int
     STREAMS_REFUSED_LAST_MINUTE_FIELD_NUMBER: _builtins.int
     VIEWS_AGE_SECONDS_FIELD_NUMBER: _builtins.int
+    SHARD_ID_FIELD_NUMBER: _builtins.int
+    GROUP_MEMBERS_FIELD_NUMBER: _builtins.int
+    HOLDS_LEASE_FIELD_NUMBER: _builtins.int
+    FENCING_TOKEN_FIELD_NUMBER: _builtins.int
     lag_seconds: _builtins.float
     """max(loop_delay_seconds, report_age_seconds)."""
     loop_delay_seconds: _builtins.float
@@ -530,6 +534,14 @@ class CoordinatorHealth(_message.Message):
     own server; from coordinator.api_listen's thread up to 0.5 s while the
     coordinator keeps up, up to 10 s while it is behind.
     """
+    shard_id: _builtins.str
+    """With several coordinators (coordinator.etcd): this one's shard, how many
+    are live, whether it surely holds its lease (it acts only then), and its
+    fencing token. Empty and 0 for a coordinator on its own.
+    """
+    group_members: _builtins.int
+    holds_lease: _builtins.bool
+    fencing_token: _builtins.int
     def __init__(
         self,
         *,
@@ -541,10 +553,14 @@ class CoordinatorHealth(_message.Message):
         agent_streams: _builtins.int = ...,
         streams_refused_last_minute: _builtins.int = ...,
         views_age_seconds: _builtins.float = ...,
+        shard_id: _builtins.str = ...,
+        group_members: _builtins.int = ...,
+        holds_lease: _builtins.bool = ...,
+        fencing_token: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_streams", b"agent_streams", "behind", b"behind", "lag_seconds", b"lag_seconds", "loop_delay_seconds", b"loop_delay_seconds", "report_age_seconds", b"report_age_seconds", "streams_refused_last_minute", b"streams_refused_last_minute", "verdicts_held", b"verdicts_held", "views_age_seconds", b"views_age_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_streams", b"agent_streams", "behind", b"behind", "fencing_token", b"fencing_token", "group_members", b"group_members", "holds_lease", b"holds_lease", "lag_seconds", b"lag_seconds", "loop_delay_seconds", b"loop_delay_seconds", "report_age_seconds", b"report_age_seconds", "shard_id", b"shard_id", "streams_refused_last_minute", b"streams_refused_last_minute", "verdicts_held", b"verdicts_held", "views_age_seconds", b"views_age_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -33,6 +33,7 @@ from typing import Protocol
 
 from clusterwatch.coordinator.api.core_calls import CoreCalls
 from clusterwatch.coordinator.detection.watchdog import Watchdog
+from clusterwatch.coordinator.group.membership import Membership
 from clusterwatch.coordinator.ingest.core import Coordinator
 from clusterwatch.coordinator.views.jobs import JobView, training_view
 from clusterwatch.coordinator.views.nodes import NodeView, node_views
@@ -96,7 +97,11 @@ class ViewSource(Protocol):
 
 
 def take_views(
-    core: Coordinator, watchdog: Watchdog, nodes: Collection[str] = (), jobs: Collection[str] = ()
+    core: Coordinator,
+    watchdog: Watchdog,
+    nodes: Collection[str] = (),
+    jobs: Collection[str] = (),
+    group: Membership | None = None,
 ) -> ClusterViews:
     """The cluster now (filtered as ClusterViews.only does). Call on the core's event loop."""
     now_mono, now_unix = core.now()
@@ -118,7 +123,7 @@ def take_views(
         nodes=node_views(core.state, only=wanted_nodes if filtered else None),
         jobs=training.jobs,
         incidents=incidents,
-        health=coordinator_health(core, now_mono),
+        health=coordinator_health(core, now_mono, group),
     )
 
 
@@ -127,10 +132,13 @@ def incident_views(watchdog: Watchdog) -> list[IncidentView]:
     return [IncidentView(i.job, frozenset(i.nodes), i.to_proto()) for i in watchdog.book.live()]
 
 
-def coordinator_health(core: Coordinator, now_mono: float) -> cluster_pb2.CoordinatorHealth:
-    """The coordinator's own lag and load, as snapshots carry it. Call on the core's event loop."""
+def coordinator_health(
+    core: Coordinator, now_mono: float, group: Membership | None = None
+) -> cluster_pb2.CoordinatorHealth:
+    """The coordinator's own lag and load, and its place in its group, as snapshots carry them. Call on
+    the core's event loop."""
     lag = core.lag.read(now_mono)
-    return cluster_pb2.CoordinatorHealth(
+    health = cluster_pb2.CoordinatorHealth(
         lag_seconds=lag.lag_s,
         loop_delay_seconds=lag.loop_delay_s,
         report_age_seconds=lag.report_age_s,
@@ -139,17 +147,24 @@ def coordinator_health(core: Coordinator, now_mono: float) -> cluster_pb2.Coordi
         agent_streams=len(core.sessions),
         streams_refused_last_minute=core.streams.refused_recently(now_mono),
     )
+    if group is not None:
+        health.shard_id = group.me.shard_id
+        health.group_members = len(group.members)
+        health.holds_lease = group.holds_lease()
+        health.fencing_token = group.me.token
+    return health
 
 
 class LiveViews:
     """Views taken at each read, for the servicer on the core's own loop."""
 
-    def __init__(self, core: Coordinator, watchdog: Watchdog) -> None:
+    def __init__(self, core: Coordinator, watchdog: Watchdog, group: Membership | None = None) -> None:
         self._core = core
         self._watchdog = watchdog
+        self._group = group
 
     async def read(self, nodes: Collection[str] = (), jobs: Collection[str] = ()) -> ClusterViews:
-        return take_views(self._core, self._watchdog, nodes, jobs)
+        return take_views(self._core, self._watchdog, nodes, jobs, self._group)
 
     async def live_incidents(self) -> Sequence[IncidentView]:
         return incident_views(self._watchdog)

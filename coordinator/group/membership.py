@@ -80,7 +80,7 @@ class Membership:
     def __init__(
         self, etcd: Etcd, prefix: str, me: Member, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self._etcd = etcd
+        self.etcd = etcd
         self._members_prefix = f"{prefix.rstrip('/')}/members/"
         self.me = me
         self._clock = clock
@@ -101,10 +101,10 @@ class Membership:
             EtcdUnavailableError: etcd could not be reached.
         """
         sent_s = self._clock()
-        self._lease = await self._etcd.grant(TTL_S)
-        revision = await self._etcd.put_if(self.key, self.me.encode(), mod_revision=0, lease=self._lease)
+        self._lease = await self.etcd.grant(TTL_S)
+        revision = await self.etcd.put_if(self.key, self.me.encode(), mod_revision=0, lease=self._lease)
         if revision is None:
-            await self._etcd.revoke(self._lease)
+            await self.etcd.revoke(self._lease)
             raise FailedPreconditionError(
                 f"shard id {self.me.shard_id!r} is held by a live coordinator ({self.key} exists in etcd)"
             )
@@ -141,13 +141,13 @@ class Membership:
         """Revoke the lease: the others see this coordinator gone at once."""
         self._holds_until_s = 0.0
         with contextlib.suppress(ClusterwatchError):
-            await self._etcd.revoke(self._lease)
+            await self.etcd.revoke(self._lease)
 
     async def _keep_alive(self) -> None:
         while True:
             sent_s = self._clock()
             try:
-                await self._etcd.renew(self._lease)
+                await self.etcd.renew(self._lease)
             except LeaseLostError:
                 self._holds_until_s = 0.0
                 raise
@@ -162,7 +162,7 @@ class Membership:
             await asyncio.sleep(RENEW_EVERY_S)
 
     async def _read_members(self) -> int:
-        entries, revision = await self._etcd.get_prefix(self._members_prefix)
+        entries, revision = await self.etcd.get_prefix(self._members_prefix)
         self.members = {}
         for entry in entries:
             self._apply(entry.key, entry.value, entry.create_revision)
@@ -175,7 +175,7 @@ class Membership:
             try:
                 if revision is None:
                     revision = await self._read_members()
-                async for changes in self._etcd.watch_prefix(self._members_prefix, revision + 1):
+                async for changes in self.etcd.watch_prefix(self._members_prefix, revision + 1):
                     for change in changes:
                         self._apply_change(change)
                         revision = change.revision

@@ -26,7 +26,9 @@ ListActions API) and, unless skipped or in dry-run mode, an action:
   peers. The incident resolves when their exits are reported.
 
 While the coordinator is behind (coordinator/model/lag.py) nothing is decided
-and no restart is judged: its verdicts could come from its own lag.
+and no restart is judged: its verdicts could come from its own lag. Nor while
+it is fenced: one of several coordinators that no longer surely holds its
+lease in etcd (coordinator/group/membership.py), whose jobs another may own.
 
 An ``alert`` on a rank failure still tracks the restart torchrun makes by
 itself. A restarted job is recovered when every rank of a newer generation
@@ -190,6 +192,9 @@ class Recovery:
         launcher: how a job is restarted (torchrun via the agents, SLURM, Kubernetes).
         wall_clock: seconds since the epoch.
         send_stop: how a node's agent is told to stop workers (orphans); None: it cannot be.
+        fenced: why this coordinator may not act now, or None when it may: with several
+            coordinators, it no longer surely holds its lease in etcd (coordinator/group/), so
+            another may own its jobs. Nothing is decided while it says so.
     """
 
     def __init__(
@@ -204,8 +209,10 @@ class Recovery:
         launcher: Launcher,
         wall_clock: Callable[[], float],
         send_stop: SendStop | None = None,
+        fenced: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.settings = settings
+        self._fenced = fenced
         self.policy = Policy(settings)
         self.counts = RecoveryCounts()
         self._watchdog = watchdog
@@ -218,8 +225,8 @@ class Recovery:
         self._send_stop = send_stop
         self._restarted: dict[str, _Restarted] = {}
         self._actions = BackgroundTasks()
-        # True while the coordinator's verdicts are held (round logs the change).
-        self._holding = False
+        # Why decisions are held now (round logs each change), or None.
+        self._holding: str | None = None
         # Live incidents a previous coordinator already acted on: never decided again.
         self._decided_before: set[str] = set()
         self._take_over(event_log.actions(limit=MAX_ACTIONS_LOADED))
@@ -240,17 +247,18 @@ class Recovery:
         """Decide on new incidents, start their actions, and check restarted jobs.
 
         Nothing is decided or judged while the coordinator's verdicts are held (it is behind:
-        coordinator/model/lag.py): a restart that does not seem to recover may be its own lag.
+        coordinator/model/lag.py; a restart that does not seem to recover may be its own lag) or
+        while it is fenced (see the module doc).
         """
-        held = self._watchdog.held()
-        if held is not None:
-            if not self._holding:
-                logger.warning("recovery holds its decisions: the coordinator is behind (%s)", held.figures())
-            self._holding = True
+        hold = self._hold()
+        if hold is not None:
+            if hold != self._holding:
+                logger.warning("recovery holds its decisions: %s", hold)
+            self._holding = hold
             return
-        if self._holding:
-            logger.info("recovery decides again: the coordinator caught up")
-            self._holding = False
+        if self._holding is not None:
+            logger.info("recovery decides again (it held them: %s)", self._holding)
+            self._holding = None
         now = self._wall()
         for name in self._jobs():
             self.counts.first_seen_unix_s.setdefault(name, now)
@@ -265,6 +273,13 @@ class Recovery:
             if decision is not None:
                 self._actions.start(self._carry_out(decision, incident), f"action on {incident.id}")
         self._track(now)
+
+    def _hold(self) -> str | None:
+        """Why nothing may be decided now: the coordinator is behind, or fenced; else None."""
+        held = self._watchdog.held()
+        if held is not None:
+            return f"the coordinator is behind ({held.figures()})"
+        return self._fenced()
 
     def _take_over(self, records: list[cluster_pb2.ActionRecord]) -> None:
         """Carry on from the coordinator that used this database before (see the module docstring).

@@ -224,3 +224,37 @@ async def test_recovery_alerts_instead_of_acting_on_a_job_two_nodes_claim(tmp_pa
     assert "rank 1 runs on honest (pid 1001) and is also claimed by rogue (pid 1001)" in detail
     assert launcher.restarts == []
     log.close()
+
+
+async def test_a_fenced_coordinator_decides_nothing_until_it_holds_its_lease_again(tmp_path: Path) -> None:
+    """One of several coordinators that may have lost its lease in etcd (another may own its jobs)
+    restarts nothing; once it holds its lease again, the hang is decided as usual."""
+    store = JobStore()
+    now_mono, now = time.monotonic(), time.time()
+    store.ingest("n1", [rank_report(r, job="j", steps=[step(5)]) for r in (0, 1)], now_mono, now)
+    log = EventLog(tmp_path)
+    log.save_incidents([hang("j", IncidentState.OPEN, now)])
+    watchdog = Watchdog(DetectionSettings(), log, unexpected_send, time.monotonic, time.time)
+    launcher = RecordingLauncher()
+    fence: list[str] = ["this coordinator does not surely hold its lease in etcd"]
+    recovery = Recovery(
+        RecoverySettings(cooldown_s=0),
+        watchdog=watchdog,
+        event_log=log,
+        jobs=lambda: store.jobs,
+        latest_checkpoint=lambda job: None,
+        checkpoint_now=unexpected_checkpoint,
+        launcher=launcher,
+        wall_clock=time.time,
+        fenced=lambda: fence[0] if fence else None,
+    )
+    for _ in range(3):
+        recovery.round()
+        await asyncio.sleep(0.05)  # an action started by a round would run meanwhile
+    assert log.actions(job="j") == []
+    assert launcher.restarts == []
+    fence.clear()
+    recovery.round()
+    await poll_until(lambda: launcher.restarts, 10, "the hang to be acted on once the fence is gone")
+    assert launcher.restarts == ["j"]
+    log.close()

@@ -1,0 +1,113 @@
+"""A coordinator with --etcd joins its group, says where it stands, holds recovery while cut off from etcd
+and rejoins with a new fencing token (issue 21, items 1 and 2 in part).
+
+A real coordinator, a real etcd, reached through a TCP proxy the test partitions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from etcd_server import EtcdServer
+from helpers import eventually, run_cli
+from tcp_proxy import TcpProxy
+
+from clusterwatch.config import CoordinatorSettings
+from clusterwatch.coordinator.server import CoordinatorServer
+from clusterwatch.errors import FailedPreconditionError
+from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def settings(tmp_path: Path, etcd: str, prefix: str, shard_id: str) -> CoordinatorSettings:
+    return CoordinatorSettings(
+        listen="127.0.0.1:0",
+        metrics_listen="",
+        state_dir=tmp_path / shard_id,
+        etcd=etcd,
+        etcd_prefix=prefix,
+        shard_id=shard_id,
+    )
+
+
+async def health_of(server: CoordinatorServer) -> cluster_pb2.CoordinatorHealth:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        api = cluster_pb2_grpc.ClusterServiceStub(channel)
+        snapshot = await api.GetSnapshot(cluster_pb2.GetSnapshotRequest(summary_only=True), timeout=30)
+        return snapshot.coordinator
+
+
+async def until_health(
+    server: CoordinatorServer, predicate: Callable[[cluster_pb2.CoordinatorHealth], bool], what: str
+) -> cluster_pb2.CoordinatorHealth:
+    deadline = asyncio.get_running_loop().time() + 60
+    while True:
+        health = await health_of(server)
+        if predicate(health):
+            return health
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}: {health}"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_coordinator_cut_off_from_etcd_holds_recovery_and_rejoins_with_a_new_token(
+    etcd: EtcdServer, etcd_prefix: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="clusterwatch.coordinator.recovery.executor")
+    with TcpProxy(etcd.endpoint.removeprefix("http://")) as proxy:
+        first = CoordinatorServer(settings(tmp_path, etcd.endpoint, etcd_prefix, "c1"))
+        second = CoordinatorServer(settings(tmp_path, f"http://{proxy.address}", etcd_prefix, "c2"))
+        await first.start()
+        await second.start()
+        try:
+            joined = await until_health(second, lambda h: h.group_members == 2, "both coordinators listed")
+            assert (joined.shard_id, joined.holds_lease) == ("c2", True)
+            assert joined.fencing_token > 0
+            proxy.block()
+            await until_health(second, lambda h: not h.holds_lease, "c2 to know it lost its lease")
+            await eventually(
+                lambda: (
+                    "recovery holds its decisions: this coordinator does not surely hold its lease"
+                    in caplog.text
+                ),
+                30,
+                "recovery to hold its decisions",
+            )
+            await until_health(first, lambda h: h.group_members == 1, "c1 to see c2's lease expire")
+            proxy.heal()
+            back = await until_health(second, lambda h: h.holds_lease, "c2 to rejoin")
+            assert back.fencing_token > joined.fencing_token
+            await eventually(lambda: "recovery decides again" in caplog.text, 30, "recovery to decide again")
+            await until_health(first, lambda h: h.group_members == 2, "c1 to see c2 back")
+        finally:
+            await second.stop()
+            await first.stop()
+
+
+async def test_a_shard_id_already_live_is_refused_at_start(
+    etcd: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    first = CoordinatorServer(settings(tmp_path, etcd.endpoint, etcd_prefix, "c1"))
+    await first.start()
+    try:
+        twin = CoordinatorServer(settings(tmp_path / "twin", etcd.endpoint, etcd_prefix, "c1"))
+        with pytest.raises(FailedPreconditionError, match="shard id 'c1' is held by a live coordinator"):
+            await twin.start()
+        await twin.stop()
+    finally:
+        await first.stop()
+
+
+def test_the_command_says_why_it_could_not_join_its_group(tmp_path: Path) -> None:
+    common = ("coordinator", "--listen", "127.0.0.1:0", "--metrics-listen", "", "--state-dir", str(tmp_path))
+    unreachable = run_cli(*common, "--etcd", "http://127.0.0.1:1", timeout_s=60)
+    assert unreachable.returncode == 1, unreachable.stderr
+    assert "etcd at 127.0.0.1:1: UNAVAILABLE" in unreachable.stderr.splitlines()[-1]
+    malformed = run_cli(*common, "--etcd", "ftp://etcd.example:2379")
+    assert malformed.returncode == 2
+    assert "coordinator.etcd: 'ftp://etcd.example:2379' is not http(s)://HOST:PORT" in malformed.stderr
