@@ -95,9 +95,26 @@ class CommandHandler:
         self._worker_lookup = worker_lookup
         self._stopper = stopper or WorkerStopper()
         self.cordoned_jobs: set[str] = set()
+        # The newest fencing token seen on a command (Command.fencing_token).
+        self.fencing_token = 0
 
     async def handle(self, command: agent_pb2.Command) -> agent_pb2.CommandResult:
-        """Carry out ``command``, or answer a repeated id with its first run's result."""
+        """Carry out ``command``, or answer a repeated id with its first run's result; refuse it when
+        its fencing token is older than the newest seen (a coordinator that was replaced sent it)."""
+        if command.fencing_token < self.fencing_token:
+            logger.warning(
+                "refused command %s: fencing token %d is older than %d (its coordinator was replaced)",
+                command.command_id,
+                command.fencing_token,
+                self.fencing_token,
+            )
+            return agent_pb2.CommandResult(
+                command_id=command.command_id,
+                status=Status.STATUS_FENCED,
+                message=f"fencing token {command.fencing_token} is older than {self.fencing_token}: "
+                "the coordinator that sent it was replaced",
+            )
+        self.fencing_token = command.fencing_token
         command_id = command.command_id
         if not command_id:
             return await self._carry_out(command)

@@ -228,9 +228,10 @@ class CoordinatorServer:
         self._loop = asyncio.get_running_loop()
         if self.settings.etcd:
             shard_id = self.settings.shard_id or socket.gethostname()
-            self.membership = Membership(
+            membership = self.membership = Membership(
                 Etcd(self.settings.etcd), self.settings.etcd_prefix, Member(shard_id, "")
             )
+            self.core.fencing_token = lambda: membership.me.token
         # gRPC's aio objects bind to the running loop: create them here, not in __init__.
         self._server = grpc.aio.server(
             interceptors=[ErrorMappingInterceptor(gate=self.access.gate)], options=SERVER_OPTIONS

@@ -96,12 +96,16 @@ class CommandResult(_message.Message):
         STATUS_OK: CommandResult._Status.ValueType  # 1
         STATUS_FAILED: CommandResult._Status.ValueType  # 2
         STATUS_UNSUPPORTED: CommandResult._Status.ValueType  # 3
+        STATUS_FENCED: CommandResult._Status.ValueType  # 4
+        """Not carried out: its fencing token is older than one this agent has seen."""
 
     class Status(_Status, metaclass=_StatusEnumTypeWrapper): ...
     STATUS_UNSPECIFIED: CommandResult.Status.ValueType  # 0
     STATUS_OK: CommandResult.Status.ValueType  # 1
     STATUS_FAILED: CommandResult.Status.ValueType  # 2
     STATUS_UNSUPPORTED: CommandResult.Status.ValueType  # 3
+    STATUS_FENCED: CommandResult.Status.ValueType  # 4
+    """Not carried out: its fencing token is older than one this agent has seen."""
 
     COMMAND_ID_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
@@ -367,6 +371,7 @@ class Command(_message.Message):
     COMMAND_ID_FIELD_NUMBER: _builtins.int
     ISSUED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     DEADLINE_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    FENCING_TOKEN_FIELD_NUMBER: _builtins.int
     PING_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     DIAGNOSE_FIELD_NUMBER: _builtins.int
@@ -374,6 +379,11 @@ class Command(_message.Message):
     command_id: _builtins.str
     issued_unix_seconds: _builtins.float
     deadline_unix_seconds: _builtins.float
+    fencing_token: _builtins.int
+    """The sending coordinator's fencing token (the etcd revision its membership
+    began at; 0 from a coordinator on its own). An agent refuses a command
+    whose token is older than one it has seen: its sender was replaced.
+    """
     @_builtins.property
     def ping(self) -> Global___PingCommand: ...
     @_builtins.property
@@ -388,6 +398,7 @@ class Command(_message.Message):
         command_id: _builtins.str = ...,
         issued_unix_seconds: _builtins.float = ...,
         deadline_unix_seconds: _builtins.float = ...,
+        fencing_token: _builtins.int = ...,
         ping: Global___PingCommand | None = ...,
         checkpoint: Global___CheckpointCommand | None = ...,
         diagnose: Global___DiagnoseCommand | None = ...,
@@ -395,7 +406,7 @@ class Command(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "diagnose", b"diagnose", "ping", b"ping", "stop_workers", b"stop_workers"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "command_id", b"command_id", "deadline_unix_seconds", b"deadline_unix_seconds", "diagnose", b"diagnose", "issued_unix_seconds", b"issued_unix_seconds", "ping", b"ping", "stop_workers", b"stop_workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "command_id", b"command_id", "deadline_unix_seconds", b"deadline_unix_seconds", "diagnose", b"diagnose", "fencing_token", b"fencing_token", "issued_unix_seconds", b"issued_unix_seconds", "ping", b"ping", "stop_workers", b"stop_workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["ping", "checkpoint", "diagnose", "stop_workers"]  # noqa: Y015
     _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015

@@ -125,6 +125,9 @@ class Coordinator:
         self.reports_rejected_total: dict[tuple[str, str], int] = {}
         # Called with a job's name once it ended on purpose (end_job): other keepers of per-job state.
         self.job_ended_listeners: list[Callable[[str], None]] = []
+        # This coordinator's fencing token, stamped on every command (0 on its own; its group's
+        # membership sets it: coordinator/group/membership.py).
+        self.fencing_token: Callable[[], int] = lambda: 0
         for node in event_log.nodes():
             self.state.restore(node.node_id, node.hostname, node.interval_s, clock())
         self.record(
@@ -321,6 +324,7 @@ class Coordinator:
             ConnectionError: the stream closed first.
         """
         session = self.sessions[node_id]
+        command.fencing_token = self.fencing_token()
         return await asyncio.wait_for(asyncio.shield(session.send(command)), timeout_s)
 
     async def watch_lag(self, period_s: float = TICK_S) -> None:

@@ -62,6 +62,24 @@ async def test_commands_without_an_id_are_each_carried_out() -> None:
     assert handler.replays_total == 0
 
 
+async def test_a_command_older_than_the_newest_fencing_token_is_refused() -> None:
+    """A coordinator that was replaced (its fencing token is older than one this agent has seen) is
+    not obeyed; the newer owner, and anything newer still, is."""
+    handler = CommandHandler()
+
+    def ping(command_id: str, token: int) -> agent_pb2.Command:
+        return agent_pb2.Command(command_id=command_id, fencing_token=token, ping=agent_pb2.PingCommand())
+
+    assert (await handler.handle(ping("a", 7))).status == OK
+    stale = await handler.handle(ping("b", 5))
+    assert stale.status == agent_pb2.CommandResult.Status.STATUS_FENCED
+    assert stale.message == "fencing token 5 is older than 7: the coordinator that sent it was replaced"
+    alone = await handler.handle(ping("c", 0))  # a coordinator outside any group, after one inside
+    assert alone.status == agent_pb2.CommandResult.Status.STATUS_FENCED
+    assert (await handler.handle(ping("d", 9))).status == OK
+    assert handler.fencing_token == 9
+
+
 async def test_a_repeat_waiting_on_a_run_that_fails_hears_why() -> None:
     class BrokenLookup:
         def worker_pids(self, job: str) -> dict[int, int]:

@@ -14,13 +14,14 @@ from pathlib import Path
 import grpc
 import pytest
 from etcd_server import EtcdServer
-from helpers import eventually, run_cli
+from helpers import eventually, run_cli, sim_agent_settings
 from tcp_proxy import TcpProxy
 
+from clusterwatch.agent.runtime import Agent
 from clusterwatch.config import CoordinatorSettings
 from clusterwatch.coordinator.server import CoordinatorServer
 from clusterwatch.errors import FailedPreconditionError
-from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
+from clusterwatch.v1 import agent_pb2, cluster_pb2, cluster_pb2_grpc
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,3 +112,30 @@ def test_the_command_says_why_it_could_not_join_its_group(tmp_path: Path) -> Non
     malformed = run_cli(*common, "--etcd", "ftp://etcd.example:2379")
     assert malformed.returncode == 2
     assert "coordinator.etcd: 'ftp://etcd.example:2379' is not http(s)://HOST:PORT" in malformed.stderr
+
+
+async def test_commands_carry_the_coordinators_fencing_token_and_an_older_one_is_refused(
+    etcd: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    server = CoordinatorServer(settings(tmp_path, etcd.endpoint, etcd_prefix, "c1"))
+    await server.start()
+    agent = Agent(sim_agent_settings(server.grpc_port, "node-a"))
+    stop = asyncio.Event()
+    running = asyncio.create_task(agent.run(stop))
+    try:
+        await eventually(lambda: "node-a" in server.core.sessions, 30, "node-a to connect")
+        assert server.membership is not None
+        token = server.membership.me.token
+        ping = agent_pb2.Command(command_id="ping-1", ping=agent_pb2.PingCommand())
+        answer = await server.core.send_command("node-a", ping, 30)
+        assert answer.status == agent_pb2.CommandResult.Status.STATUS_OK
+        assert agent.commands.fencing_token == token
+        # What a replaced coordinator would send: its token is older than the one the agent saw.
+        server.core.fencing_token = lambda: token - 1
+        stale = agent_pb2.Command(command_id="ping-2", ping=agent_pb2.PingCommand())
+        refused = await server.core.send_command("node-a", stale, 30)
+        assert refused.status == agent_pb2.CommandResult.Status.STATUS_FENCED
+    finally:
+        stop.set()
+        await asyncio.gather(running, return_exceptions=True)
+        await server.stop()
