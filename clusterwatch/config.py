@@ -158,8 +158,8 @@ class CoordinatorSettings(TransportSettings):
     etcd_prefix: str = setting("/clusterwatch", "the cluster's key prefix in etcd (clusters may share one)")
     advertise: str = setting(
         "",
-        "HOST:PORT agents and clients reach this coordinator at, as its group lists it "
-        "(default: hostname and the gRPC port)",
+        "HOST:PORT agents and clients reach this coordinator at, as its group lists it; its API and "
+        "/metrics are listed on the same host (default: hostname; port 0: the gRPC port)",
         host_port=True,
         optional=True,
     )

@@ -309,10 +309,11 @@ class CoordinatorServer:
             self._write_ready_file(Path(self.settings.ready_file))
 
     async def _join_group(self, membership: Membership) -> None:
-        host = socket.gethostname()
+        host, _, port = self.settings.advertise.rpartition(":")
+        host = host or socket.gethostname()
         membership.me = dataclasses.replace(
             membership.me,
-            address=self.settings.advertise or f"{host}:{self.grpc_port}",
+            address=f"{host}:{port if port not in ('', '0') else self.grpc_port}",
             api_address=f"{host}:{self.api_port}" if self.api_port else "",
             metrics_address=f"{host}:{self.metrics_port}" if self.metrics_port else "",
         )

@@ -16,6 +16,7 @@ from clusterwatch.cli import (
     incidents,
     job_cmd,
     restart_cmd,
+    sd_file_cmd,
     simulate,
     status,
     top,
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (
         agent_cmd,
         coordinator_cmd,
+        sd_file_cmd,
         status,
         top,
         incidents,

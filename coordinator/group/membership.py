@@ -67,6 +67,65 @@ class Member:
         )
 
 
+class Members:
+    """Every live coordinator of a cluster, read from etcd and kept current by a watch.
+
+    Args:
+        etcd: the client.
+        prefix: the cluster's key prefix (several clusters may share one etcd).
+    """
+
+    def __init__(self, etcd: Etcd, prefix: str) -> None:
+        self.etcd = etcd
+        self.prefix = f"{prefix.rstrip('/')}/members/"
+        self.current: dict[str, Member] = {}
+        # Set on every change; whoever waits for changes clears it.
+        self.changed = asyncio.Event()
+
+    async def read(self) -> int:
+        """Read them all; the store's revision they were read at.
+
+        Raises:
+            EtcdUnavailableError: etcd could not be reached.
+        """
+        entries, revision = await self.etcd.get_prefix(self.prefix)
+        self.current = {}
+        for entry in entries:
+            self._apply(entry.key, entry.value, entry.create_revision)
+        self.changed.set()
+        return revision
+
+    async def watch(self) -> None:
+        """Keep them current until cancelled, reading them all again after any failure."""
+        revision: int | None = None  # None: read them all first
+        while True:
+            try:
+                if revision is None:
+                    revision = await self.read()
+                async for changes in self.etcd.watch_prefix(self.prefix, revision + 1):
+                    for change in changes:
+                        self._apply_change(change)
+                        revision = change.revision
+                    self.changed.set()
+            except ClusterwatchError as exc:
+                logger.warning("watching the coordinators in etcd: %s; reading them again", exc)
+                await asyncio.sleep(REWATCH_AFTER_S)
+                revision = None
+
+    def _apply_change(self, change: Change) -> None:
+        if change.value is None:
+            self.current.pop(change.key.removeprefix(self.prefix), None)
+        else:  # a new key: created now (a member's key is written once, when it joins)
+            self._apply(change.key, change.value, change.revision)
+
+    def _apply(self, key: str, value: bytes, token: int) -> None:
+        shard_id = key.removeprefix(self.prefix)
+        try:
+            self.current[shard_id] = Member.decode(shard_id, value, token)
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.warning("ignored %s in etcd: not a coordinator's record (%s)", key, exc)
+
+
 class Membership:
     """This coordinator's membership, and everyone's.
 
@@ -81,17 +140,20 @@ class Membership:
         self, etcd: Etcd, prefix: str, me: Member, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.etcd = etcd
-        self._members_prefix = f"{prefix.rstrip('/')}/members/"
+        self._all = Members(etcd, prefix)
         self.me = me
         self._clock = clock
         self._lease = 0
         self._holds_until_s = 0.0
-        self.members: dict[str, Member] = {}
-        self.changed = asyncio.Event()
 
     @property
     def key(self) -> str:
-        return self._members_prefix + self.me.shard_id
+        return self._all.prefix + self.me.shard_id
+
+    @property
+    def members(self) -> dict[str, Member]:
+        """Every live coordinator, this one included, by shard id."""
+        return self._all.current
 
     async def join(self) -> Member:
         """Register under a new lease; this coordinator with its fencing token.
@@ -110,7 +172,7 @@ class Membership:
             )
         self._holds_until_s = sent_s + TTL_S
         self.me = dataclasses.replace(self.me, token=revision)
-        await self._read_members()
+        await self._all.read()
         logger.info(
             "joined as shard %s (fencing token %d); members: %s",
             self.me.shard_id,
@@ -129,7 +191,7 @@ class Membership:
         Raises:
             LeaseLostError: the lease ran out (cut off from etcd for TTL_S, or revoked).
         """
-        watch = asyncio.create_task(self._watch_members(), name="members")
+        watch = asyncio.create_task(self._all.watch(), name="members")
         try:
             await self._keep_alive()
         finally:
@@ -160,40 +222,3 @@ class Membership:
             else:
                 self._holds_until_s = sent_s + TTL_S
             await asyncio.sleep(RENEW_EVERY_S)
-
-    async def _read_members(self) -> int:
-        entries, revision = await self.etcd.get_prefix(self._members_prefix)
-        self.members = {}
-        for entry in entries:
-            self._apply(entry.key, entry.value, entry.create_revision)
-        self.changed.set()
-        return revision
-
-    async def _watch_members(self) -> None:
-        revision: int | None = None  # None: read them all first
-        while True:
-            try:
-                if revision is None:
-                    revision = await self._read_members()
-                async for changes in self.etcd.watch_prefix(self._members_prefix, revision + 1):
-                    for change in changes:
-                        self._apply_change(change)
-                        revision = change.revision
-                    self.changed.set()
-            except ClusterwatchError as exc:
-                logger.warning("watching the coordinators in etcd: %s; reading them again", exc)
-                await asyncio.sleep(REWATCH_AFTER_S)
-                revision = None
-
-    def _apply_change(self, change: Change) -> None:
-        if change.value is None:
-            self.members.pop(change.key.removeprefix(self._members_prefix), None)
-        else:  # a new key: created now (a member's key is written once, when it joins)
-            self._apply(change.key, change.value, change.revision)
-
-    def _apply(self, key: str, value: bytes, token: int) -> None:
-        shard_id = key.removeprefix(self._members_prefix)
-        try:
-            self.members[shard_id] = Member.decode(shard_id, value, token)
-        except (ValueError, KeyError, TypeError) as exc:
-            logger.warning("ignored %s in etcd: not a coordinator's record (%s)", key, exc)
