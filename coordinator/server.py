@@ -52,7 +52,7 @@ from clusterwatch.coordinator.wiring import build_core
 from clusterwatch.errors import ClusterwatchError
 from clusterwatch.exposition.http_server import MetricsHttpServer
 from clusterwatch.runtime import sd_notify
-from clusterwatch.runtime.etcd import Etcd, LeaseLostError
+from clusterwatch.runtime.etcd import Etcd
 from clusterwatch.runtime.grpc_options import SERVER_OPTIONS
 from clusterwatch.runtime.peer_identity import PeerVerifier
 from clusterwatch.runtime.tls import TlsFiles
@@ -62,8 +62,6 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 2.0
 RENDER_SNAPSHOT_TIMEOUT_S = 10.0
-# After losing its lease, a coordinator tries to rejoin its group this often.
-REJOIN_AFTER_S = 1.0
 # The interpreter's switch interval with the API thread on (coordinator.api_listen); see start().
 API_SWITCH_INTERVAL_S = 0.001
 # The [recovery] settings the launcher is built from: fixed until the coordinator restarts.
@@ -304,7 +302,7 @@ class CoordinatorServer:
         ]
         if self.membership is not None:
             await self._join_group(self.membership)
-            self._tasks.append(asyncio.create_task(self._stay_in_group(self.membership), name="group"))
+            self._tasks.append(asyncio.create_task(self.membership.stay(), name="group"))
         if self.settings.ready_file:
             self._write_ready_file(Path(self.settings.ready_file))
 
@@ -319,29 +317,9 @@ class CoordinatorServer:
         )
         await membership.join()
 
-    async def _stay_in_group(self, membership: Membership) -> None:
-        """Keep the lease; when it is lost, rejoin (with a new fencing token) once etcd lets it."""
-        while True:
-            try:
-                await membership.run()
-            except LeaseLostError as exc:
-                logger.error("%s: this coordinator acts on nothing until it is back in its group", exc)
-            while True:
-                await asyncio.sleep(REJOIN_AFTER_S)
-                try:
-                    await membership.join()
-                    break
-                except ClusterwatchError as exc:  # its old key stays until etcd expires the old lease
-                    logger.warning("rejoining the group of coordinators: %s", exc)
-
     def _fenced(self) -> str | None:
-        """Why recovery may not act (Recovery's ``fenced``): a lease this coordinator may have lost."""
-        if self.membership is None or self.membership.holds_lease():
-            return None
-        return (
-            f"this coordinator does not surely hold its lease in etcd ({self.settings.etcd}): another "
-            "coordinator may own its jobs now"
-        )
+        """Why recovery may not act now (Recovery's ``fenced``), or None."""
+        return self.membership.fenced() if self.membership is not None else None
 
     def _cluster_servicer(self, calls: CoreCalls, views: ViewSource) -> ClusterServicer:
         return ClusterServicer(self.core, self.watchdog, self.actions, self.access, calls=calls, views=views)

@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 TTL_S = 5
 RENEW_EVERY_S = TTL_S / 3
+# After losing its lease, a coordinator tries to rejoin this often.
+REJOIN_AFTER_S = 1.0
 # After a watch fails, read the members again after this long.
 REWATCH_AFTER_S = 0.5
 
@@ -184,6 +186,31 @@ class Membership:
     def holds_lease(self) -> bool:
         """Whether this coordinator surely still holds its lease (see the module doc)."""
         return self._clock() < self._holds_until_s
+
+    def fenced(self) -> str | None:
+        """Why this coordinator may not act now (it may have lost its lease), or None."""
+        if self.holds_lease():
+            return None
+        return (
+            f"this coordinator does not surely hold its lease in etcd ({self.etcd.endpoints}): another "
+            "coordinator may own its jobs now"
+        )
+
+    async def stay(self) -> None:
+        """Stay in the group until cancelled: keep the lease, and when it is lost, rejoin (with a new
+        fencing token) as soon as etcd lets it."""
+        while True:
+            try:
+                await self.run()
+            except LeaseLostError as exc:
+                logger.error("%s: this coordinator acts on nothing until it is back in its group", exc)
+            while True:
+                await asyncio.sleep(REJOIN_AFTER_S)
+                try:
+                    await self.join()
+                    break
+                except ClusterwatchError as exc:  # its old key stays until etcd expires the old lease
+                    logger.warning("rejoining the group of coordinators: %s", exc)
 
     async def run(self) -> None:
         """Keep the lease alive and the members current until cancelled; then leave.
