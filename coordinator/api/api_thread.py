@@ -4,8 +4,8 @@ The core's event loop reads every agent's reports. At capacity it has a queue
 of work, and a call to the gRPC server on that loop waits in it for every step
 (taking the call, reading the request, sending the answer): seconds at 2x
 capacity (BENCHMARKS.md). This second server runs ClusterService on its own
-loop: snapshots and live incidents come from views the core publishes
-(coordinator/api/cluster_views.py) and their messages are built here, so
+loop: snapshots and live incidents come from views the core takes on request
+and shares (coordinator/api/cluster_views.py), and their messages are built here, so
 ``status``, ``incidents`` and ``top`` wait only for their share of the
 interpreter. Calls that change or read other state (actions, settings, the
 event history) still run on the core's loop and wait for it
@@ -67,9 +67,10 @@ class ApiThread:
 
         Raises:
             OSError: the address cannot be bound.
+            TimeoutError: the thread did not bind within START_TIMEOUT_S.
         """
         self._thread.start()
-        self.port = await asyncio.wrap_future(self._started)
+        self.port = await asyncio.wait_for(asyncio.wrap_future(self._started), START_TIMEOUT_S)
         return self.port
 
     async def stop(self) -> None:

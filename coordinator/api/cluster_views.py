@@ -6,18 +6,18 @@ health on the core's event loop: a few tens of milliseconds at 1,500 nodes
 whoever answers, coordinator/api/cluster_servicer.py). The views are immutable
 (coordinator/views/), so any thread may read them.
 
-``RecentViews`` serves the API thread (coordinator/api/api_thread.py): a
+``RecentViews`` serves the API thread (coordinator/api/api_thread.py). A
 read takes fresh views on the core's loop when the newest are older than
-FRESH_S (FRESH_WHILE_BEHIND_S while the core is behind: every take and every
-snapshot built from it is time the core does not spend reading reports), one
-take at a time however many readers ask, and shares them. A
-reader waits WAIT_FOR_CORE_S at most for the core, and not at all while the
-core is slower than that (its last take, or the one in flight, took longer):
-then it gets the newest views there are at once (CoordinatorHealth's
-views_age_seconds says how old), and the take it started serves the next
-reader. That is what keeps ``status``, ``incidents`` and ``top`` answering
-when agents keep the core's loop saturated. Views older than MAX_SERVED_AGE_S are not served: the
-reader waits for the core instead, so a stuck core is not reported as current.
+FRESH_S (FRESH_WHILE_BEHIND_S while the core is behind: every take, and every
+snapshot built from it, is time the core does not spend reading reports), one
+take at a time however many readers ask, and shares them. A reader waits
+WAIT_FOR_CORE_S at most for the core, and not at all while the core is slower
+than that (its last take, or the one in flight, took longer): then it gets the
+newest views there are at once (CoordinatorHealth's views_age_seconds says how
+old), and the take it started serves the next reader. That is what keeps
+``status``, ``incidents`` and ``top`` answering when agents keep the core's
+loop saturated. Views older than MAX_SERVED_AGE_S are not served: the reader
+waits for the core instead, so a stuck core is not reported as current.
 Nothing is taken while nobody reads.
 """
 
