@@ -33,7 +33,7 @@ from clusterwatch.coordinator.api.core_calls import CoreCalls
 from clusterwatch.coordinator.api.errors_interceptor import ErrorMappingInterceptor
 from clusterwatch.coordinator.group.membership import Member, Membership
 from clusterwatch.coordinator.metrics.incidents import IncidentView, incident_view
-from clusterwatch.coordinator.metrics.load import LoadView
+from clusterwatch.coordinator.metrics.load import GroupView, LoadView
 from clusterwatch.coordinator.metrics.page import render
 from clusterwatch.coordinator.metrics.recovery import RecoveryView, recovery_view
 from clusterwatch.coordinator.model.event_log import EventLog, StateHealth
@@ -360,6 +360,11 @@ class CoordinatorServer:
                 agent_streams=len(core.sessions),
                 agents_waiting=core.streams.waiting(),
                 streams_refused={reason.value: n for reason, n in core.streams.refused_total.items()},
+                group=(
+                    GroupView(self.membership.holds_lease(), len(self.membership.members))
+                    if self.membership is not None
+                    else None
+                ),
             ),
         )
 

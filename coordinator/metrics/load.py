@@ -1,4 +1,5 @@
-"""The coordinator's own load on /metrics: its lag, and the agent streams it holds and refuses."""
+"""The coordinator's own load on /metrics: its lag, the agent streams it holds and refuses, and its
+place in its group of coordinators."""
 
 from __future__ import annotations
 
@@ -28,6 +29,23 @@ STREAMS_REFUSED = counter(
     "Agent streams refused (or shed) with a retry delay because the coordinator was at capacity, by reason "
     "(behind, busy, stream_limit, admission_rate, shed).",
 )
+LEASE_HELD = gauge(
+    "clusterwatch_coordinator_lease_held",
+    "1 while this coordinator surely holds its lease in etcd, 0 while it may have lost it (it then acts on "
+    "nothing: docs/recovery.md). Absent for a coordinator on its own.",
+)
+GROUP_MEMBERS = gauge(
+    "clusterwatch_coordinator_group_members",
+    "Live coordinators in this coordinator's group, as it sees them in etcd (itself included).",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupView:
+    """This coordinator's place in its group (coordinator.etcd)."""
+
+    lease_held: bool
+    members: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +56,8 @@ class LoadView:
     agent_streams: int
     agents_waiting: int
     streams_refused: Mapping[str, int]
+    # None: a coordinator on its own.
+    group: GroupView | None = None
 
 
 def write_load(exp: Exposition, view: LoadView) -> None:
@@ -48,3 +68,6 @@ def write_load(exp: Exposition, view: LoadView) -> None:
     exp.lines(STREAMS_REFUSED)
     for reason, count in sorted(view.streams_refused.items()):
         exp.add(STREAMS_REFUSED, f'reason="{reason}"', count)
+    if view.group is not None:
+        exp.add(LEASE_HELD, "", 1 if view.group.lease_held else 0)
+        exp.add(GROUP_MEMBERS, "", view.group.members)

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from etcd_server import EtcdServer
-from helpers import eventually, run_cli, sim_agent_settings
+from helpers import eventually, run_cli, scrape, sim_agent_settings
 from tcp_proxy import TcpProxy
 
 from clusterwatch.agent.runtime import Agent
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(120)
 def settings(tmp_path: Path, etcd: str, prefix: str, shard_id: str) -> CoordinatorSettings:
     return CoordinatorSettings(
         listen="127.0.0.1:0",
-        metrics_listen="",
+        metrics_listen="127.0.0.1:0",
         state_dir=tmp_path / shard_id,
         etcd=etcd,
         etcd_prefix=prefix,
@@ -42,6 +42,13 @@ async def health_of(server: CoordinatorServer) -> cluster_pb2.CoordinatorHealth:
         api = cluster_pb2_grpc.ClusterServiceStub(channel)
         snapshot = await api.GetSnapshot(cluster_pb2.GetSnapshotRequest(summary_only=True), timeout=30)
         return snapshot.coordinator
+
+
+async def group_metrics(server: CoordinatorServer) -> dict[str, float]:
+    samples = await asyncio.to_thread(scrape, f"http://127.0.0.1:{server.metrics_port}/metrics")
+    prefix = "clusterwatch_coordinator_"
+    wanted = {f"{prefix}lease_held", f"{prefix}group_members"}
+    return {s.name.removeprefix(prefix): s.value for s in samples if s.name in wanted}
 
 
 async def until_health(
@@ -69,8 +76,10 @@ async def test_a_coordinator_cut_off_from_etcd_holds_recovery_and_rejoins_with_a
             joined = await until_health(second, lambda h: h.group_members == 2, "both coordinators listed")
             assert (joined.shard_id, joined.holds_lease) == ("c2", True)
             assert joined.fencing_token > 0
+            assert await group_metrics(second) == {"lease_held": 1.0, "group_members": 2.0}
             proxy.block()
             await until_health(second, lambda h: not h.holds_lease, "c2 to know it lost its lease")
+            assert (await group_metrics(second))["lease_held"] == 0.0
             await eventually(
                 lambda: (
                     "recovery holds its decisions: this coordinator does not surely hold its lease"
