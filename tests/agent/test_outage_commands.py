@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -212,14 +212,10 @@ async def test_a_restarted_coordinator_does_not_redo_or_redecide_what_the_previo
     log.close()
 
 
-async def test_recovery_alerts_instead_of_acting_on_a_job_two_nodes_claim(tmp_path: Path) -> None:
-    """A rank claimed by a second node while it runs on the first: what the job reports is not
-    trusted, so the policy's restart becomes an alert that names both claims."""
-    store = JobStore(instance_takeover_s=10.0)
-    now_mono, now = time.monotonic(), time.time()
-    store.ingest("honest", [rank_report(r, job="j", steps=[step(5)]) for r in (0, 1)], now_mono, now)
-    forged = rank_report(1, job="j", instance_id="forged", restart_count=3)
-    assert store.ingest("rogue", [forged], now_mono, now).rejections
+def recovery_of_a_hang_in_j(
+    tmp_path: Path, store: JobStore, now: float, fenced: Callable[[], str | None] = lambda: None
+) -> tuple[EventLog, RecordingLauncher, Recovery]:
+    """A fresh database with job j's hang open, and the Recovery that will decide on it (no cooldown)."""
     log = EventLog(tmp_path)
     log.save_incidents([hang("j", IncidentState.OPEN, now)])
     watchdog = Watchdog(DetectionSettings(), log, unexpected_send, time.monotonic, time.time)
@@ -233,7 +229,20 @@ async def test_recovery_alerts_instead_of_acting_on_a_job_two_nodes_claim(tmp_pa
         checkpoint_now=unexpected_checkpoint,
         launcher=launcher,
         wall_clock=time.time,
+        fenced=fenced,
     )
+    return log, launcher, recovery
+
+
+async def test_recovery_alerts_instead_of_acting_on_a_job_two_nodes_claim(tmp_path: Path) -> None:
+    """A rank claimed by a second node while it runs on the first: what the job reports is not
+    trusted, so the policy's restart becomes an alert that names both claims."""
+    store = JobStore(instance_takeover_s=10.0)
+    now_mono, now = time.monotonic(), time.time()
+    store.ingest("honest", [rank_report(r, job="j", steps=[step(5)]) for r in (0, 1)], now_mono, now)
+    forged = rank_report(1, job="j", instance_id="forged", restart_count=3)
+    assert store.ingest("rogue", [forged], now_mono, now).rejections
+    log, launcher, recovery = recovery_of_a_hang_in_j(tmp_path, store, now)
     recovery.round()
     await poll_until(lambda: log.actions(job="j"), 10, "the hang to be decided")
     ((action, outcome, detail),) = [(a.action, a.outcome, a.detail) for a in log.actions(job="j")]
@@ -250,21 +259,9 @@ async def test_a_fenced_coordinator_decides_nothing_until_it_holds_its_lease_aga
     store = JobStore()
     now_mono, now = time.monotonic(), time.time()
     store.ingest("n1", [rank_report(r, job="j", steps=[step(5)]) for r in (0, 1)], now_mono, now)
-    log = EventLog(tmp_path)
-    log.save_incidents([hang("j", IncidentState.OPEN, now)])
-    watchdog = Watchdog(DetectionSettings(), log, unexpected_send, time.monotonic, time.time)
-    launcher = RecordingLauncher()
     fence: list[str] = ["this coordinator does not surely hold its lease in etcd"]
-    recovery = Recovery(
-        RecoverySettings(cooldown_s=0),
-        watchdog=watchdog,
-        event_log=log,
-        jobs=lambda: store.jobs,
-        latest_checkpoint=lambda job: None,
-        checkpoint_now=unexpected_checkpoint,
-        launcher=launcher,
-        wall_clock=time.time,
-        fenced=lambda: fence[0] if fence else None,
+    log, launcher, recovery = recovery_of_a_hang_in_j(
+        tmp_path, store, now, lambda: fence[0] if fence else None
     )
     for _ in range(3):
         recovery.round()
