@@ -114,17 +114,16 @@ def take_views(
         watchdog.detection.slowdown_ratios,
         only=wanted_jobs if filtered else None,
     )
-    incidents = incident_views(watchdog)
-    if filtered:
-        incidents = [i for i in incidents if i.job in wanted_jobs or not wanted_nodes.isdisjoint(i.nodes)]
-    return ClusterViews(
+    views = ClusterViews(
         taken_mono_s=now_mono,
         taken_unix_s=now_unix,
         nodes=node_views(core.state, only=wanted_nodes if filtered else None),
         jobs=training.jobs,
-        incidents=incidents,
+        incidents=incident_views(watchdog),
         health=coordinator_health(core, now_mono, group),
     )
+    # Nodes and jobs are taken filtered (the cost is per view); the incidents are selected here.
+    return views.only(nodes, jobs)
 
 
 def incident_views(watchdog: Watchdog) -> list[IncidentView]:
