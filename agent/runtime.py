@@ -205,7 +205,7 @@ class Agent:
 
         A no-op unless systemd started the agent (Type=notify sets NOTIFY_SOCKET).
         """
-        target = self.settings.coordinator
+        target = self.uplink.target
         if not connected:
             sd_notify.notify(sd_notify.status(f"lost coordinator {target}; buffering reports, reconnecting"))
             return

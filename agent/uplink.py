@@ -26,6 +26,16 @@ stream at once), so a refused stream costs the hello alone. A call cancelled
 unread by the coordinator's gRPC server (it is too swamped to pick calls up and
 refuse them) is retried with a longer backoff, up to BUSY_RECONNECT_MAX_S.
 
+In a group of coordinators (several on etcd) the agent reports to its node's home
+(clusterwatch/wire/placement.py). ``target`` may name several coordinators (HOST:PORT,...); the
+group's addresses arrive on every stream (CoordinatorGroup) and join them. A coordinator that is not
+the home ends the stream with FAILED_PRECONDITION and the home's address (``clusterwatch-home``):
+the agent goes there at once, replaying what was not acknowledged. When the coordinator it reports
+to fails, the agent tries the next one it knows, which sends it to the new home once the old one's
+lease has run out (at most 5 s). Until a stream is acknowledged again these retries wait at most
+MOVING_RECONNECT_MAX_S, so a dead coordinator's agents re-home within about the lease's TTL plus
+a second.
+
 Commands arriving on the stream are carried out by the CommandHandler (at
 most once per command id) and their results sent back up, on a later stream
 if this one broke meanwhile; the coordinator's table of complete checkpoints
@@ -54,7 +64,7 @@ from clusterwatch.agent.report_buffer import ReportBuffer
 from clusterwatch.runtime.backoff import Backoff
 from clusterwatch.runtime.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc
-from clusterwatch.wire.grpc_status import PUSHBACK_JITTER_FACTOR, retry_pushback_s
+from clusterwatch.wire.grpc_status import PUSHBACK_JITTER_FACTOR, home_address, retry_pushback_s
 from clusterwatch.wire.report_digest import digest
 
 logger = logging.getLogger(__name__)
@@ -64,6 +74,9 @@ RECONNECT_MAX_S = 4.0
 # The cap of the backoff after a call the coordinator's gRPC server cancelled without a word (it left
 # the call unread for 30 s: the coordinator is overloaded and does not see it to refuse it with a delay).
 BUSY_RECONNECT_MAX_S = 30.0
+# The backoff cap while the agent looks for its home (after a redirect, or after the coordinator it
+# reported to failed) until a stream is acknowledged: each try costs the others a hello at most.
+MOVING_RECONNECT_MAX_S = 1.0
 # How long a new stream waits for the coordinator's first message before sending reports anyway:
 # a refusal comes in milliseconds; a coordinator that answers only reports must still get them.
 ADMISSION_WAIT_S = 2.0
@@ -73,7 +86,7 @@ class Uplink:
     """Streams buffered reports to the coordinator and keeps the stream alive.
 
     Args:
-        target: coordinator address, HOST:PORT.
+        target: coordinator address, HOST:PORT, or several comma-separated (any of a group).
         make_hello: builds the Hello for each new connection.
         buffer: the reports waiting for acknowledgement.
         commands: runs commands sent by the coordinator.
@@ -96,7 +109,14 @@ class Uplink:
         on_connection: Callable[[bool], None] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
-        self.target = target
+        # Where to start, then also the group's coordinators as the latest stream listed them (tried in
+        # turn on failure).
+        self._entries = [address.strip() for address in target.split(",") if address.strip()]
+        self._known = list(self._entries)
+        self.target = self._known[0]
+        # Set by a redirect and by the loss of a stream that was up; cleared by an ack.
+        self._moving = False
+        self.redirects_total = 0
         self._credentials = credentials
         self._on_checkpoints = on_checkpoints
         self._on_connection = on_connection
@@ -105,6 +125,7 @@ class Uplink:
         self._commands = commands
         self._backoff = Backoff(cap_s=reconnect_max_s)
         self._busy_backoff = Backoff(base_s=1.0, cap_s=BUSY_RECONNECT_MAX_S)
+        self._moving_backoff = Backoff(base_s=0.25, cap_s=min(reconnect_max_s, MOVING_RECONNECT_MAX_S))
         self._outbox: collections.deque[agent_pb2.CommandResult] = collections.deque()
         self._outbox_ready = asyncio.Event()
         # Commands being carried out; each runs on its own so a slow one (a
@@ -129,6 +150,8 @@ class Uplink:
         while not stop.is_set():
             # The delay the coordinator asked for (RESOURCE_EXHAUSTED), if it did.
             pushback_s: float | None = None
+            # The node's home, when the coordinator said it is another (FAILED_PRECONDITION).
+            home: str | None = None
             try:
                 await self._session(stop)
                 if not stop.is_set():
@@ -136,7 +159,11 @@ class Uplink:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     pushback_s = retry_pushback_s(exc.trailing_metadata())
-                if exc.code() != failing:
+                elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    home = home_address(exc.trailing_metadata())
+                if home is not None:
+                    logger.info("coordinator %s sends this node to %s: %s", self.target, home, exc.details())
+                elif exc.code() != failing:
                     retrying = (
                         f"retrying in {pushback_s:g} s or a little more, as it asked; reports are kept meanwhile"
                         if pushback_s is not None
@@ -156,17 +183,12 @@ class Uplink:
                 self._lost_at_s = time.monotonic()
                 if self._on_connection is not None:
                     self._on_connection(False)
-            self.connected = False
+            was_connected, self.connected = self.connected, False
             if stop.is_set():
                 break
-            if pushback_s is not None:
-                delay_s = self._backoff.pushed_back_s(pushback_s, PUSHBACK_JITTER_FACTOR)
-            elif failing == grpc.StatusCode.CANCELLED and not self._admitted.is_set():
-                delay_s = self._busy_backoff.next_delay_s()  # cancelled unread: the coordinator is swamped
-            else:
-                delay_s = self._backoff.next_delay_s()
+            delay_s = self._next_delay_s(home, pushback_s, failing, was_connected)
             self.last_delay_s = delay_s
-            logger.debug("reconnecting in %.2f s", delay_s)
+            logger.debug("reconnecting to %s in %.2f s", self.target, delay_s)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=delay_s)
 
@@ -197,6 +219,35 @@ class Uplink:
                 ):
                     await sender
 
+    def _next_delay_s(
+        self, home: str | None, pushback_s: float | None, failing: grpc.StatusCode | None, was_connected: bool
+    ) -> float:
+        """How long to wait before the next stream, and where it goes (``target``), after one ended."""
+        if home is not None:
+            # At once the first time; a redirect back and forth (views of the group differ for a
+            # moment) waits like any retry.
+            delay_s = 0.0 if not self._moving else self._moving_backoff.next_delay_s()
+            self._moving = True
+            self.redirects_total += 1
+            self.target = home
+            return delay_s
+        if pushback_s is not None:
+            return self._backoff.pushed_back_s(pushback_s, PUSHBACK_JITTER_FACTOR)
+        if failing == grpc.StatusCode.CANCELLED and not self._admitted.is_set():
+            return self._busy_backoff.next_delay_s()  # cancelled unread: the coordinator is swamped
+        if len(self._known) > 1 or self.target not in self._known:
+            # Another coordinator of the group knows where this node belongs now.
+            self._moving = self._moving or was_connected
+            self.target = self._next_known()
+            return (self._moving_backoff if self._moving else self._backoff).next_delay_s()
+        return self._backoff.next_delay_s()
+
+    def _next_known(self) -> str:
+        """The coordinator to try after ``target`` failed: the next one known, in turn."""
+        if self.target not in self._known:
+            return self._known[0]
+        return self._known[(self._known.index(self.target) + 1) % len(self._known)]
+
     def _channel(self) -> grpc.aio.Channel:
         if self._credentials is None:
             return grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
@@ -212,6 +263,8 @@ class Uplink:
                 self.connections_total += 1
                 self._backoff.reset()
                 self._busy_backoff.reset()
+                self._moving_backoff.reset()
+                self._moving = False
                 if self._lost_at_s is None:
                     logger.info("connected to coordinator %s", self.target)
                 else:
@@ -231,6 +284,8 @@ class Uplink:
             task.add_done_callback(self._running_commands.discard)
         elif kind == "checkpoints" and self._on_checkpoints is not None:
             self._on_checkpoints(message.checkpoints)
+        elif kind == "group":
+            self._known = list(dict.fromkeys([*self._entries, *message.group.addresses]))
         elif kind == "report_settings":
             self.digest_reports = message.report_settings.digest
             logger.info(

@@ -47,7 +47,8 @@ def setting(default: Any, help: str, flag: str | None = None, **checks: Any) -> 
     """Declare a setting: its default, help text, optional flag name and checks.
 
     Checks: ``positive=True`` (> 0), ``minimum=N``, ``choices=(...)``,
-    ``host_port=True`` (HOST:PORT, empty allowed when ``optional=True``).
+    ``host_port=True`` (HOST:PORT, empty allowed when ``optional=True``), ``host_ports=True``
+    (HOST:PORT[,HOST:PORT...]).
     """
     meta = {"help": help, "flag": flag, **checks}
     if isinstance(default, list):
@@ -76,7 +77,12 @@ class TransportSettings:
 class AgentSettings(TransportSettings):
     """Settings of ``clusterwatch agent`` (section ``[agent]``)."""
 
-    coordinator: str = setting("127.0.0.1:50051", "coordinator gRPC address HOST:PORT", host_port=True)
+    coordinator: str = setting(
+        "127.0.0.1:50051",
+        "coordinator gRPC address HOST:PORT, or several comma-separated (a group of coordinators: any "
+        "one sends the agent to its node's home)",
+        host_ports=True,
+    )
     node_id: str = setting("", "node name in every report and metric (default: hostname)")
     interval_s: float = setting(1.0, "seconds between node reports", flag="--interval", positive=True)
     gpu_backend: str = setting(
@@ -493,6 +499,12 @@ def _check(key: str, value: Any, meta: Mapping[str, Any], source: str) -> None:
     if meta.get("host_port") and not (meta.get("optional") and value == ""):
         try:
             split_host_port(value)
+        except ValueError as exc:
+            raise ConfigError(key, str(exc), source) from None
+    if meta.get("host_ports"):
+        try:
+            for address in value.split(","):
+                split_host_port(address.strip())
         except ValueError as exc:
             raise ConfigError(key, str(exc), source) from None
 

@@ -43,6 +43,18 @@ class FailedPreconditionError(ClusterwatchError):
     """A valid request the cluster cannot carry out in its current state (maps to FAILED_PRECONDITION)."""
 
 
+class MovedError(FailedPreconditionError):
+    """This coordinator is not the node's home: its agent reports to another (clusterwatch/wire/placement.py).
+
+    Attributes:
+        home_address: where the node's agent reports instead, HOST:PORT.
+    """
+
+    def __init__(self, message: str, home_address: str) -> None:
+        self.home_address = home_address
+        super().__init__(message)
+
+
 class UnimplementedError(ClusterwatchError):
     """A request this version does not support yet (maps to UNIMPLEMENTED)."""
 

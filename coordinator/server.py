@@ -31,6 +31,7 @@ from clusterwatch.coordinator.api.cluster_servicer import ClusterServicer, add_c
 from clusterwatch.coordinator.api.cluster_views import LiveViews, RecentViews, ViewSource, take_views
 from clusterwatch.coordinator.api.core_calls import CoreCalls
 from clusterwatch.coordinator.api.errors_interceptor import ErrorMappingInterceptor
+from clusterwatch.coordinator.group.homing import Homing
 from clusterwatch.coordinator.group.membership import Member, Membership
 from clusterwatch.coordinator.metrics.incidents import IncidentView, incident_view
 from clusterwatch.coordinator.metrics.load import GroupView, LoadView
@@ -171,6 +172,7 @@ class CoordinatorServer:
         self._api: ApiThread | None = None
         # With coordinator.etcd: this coordinator's place in its group (made in start()).
         self.membership: Membership | None = None
+        self.homing: Homing | None = None
         self._server: grpc.aio.Server | None = None
         self._health: Any = None  # grpc_health.v1.health.aio.HealthServicer (untyped)
         self._http: MetricsHttpServer | None = None
@@ -239,8 +241,9 @@ class CoordinatorServer:
         # Nothing is said in the default mode, where agents send full reports unasked.
         lean = self.settings.hardware_series == "agents"
         report_settings = agent_pb2.ReportSettings(digest=True) if lean else None
+        self.homing = Homing(self.membership) if self.membership is not None else None
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
-            AgentServicer(self.core, self.access, report_settings), self._server
+            AgentServicer(self.core, self.access, report_settings, self.homing), self._server
         )
         calls = CoreCalls(self._loop)
         add_cluster_service(
@@ -303,6 +306,10 @@ class CoordinatorServer:
         if self.membership is not None:
             await self._join_group(self.membership)
             self._tasks.append(asyncio.create_task(self.membership.stay(), name="group"))
+            if self.homing is not None:
+                self._tasks.append(
+                    asyncio.create_task(self.homing.release_moved(self.core.release_jobs), name="homing")
+                )
         if self.settings.ready_file:
             self._write_ready_file(Path(self.settings.ready_file))
 

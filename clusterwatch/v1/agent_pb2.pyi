@@ -490,6 +490,36 @@ class ReportSettings(_message.Message):
 Global___ReportSettings: _TypeAlias = ReportSettings  # noqa: Y015
 
 @_typing.final
+class CoordinatorGroup(_message.Message):
+    """The coordinators of a group (several on etcd), sent on every stream when
+    it opens and again when they change. The agent keeps their addresses to
+    find its home again if the one it reports to dies. A coordinator that is
+    not the node's home (clusterwatch/wire/placement.py) ends the stream with
+    FAILED_PRECONDITION and the home's address in the trailing metadata
+    (clusterwatch-home); the agent reconnects there at once.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESSES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Where agents reach each live coordinator, HOST:PORT."""
+
+    def __init__(
+        self,
+        *,
+        addresses: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CoordinatorGroup: _TypeAlias = CoordinatorGroup  # noqa: Y015
+
+@_typing.final
 class CoordinatorMessage(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -497,6 +527,7 @@ class CoordinatorMessage(_message.Message):
     COMMAND_FIELD_NUMBER: _builtins.int
     CHECKPOINTS_FIELD_NUMBER: _builtins.int
     REPORT_SETTINGS_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ack(self) -> Global___Ack: ...
     @_builtins.property
@@ -505,6 +536,8 @@ class CoordinatorMessage(_message.Message):
     def checkpoints(self) -> Global___JobCheckpoints: ...
     @_builtins.property
     def report_settings(self) -> Global___ReportSettings: ...
+    @_builtins.property
+    def group(self) -> Global___CoordinatorGroup: ...
     def __init__(
         self,
         *,
@@ -512,12 +545,13 @@ class CoordinatorMessage(_message.Message):
         command: Global___Command | None = ...,
         checkpoints: Global___JobCheckpoints | None = ...,
         report_settings: Global___ReportSettings | None = ...,
+        group: Global___CoordinatorGroup | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "checkpoints", b"checkpoints", "command", b"command", "kind", b"kind", "report_settings", b"report_settings"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "checkpoints", b"checkpoints", "command", b"command", "group", b"group", "kind", b"kind", "report_settings", b"report_settings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "checkpoints", b"checkpoints", "command", b"command", "kind", b"kind", "report_settings", b"report_settings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "checkpoints", b"checkpoints", "command", b"command", "group", b"group", "kind", b"kind", "report_settings", b"report_settings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["ack", "command", "checkpoints", "report_settings"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["ack", "command", "checkpoints", "report_settings", "group"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

@@ -16,6 +16,7 @@ from clusterwatch.errors import (
     FailedPreconditionError,
     InvalidReportError,
     InvalidRequestError,
+    MovedError,
     NotFoundError,
     PermissionDeniedError,
     ResourceExhaustedError,
@@ -53,11 +54,25 @@ RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 PUSHBACK_JITTER_FACTOR = 1.5
 
 
-def retry_pushback(exc: ClusterwatchError) -> tuple[tuple[str, str], ...]:
-    """The trailing metadata saying when to retry, for an error that has a retry delay (else empty)."""
+# Where a node's agent reports instead (MovedError): the address of its home coordinator, HOST:PORT.
+HOME_KEY = "clusterwatch-home"
+
+
+def trailing_metadata(exc: ClusterwatchError) -> tuple[tuple[str, str], ...]:
+    """What a refusal tells the agent beyond its status: when to retry, or where to go (else empty)."""
     if isinstance(exc, ResourceExhaustedError):
         return ((RETRY_PUSHBACK_KEY, str(round(exc.retry_after_s * 1000))),)
+    if isinstance(exc, MovedError):
+        return ((HOME_KEY, exc.home_address),)
     return ()
+
+
+def home_address(trailing: object) -> str | None:
+    """The home a refusal's trailing metadata names (MovedError), or None."""
+    for key, value in trailing or ():  # type: ignore[attr-defined]
+        if key == HOME_KEY and isinstance(value, str) and value:
+            return value
+    return None
 
 
 def retry_pushback_s(trailing_metadata: object) -> float | None:

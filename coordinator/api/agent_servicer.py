@@ -11,10 +11,11 @@ from typing import Any
 import grpc
 
 from clusterwatch.coordinator.api.access import AccessPolicy
+from clusterwatch.coordinator.group.homing import Homing
 from clusterwatch.coordinator.ingest.core import Coordinator
 from clusterwatch.coordinator.ingest.sessions import AgentSession
-from clusterwatch.errors import AbortedError, InvalidReportError
-from clusterwatch.v1 import agent_pb2, agent_pb2_grpc
+from clusterwatch.errors import AbortedError, InvalidReportError, MovedError
+from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, node_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ WRITER_STOP_S = 1.0
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     """Args:
     report_settings: sent first on every stream (None: nothing, agents send full reports).
+    homing: which streams and jobs are this coordinator's, in a group of several (None: all).
     """
 
     def __init__(
@@ -37,10 +39,12 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         coordinator: Coordinator,
         access: AccessPolicy | None = None,
         report_settings: agent_pb2.ReportSettings | None = None,
+        homing: Homing | None = None,
     ) -> None:
         self._core = coordinator
         self._access = access or AccessPolicy({}, ())
         self._report_settings = report_settings
+        self._homing = homing
 
     # Driven with context.read()/write() so acks and commands can be written
     # while reports are read; the generated base class only types the
@@ -82,11 +86,29 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 raise session.shed
             kind = message.WhichOneof("kind")
             if kind == "report":
+                if self._homing is not None:
+                    self._place(session, message.report)
                 self._core.ingest(session, message.report)
             elif kind == "command_result":
                 session.resolve(message.command_result)
             else:
                 raise InvalidReportError(f"unexpected {kind or 'empty'} message after the hello")
+
+    def _place(self, session: AgentSession, report: node_pb2.NodeReport) -> None:
+        """Keep the report here (coordinator/group/homing.py) and tell the agent of group changes.
+
+        Raises:
+            MovedError: the node reports to another coordinator now; it is forgotten here.
+        """
+        assert self._homing is not None  # noqa: S101 - narrowing for mypy
+        generation = self._homing.generation
+        if session.group_generation != generation:
+            session.send_group(self._homing.group_message(), generation)
+        try:
+            self._homing.check(session.node_id, report)
+        except MovedError as exc:
+            self._core.release_node(session, exc.home_address)
+            raise
 
     async def _write(self, session: AgentSession, context: Context) -> None:
         """The stream's only writer: periodic cumulative acks, checkpoint state and queued commands."""
@@ -98,6 +120,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             report_settings = session.take_report_settings()
             if report_settings is not None:
                 await context.write(agent_pb2.CoordinatorMessage(report_settings=report_settings))
+            group = session.take_group()
+            if group is not None:
+                await context.write(agent_pb2.CoordinatorMessage(group=group))
             sequence = session.take_ack()
             if sequence is not None:
                 await context.write(agent_pb2.CoordinatorMessage(ack=agent_pb2.Ack(sequence=sequence)))

@@ -15,7 +15,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from clusterwatch.errors import ClusterwatchError, InvalidRequestError
-from clusterwatch.wire.grpc_status import retry_pushback, status_for
+from clusterwatch.wire.grpc_status import status_for, trailing_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +70,10 @@ _FACTORIES: dict[str, Callable[..., Any]] = {
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: ClusterwatchError, method: str) -> None:
     code = status_for(exc)
-    pushback = retry_pushback(exc)
-    if pushback:  # many a second when the coordinator is at capacity: not logged each
+    trailing = trailing_metadata(exc)
+    if trailing:  # many a second when the coordinator is at capacity or agents move: not logged each
         logger.debug("%s -> %s: %s", method, code.name, exc)
-        context.set_trailing_metadata(pushback)
+        context.set_trailing_metadata(trailing)
     else:
         logger.info("%s -> %s: %s", method, code.name, exc)
     await context.abort(code, str(exc))

@@ -3,7 +3,7 @@
 A coordinator joins by writing ``<prefix>/members/<shard id>`` under a lease of TTL_S seconds,
 renewed every RENEW_EVERY_S; it leaves by revoking the lease, and a coordinator that dies or is cut
 off from etcd leaves when its lease runs out. Everyone watches the prefix, so everyone sees the same
-members (coordinator/group/ownership.py turns them into owners).
+members (clusterwatch/wire/placement.py turns them into owners and homes).
 
 The revision at which a coordinator's key was created is its **fencing token**: it grows with
 every join, so a coordinator that took over a job's shard carries a higher one than the one it
@@ -83,6 +83,8 @@ class Members:
         self.current: dict[str, Member] = {}
         # Set on every change; whoever waits for changes clears it.
         self.changed = asyncio.Event()
+        # Counts the changes, for those who cache what they computed from the members.
+        self.generation = 0
 
     async def read(self) -> int:
         """Read them all; the store's revision they were read at.
@@ -94,7 +96,7 @@ class Members:
         self.current = {}
         for entry in entries:
             self._apply(entry.key, entry.value, entry.create_revision)
-        self.changed.set()
+        self._changed()
         return revision
 
     async def watch(self) -> None:
@@ -108,11 +110,15 @@ class Members:
                     for change in changes:
                         self._apply_change(change)
                         revision = change.revision
-                    self.changed.set()
+                    self._changed()
             except ClusterwatchError as exc:
                 logger.warning("watching the coordinators in etcd: %s; reading them again", exc)
                 await asyncio.sleep(REWATCH_AFTER_S)
                 revision = None
+
+    def _changed(self) -> None:
+        self.generation += 1
+        self.changed.set()
 
     def _apply_change(self, change: Change) -> None:
         if change.value is None:
@@ -156,6 +162,16 @@ class Membership:
     def members(self) -> dict[str, Member]:
         """Every live coordinator, this one included, by shard id."""
         return self._all.current
+
+    @property
+    def generation(self) -> int:
+        """Grows with every change to ``members``."""
+        return self._all.generation
+
+    async def wait_for_change(self) -> None:
+        """Return after the next change to ``members`` (one waiter per coordinator)."""
+        await self._all.changed.wait()
+        self._all.changed.clear()
 
     async def join(self) -> Member:
         """Register under a new lease; this coordinator with its fencing token.

@@ -397,21 +397,53 @@ class Coordinator:
         already ended, or never seen, changes nothing but the refusals.
         """
         record = self.jobs.end(job, self._clock())
-        self.checkpoints.forget(job)
-        resolved = self.watchdog.end_job(
+        resolved = self._forget_job(
             job, f"resolved: job ended ({reason})" if reason else "resolved: job ended"
         )
-        for listener in self.job_ended_listeners:
-            try:
-                listener(job)
-            except Exception:  # the job has ended all the same
-                logger.exception("could not tell %r that job %s ended", listener, job)
         if record is None and not resolved:
             return JobEnd(known=False, ranks=0, incidents_resolved=0)
         ranks = len(record.ranks) if record is not None else 0
         detail = f"job {job} ended ({reason or 'no reason given'}): {ranks} ranks, {len(resolved)} incidents resolved"
         self.record([Event(EventKind.JOB_ENDED, "", self._wall(), detail)])
         return JobEnd(known=True, ranks=ranks, incidents_resolved=len(resolved))
+
+    def _forget_job(self, job: str, note: str) -> Sequence[Incident]:
+        """Drop what this coordinator keeps for ``job`` beyond its record; the incidents resolved with ``note``."""
+        self.checkpoints.forget(job)
+        resolved = self.watchdog.end_job(job, note)
+        for listener in self.job_ended_listeners:
+            try:
+                listener(job)
+            except Exception:  # the job is gone from here all the same
+                logger.exception("could not tell %r that job %s ended", listener, job)
+        return resolved
+
+    def release_jobs(self, elsewhere: Callable[[str], str | None]) -> list[str]:
+        """Forget every job another coordinator of the group owns now (``elsewhere`` names it, None
+        when still here); their names. Their live incidents are resolved here, saying where the job
+        went: its new owner judges it from its own reports."""
+        moved = {job: shard for job in self.jobs.jobs if (shard := elsewhere(job)) is not None}
+        for job, shard in moved.items():
+            self.jobs.release(job)
+            self._forget_job(job, f"resolved here: coordinator {shard} owns job {job} now")
+        if moved:
+            logger.info("%d jobs moved to other coordinators of the group: %s", len(moved), ", ".join(moved))
+        return list(moved)
+
+    def release_node(self, session: AgentSession, home: str) -> None:
+        """The node of ``session`` reports to coordinator ``home`` now: forget it here, with no verdict
+        on its silence, and the ranks it hosted for jobs owned here."""
+        node_id = session.node_id
+        session.fail_pending(f"node {node_id} moved to coordinator {home}")
+        if self.sessions.get(node_id) is session:
+            del self.sessions[node_id]
+        if self.state.nodes.pop(node_id, None) is None:
+            return
+        self.event_log.forget_node(node_id)
+        self.jobs.release_node(node_id)
+        self.record(
+            [Event(EventKind.NODE_MOVED, node_id, self._wall(), f"reports to coordinator {home} now")]
+        )
 
     def expire_jobs(self) -> list[str]:
         """Drop finished and long-silent jobs (see JobStore); return their names."""

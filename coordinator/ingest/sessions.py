@@ -43,6 +43,9 @@ class AgentSession:
         self.outbox: collections.deque[agent_pb2.Command] = collections.deque()
         self._checkpoints: agent_pb2.JobCheckpoints | None = None
         self._report_settings: agent_pb2.ReportSettings | None = None
+        self._group: agent_pb2.CoordinatorGroup | None = None
+        # The group generation the agent was last told of (coordinator/group/homing.py); -1: none yet.
+        self.group_generation = -1
         self.wake = asyncio.Event()
         self.wake.set()
         # Set when the stream ends: the writer returns once the write under way is done
@@ -99,6 +102,16 @@ class AgentSession:
     def take_report_settings(self) -> agent_pb2.ReportSettings | None:
         settings, self._report_settings = self._report_settings, None
         return settings
+
+    def send_group(self, group: agent_pb2.CoordinatorGroup, generation: int) -> None:
+        """Queue the coordinators of the group as of ``generation``, replacing any not yet sent."""
+        self._group = group
+        self.group_generation = generation
+        self.wake.set()
+
+    def take_group(self) -> agent_pb2.CoordinatorGroup | None:
+        group, self._group = self._group, None
+        return group
 
     def resolve(self, result: agent_pb2.CommandResult) -> None:
         """Hand a command's result to whoever waits for it (nobody: it is dropped).

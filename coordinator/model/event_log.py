@@ -252,6 +252,10 @@ class EventLog:
             [(("nodes", node_id), _Write(UPSERT_NODE, [(node_id, hostname, interval_s, now_unix_s)]))]
         )
 
+    def forget_node(self, node_id: str) -> None:
+        """The node reports to another coordinator now: not restored here after a restart."""
+        self._write([(("nodes", node_id), _Write("DELETE FROM nodes WHERE node_id = ?", [(node_id,)]))])
+
     def nodes(self) -> list[StoredNode]:
         rows = self._db.execute("SELECT node_id, hostname, interval_s FROM nodes ORDER BY node_id").fetchall()
         return [StoredNode(*row) for row in rows]

@@ -421,6 +421,22 @@ class JobStore:
         self.ended[job] = EndedJob(now_mono, instances)
         return record
 
+    def release(self, job: str) -> JobRecord | None:
+        """Forget a job another coordinator owns now (its later reports are not refused); the record, if known."""
+        return self.jobs.pop(job, None)
+
+    def release_node(self, node_id: str) -> int:
+        """Forget the ranks on a node that reports to another coordinator now; how many there were."""
+        released = 0
+        for record in self.jobs.values():
+            ranks = [rank for rank, r in record.ranks.items() if r.node_id == node_id]
+            for rank in ranks:
+                del record.ranks[rank]
+            if ranks:
+                record.revision += 1
+                released += len(ranks)
+        return released
+
     def expire(self, now_mono: float) -> list[str]:
         """Drop finished and long-silent jobs; return their names.
 

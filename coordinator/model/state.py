@@ -40,6 +40,8 @@ class EventKind(enum.StrEnum):
     NODE_LEFT = "node_left"
     NODE_UNREACHABLE = "node_unreachable"
     NODE_BACK = "node_back"
+    # The node's agent reports to another coordinator of the group now (coordinator/group/homing.py).
+    NODE_MOVED = "node_moved"
     COORDINATOR_STARTED = "coordinator_started"
     # BeginJob / EndJob (a SLURM Prolog / Epilog); node_id is empty.
     JOB_REGISTERED = "job_registered"

@@ -127,6 +127,21 @@ def test_hardware_series_defaults_to_the_coordinator_and_refuses_anything_else(t
     assert not list(tmp_path.iterdir())  # refused before it opened its state
 
 
+def test_an_agent_may_name_several_coordinators_and_a_bad_one_is_named() -> None:
+    """A group of coordinators: any of them sends the agent to its node's home (agent/uplink.py)."""
+    tables = {"agent": {"coordinator": "c1.example:50051, c2.example:50051"}}
+    assert (
+        config.load(AgentSettings, file_tables=tables, environ={}).coordinator
+        == tables["agent"]["coordinator"]
+    )
+    with pytest.raises(ConfigError) as info:
+        config.load(
+            AgentSettings, file_tables={"agent": {"coordinator": "c1.example:50051,c2.example"}}, environ={}
+        )
+    assert info.value.key == "agent.coordinator"
+    assert "c2.example" in str(info.value)
+
+
 def test_config_file_errors(tmp_path: Path) -> None:
     broken = tmp_path / "broken.toml"
     broken.write_text("[agent\ninterval_s = 1")

@@ -1,5 +1,5 @@
 """Rendezvous hashing spreads jobs and nodes over coordinators and moves only what it must
-(coordinator/group/ownership.py)."""
+(clusterwatch/wire/placement.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import collections
 
 import pytest
 
-from clusterwatch.coordinator.group.ownership import owner, share
+from clusterwatch.wire.placement import job_owner, node_home, owner, primary_job, share
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -48,3 +48,20 @@ def test_every_order_of_members_gives_the_same_owner() -> None:
 def test_no_member_no_owner() -> None:
     with pytest.raises(ValueError, match="no coordinator"):
         owner("job-1", [])
+
+
+def test_a_node_is_homed_where_its_primary_job_is_owned() -> None:
+    shards = ["c1", "c2", "c3"]
+    jobs = [f"job-{i}" for i in range(50)]
+    for job in jobs:
+        assert node_home("node-1", {job: 8}, shards) == job_owner(job, shards)
+    # Most ranks win; a tie goes to the first job id, whatever the order the ranks came in.
+    assert primary_job({"b": 4, "a": 2}) == "b"
+    assert primary_job({"b": 4, "a": 4}) == primary_job({"a": 4, "b": 4}) == "a"
+    assert primary_job({}) is None
+
+
+def test_nodes_without_ranks_are_spread_by_their_own_id() -> None:
+    shards = ["c1", "c2"]
+    homes = collections.Counter(node_home(f"node-{i}", {}, shards) for i in range(2000))
+    assert all(900 <= n <= 1100 for n in homes.values()), homes
