@@ -743,8 +743,10 @@ class Event(_message.Message):
     id: _builtins.int
     timestamp_unix_seconds: _builtins.float
     kind: _builtins.str
-    """"node_joined", "node_left", "node_unreachable", "node_back",
-    "coordinator_started", "job_registered", "job_ended" (node_id empty).
+    """"node_joined", "node_left", "node_unreachable", "node_back", "node_moved"
+    (its agent reports to another coordinator of the group now),
+    "coordinator_started", "job_registered", "job_ended", "admin_request"
+    (node_id empty).
     """
     node_id: _builtins.str
     detail: _builtins.str
