@@ -167,6 +167,8 @@ class Uplink:
                     retrying = (
                         f"retrying in {pushback_s:g} s or a little more, as it asked; reports are kept meanwhile"
                         if pushback_s is not None
+                        else f"trying the {len(self._known)} coordinators of its group in turn"
+                        if len(self._known) > 1
                         else f"retrying with backoff up to {self._backoff.cap_s:g} s"
                     )
                     logger.warning(
