@@ -29,6 +29,18 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "/metrics. SIGHUP re-reads the [detection] and [recovery] settings from the config file and "
         "environment (flags still win); a changed launcher or launcher option needs a restart.",
     )
+    parser.add_argument(
+        "action",
+        nargs="?",
+        choices=("drain",),
+        help="drain: hand the shard's jobs and nodes (--shard-id, default this host's) to the other "
+        "coordinators of its group (--etcd), wait until it holds none, and exit; the coordinator keeps "
+        "running until you stop it",
+    )
+    parser.add_argument("--undo", action="store_true", help="with drain: the shard takes its share back")
+    parser.add_argument(
+        "--drain-timeout", type=float, default=120.0, metavar="SECONDS", help="with drain: how long to wait"
+    )
     add_settings_flags(parser, CoordinatorSettings)
     add_settings_flags(parser, DetectionSettings)
     add_settings_flags(parser, RecoverySettings)
@@ -37,6 +49,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "drain":
+        from clusterwatch.cli.drain_cmd import drain
+
+        return drain(settings_from_args(args, CoordinatorSettings), args.undo, args.drain_timeout)
     settings = settings_from_args(args, CoordinatorSettings)
     detection = settings_from_args(args, DetectionSettings)
     recovery = settings_from_args(args, RecoverySettings)

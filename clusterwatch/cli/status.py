@@ -217,7 +217,8 @@ def _group(health: cluster_pb2.CoordinatorHealth) -> str:
     members = f"{health.group_members} coordinator{'' if health.group_members == 1 else 's'}"
     if not health.holds_lease:
         return f" (shard {health.shard_id} of {members}; LEASE LOST: it acts on nothing until it rejoins)"
-    return f" (shard {health.shard_id} of {members}, fencing token {health.fencing_token})"
+    draining = "; DRAINING: its jobs and nodes go to the others" if health.draining else ""
+    return f" (shard {health.shard_id} of {members}, fencing token {health.fencing_token}{draining})"
 
 
 def run(args: argparse.Namespace) -> int:

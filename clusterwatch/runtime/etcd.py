@@ -55,6 +55,8 @@ class Change:
     key: str
     value: bytes | None
     revision: int
+    # The revision at which the key was created (0 for a deletion).
+    create_revision: int = 0
 
 
 def parse_endpoints(endpoints: str, key: str = "etcd") -> tuple[list[str], bool]:
@@ -243,4 +245,9 @@ def _entry(kv: kv_pb2.KeyValue) -> Entry:
 
 def _change(event: kv_pb2.Event) -> Change:
     deleted = event.type == kv_pb2.Event.EventType.DELETE
-    return Change(event.kv.key.decode(), None if deleted else event.kv.value, event.kv.mod_revision)
+    return Change(
+        event.kv.key.decode(),
+        None if deleted else event.kv.value,
+        event.kv.mod_revision,
+        0 if deleted else event.kv.create_revision,
+    )

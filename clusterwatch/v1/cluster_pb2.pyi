@@ -514,6 +514,8 @@ class CoordinatorHealth(_message.Message):
     GROUP_MEMBERS_FIELD_NUMBER: _builtins.int
     HOLDS_LEASE_FIELD_NUMBER: _builtins.int
     FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
     lag_seconds: _builtins.float
     """max(loop_delay_seconds, report_age_seconds)."""
     loop_delay_seconds: _builtins.float
@@ -542,6 +544,16 @@ class CoordinatorHealth(_message.Message):
     group_members: _builtins.int
     holds_lease: _builtins.bool
     fencing_token: _builtins.int
+    draining: _builtins.bool
+    """Draining (clusterwatch coordinator drain): its jobs and nodes go to the
+    others of its group.
+    """
+    @_builtins.property
+    def group(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupMember]:
+        """Every live coordinator of its group, this one included, sorted by shard:
+        a client asks each for the whole cluster (status, incidents, top).
+        """
+
     def __init__(
         self,
         *,
@@ -557,14 +569,48 @@ class CoordinatorHealth(_message.Message):
         group_members: _builtins.int = ...,
         holds_lease: _builtins.bool = ...,
         fencing_token: _builtins.int = ...,
+        draining: _builtins.bool = ...,
+        group: _abc.Iterable[Global___GroupMember] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_streams", b"agent_streams", "behind", b"behind", "fencing_token", b"fencing_token", "group_members", b"group_members", "holds_lease", b"holds_lease", "lag_seconds", b"lag_seconds", "loop_delay_seconds", b"loop_delay_seconds", "report_age_seconds", b"report_age_seconds", "shard_id", b"shard_id", "streams_refused_last_minute", b"streams_refused_last_minute", "verdicts_held", b"verdicts_held", "views_age_seconds", b"views_age_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_streams", b"agent_streams", "behind", b"behind", "draining", b"draining", "fencing_token", b"fencing_token", "group", b"group", "group_members", b"group_members", "holds_lease", b"holds_lease", "lag_seconds", b"lag_seconds", "loop_delay_seconds", b"loop_delay_seconds", "report_age_seconds", b"report_age_seconds", "shard_id", b"shard_id", "streams_refused_last_minute", b"streams_refused_last_minute", "verdicts_held", b"verdicts_held", "views_age_seconds", b"views_age_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CoordinatorHealth: _TypeAlias = CoordinatorHealth  # noqa: Y015
+
+@_typing.final
+class GroupMember(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    API_ADDRESS_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    shard_id: _builtins.str
+    address: _builtins.str
+    """Where agents reach it (and clients, without api_address), HOST:PORT."""
+    api_address: _builtins.str
+    """Its ClusterService's own port (coordinator.api_listen), HOST:PORT; empty
+    when it serves ClusterService only on `address`.
+    """
+    draining: _builtins.bool
+    def __init__(
+        self,
+        *,
+        shard_id: _builtins.str = ...,
+        address: _builtins.str = ...,
+        api_address: _builtins.str = ...,
+        draining: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "api_address", b"api_address", "draining", b"draining", "shard_id", b"shard_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupMember: _TypeAlias = GroupMember  # noqa: Y015
 
 @_typing.final
 class ActionRecord(_message.Message):

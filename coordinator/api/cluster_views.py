@@ -151,6 +151,14 @@ def coordinator_health(
         health.group_members = len(group.members)
         health.holds_lease = group.holds_lease()
         health.fencing_token = group.me.token
+        health.draining = group.draining
+        for shard_id, member in sorted(group.members.items()):
+            health.group.add(
+                shard_id=shard_id,
+                address=member.address,
+                api_address=member.api_address,
+                draining=member.draining,
+            )
     return health
 
 

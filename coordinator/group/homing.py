@@ -6,6 +6,9 @@ elsewhere ends the stream with the home's address (MovedError), and the agent go
 what was not acknowledged. Ranks of a job owned elsewhere (a node shared by jobs of two owners) are
 taken out of the report: their job is judged by its owner alone, never by two coordinators.
 
+Placement passes over draining coordinators (coordinator/group/drain.py) unless all are: a draining
+coordinator's nodes and jobs go to the others, as if it had left, while it still serves.
+
 While this coordinator does not know a group of two or more that includes itself (before it joined,
 on its own, or after its lease ran out and the others no longer list it) everything belongs here:
 moving agents on a stale view would send them to a coordinator that may be gone.
@@ -14,7 +17,7 @@ moving agents on a stale view would send them to a coordinator that may be gone.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from clusterwatch.coordinator.group.membership import Member, Membership
@@ -38,6 +41,7 @@ class Homing:
         # Cached verdicts for the current generation: (node, ranks by job) -> home, job -> owned here.
         self._homes: dict[tuple[str, tuple[tuple[str, int], ...]], Member] = {}
         self._owned: dict[str, bool] = {}
+        self._eligible: frozenset[str] | None = None
 
     @property
     def generation(self) -> int:
@@ -56,15 +60,15 @@ class Homing:
         Raises:
             MovedError: the node's home is another coordinator (nothing of the report was kept).
         """
-        members = self._members()
-        if members is None:
+        shards = self._shards()
+        if shards is None:
             return
         ranks_by_job = collections.Counter(rank.identity.job for rank in report.ranks)
         key = (node_id, tuple(sorted(ranks_by_job.items())))
         home = self._homes.get(key)
         if home is None:
             _bounded(self._homes)
-            home = self._homes[key] = members[node_home(node_id, ranks_by_job, members)]
+            home = self._homes[key] = self._membership.members[node_home(node_id, ranks_by_job, shards)]
         if home.shard_id != self._membership.me.shard_id:
             raise MovedError(
                 f"node {node_id} reports to coordinator {home.shard_id} ({home.address}) now", home.address
@@ -76,21 +80,21 @@ class Homing:
 
     def owns_job(self, job: str) -> bool:
         """Whether this coordinator detects and acts for ``job``."""
-        members = self._members()
-        if members is None:
+        shards = self._shards()
+        if shards is None:
             return True
         owned = self._owned.get(job)
         if owned is None:
             _bounded(self._owned)
-            owned = self._owned[job] = job_owner(job, members) == self._membership.me.shard_id
+            owned = self._owned[job] = job_owner(job, shards) == self._membership.me.shard_id
         return owned
 
     def elsewhere(self, job: str) -> str | None:
         """The shard that owns ``job`` when it is not this one, else None."""
-        members = self._members()
-        if members is None:
+        shards = self._shards()
+        if shards is None:
             return None
-        shard_id = job_owner(job, members)
+        shard_id = job_owner(job, shards)
         return None if shard_id == self._membership.me.shard_id else shard_id
 
     async def release_moved(self, release_jobs: Callable[[Callable[[str], str | None]], object]) -> None:
@@ -102,13 +106,10 @@ class Homing:
             await self._membership.wait_for_change()
             release_jobs(self.elsewhere)
 
-    def _members(self) -> Mapping[str, Member] | None:
-        """The group when placement applies (see the module doc), else None."""
+    def _shards(self) -> frozenset[str] | None:
+        """The shards placement chooses from (see the module doc), or None when everything is here."""
         self._refresh()
-        members = self._membership.members
-        if len(members) < 2 or self._membership.me.shard_id not in members:
-            return None
-        return members
+        return self._eligible
 
     def _refresh(self) -> None:
         generation = self._membership.generation
@@ -117,9 +118,14 @@ class Homing:
         self._generation = generation
         self._homes.clear()
         self._owned.clear()
+        members = self._membership.members
         self._group = agent_pb2.CoordinatorGroup(
-            addresses=sorted(member.address for member in self._membership.members.values())
+            addresses=sorted(member.address for member in members.values())
         )
+        if len(members) < 2 or self._membership.me.shard_id not in members:
+            self._eligible = None
+        else:
+            self._eligible = frozenset(s for s, m in members.items() if not m.draining) or frozenset(members)
 
 
 def _bounded(cache: dict[Any, Any]) -> None:

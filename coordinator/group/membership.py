@@ -46,15 +46,18 @@ class Member:
     api_address: str = ""
     metrics_address: str = ""
     token: int = 0
+    # Handing its share to the others (coordinator/group/drain.py): placement passes it over.
+    draining: bool = False
 
     def encode(self) -> bytes:
-        return json.dumps(
-            {
-                "address": self.address,
-                "api_address": self.api_address,
-                "metrics_address": self.metrics_address,
-            }
-        ).encode()
+        fields: dict[str, object] = {
+            "address": self.address,
+            "api_address": self.api_address,
+            "metrics_address": self.metrics_address,
+        }
+        if self.draining:
+            fields["draining"] = True
+        return json.dumps(fields).encode()
 
     @classmethod
     def decode(cls, shard_id: str, value: bytes, token: int) -> Member:
@@ -66,7 +69,13 @@ class Member:
             str(fields.get("api_address", "")),
             str(fields.get("metrics_address", "")),
             token,
+            fields.get("draining") is True,
         )
+
+
+def members_prefix(prefix: str) -> str:
+    """Where a cluster's coordinators register, under its key prefix."""
+    return f"{prefix.rstrip('/')}/members/"
 
 
 class Members:
@@ -79,7 +88,7 @@ class Members:
 
     def __init__(self, etcd: Etcd, prefix: str) -> None:
         self.etcd = etcd
-        self.prefix = f"{prefix.rstrip('/')}/members/"
+        self.prefix = members_prefix(prefix)
         self.current: dict[str, Member] = {}
         # Set on every change; whoever waits for changes clears it.
         self.changed = asyncio.Event()
@@ -123,8 +132,8 @@ class Members:
     def _apply_change(self, change: Change) -> None:
         if change.value is None:
             self.current.pop(change.key.removeprefix(self.prefix), None)
-        else:  # a new key: created now (a member's key is written once, when it joins)
-            self._apply(change.key, change.value, change.revision)
+        else:  # its token is the key's creation, whatever rewrote it since (a drain)
+            self._apply(change.key, change.value, change.create_revision or change.revision)
 
     def _apply(self, key: str, value: bytes, token: int) -> None:
         shard_id = key.removeprefix(self.prefix)
@@ -162,6 +171,12 @@ class Membership:
     def members(self) -> dict[str, Member]:
         """Every live coordinator, this one included, by shard id."""
         return self._all.current
+
+    @property
+    def draining(self) -> bool:
+        """Whether this coordinator is handing its share to the others (coordinator/group/drain.py)."""
+        member = self.members.get(self.me.shard_id)
+        return member is not None and member.draining
 
     @property
     def generation(self) -> int:

@@ -25,6 +25,8 @@ def test_the_header_names_the_shard_and_says_when_its_lease_is_lost() -> None:
     assert coordinator_header(snapshot).startswith(
         "coordinator 1.2.3 (shard c2 of 3 coordinators, fencing token 41):"
     )
+    snapshot.coordinator.draining = True
+    assert "fencing token 41; DRAINING: its jobs and nodes go to the others)" in coordinator_header(snapshot)
     snapshot.coordinator.holds_lease = False
     assert "LEASE LOST" in coordinator_header(snapshot)
     assert "shard" not in coordinator_header(cluster_pb2.ClusterSnapshot(coordinator_version="1.2.3"))

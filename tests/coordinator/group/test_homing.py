@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from etcd_server import EtcdServer
-from helpers import Coordinator, clusterwatch_cmd, eventually, sim_agent_settings
+from helpers import Coordinator, clusterwatch_cmd, eventually, run_cli, sim_agent_settings
 
 from clusterwatch.agent.runtime import Agent
 from clusterwatch.config import CoordinatorSettings
@@ -212,3 +212,49 @@ async def test_jobs_that_move_to_a_joining_coordinator_are_let_go(
     finally:
         await joining.stop()
         await first.stop()
+
+
+async def test_a_drained_coordinator_hands_every_node_and_job_to_the_others_and_takes_them_back(
+    etcd: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    servers = {
+        shard: CoordinatorServer(settings(tmp_path, etcd.endpoint, etcd_prefix, shard))
+        for shard in ("c1", "c2")
+    }
+    for server in servers.values():
+        await server.start()
+    agents, stop, running = await start_agents(f"127.0.0.1:{servers['c1'].grpc_port}", NODES)
+    group = ("--etcd", etcd.endpoint, "--etcd-prefix", etcd_prefix, "--insecure")
+    try:
+        homed_at_c2 = {n for n in NODES if node_home(n, {}, ["c1", "c2"]) == "c2"}
+        await eventually(lambda: set(servers["c2"].core.sessions) == homed_at_c2, 30, "nodes at their homes")
+        job = named_owned_by("c2", ["c1", "c2"], "drained")
+        servers["c2"].core.begin_job(job, {}, [])
+        drained = await asyncio.to_thread(
+            run_cli, "coordinator", "drain", "--shard-id", "c2", *group, timeout_s=90
+        )
+        assert drained.returncode == 0, drained.stderr
+        assert "coordinator c2 holds no node and no job" in drained.stdout
+        await eventually(lambda: set(servers["c1"].core.sessions) == set(NODES), 30, "every node at c1")
+        assert job not in servers["c2"].core.jobs.jobs
+        assert servers["c2"].membership is not None
+        assert servers["c2"].membership.draining
+        undone = await asyncio.to_thread(
+            run_cli, "coordinator", "drain", "--undo", "--shard-id", "c2", *group, timeout_s=60
+        )
+        assert undone.returncode == 0, undone.stderr
+        await eventually(lambda: set(servers["c2"].core.sessions) == homed_at_c2, 30, "c2's nodes back")
+        assert not servers["c2"].membership.draining
+        unknown = await asyncio.to_thread(
+            run_cli, "coordinator", "drain", "--shard-id", "c9", *group, timeout_s=60
+        )
+        assert unknown.returncode == 1
+        assert "no live coordinator 'c9' in etcd" in unknown.stderr
+        no_etcd = await asyncio.to_thread(run_cli, "coordinator", "drain", "--shard-id", "c2", "--insecure")
+        assert no_etcd.returncode == 2
+        assert "coordinator.etcd" in no_etcd.stderr
+    finally:
+        stop.set()
+        await asyncio.gather(*running, return_exceptions=True)
+        for server in servers.values():
+            await server.stop()
