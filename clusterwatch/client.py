@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -231,17 +230,18 @@ def read_token(path: str, key: str = "client.token_file") -> str:
     return lines[0].rpartition(":")[2]
 
 
-def client_factory(settings: ClientSettings) -> Callable[[], ClusterClient]:
-    """Makes clients as ``[client]`` says; files are read once, here.
+def client_factory(settings: ClientSettings) -> Callable[..., ClusterClient]:
+    """Makes clients as ``[client]`` says, of its coordinator or of the ``address`` given (another of
+    its group); files are read once, here.
 
     Raises:
         ConfigError: naming the key of an unusable TLS or token setting.
     """
     tls = credentials(settings, "client")
-    return functools.partial(
-        ClusterClient,
-        settings.coordinator,
-        settings.timeout_s,
-        credentials=tls.channel_credentials() if tls else None,
-        token=read_token(settings.token_file),
-    )
+    channel_credentials = tls.channel_credentials() if tls else None
+    token = read_token(settings.token_file)
+
+    def make(address: str = settings.coordinator) -> ClusterClient:
+        return ClusterClient(address, settings.timeout_s, credentials=channel_credentials, token=token)
+
+    return make

@@ -6,14 +6,15 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from clusterwatch import group_client
 from clusterwatch.cli.common import add_settings_flags, api_json, settings_from_args
-from clusterwatch.client import ClusterClient
+from clusterwatch.client import ClusterClient, client_factory
 from clusterwatch.config import ClientSettings
 from clusterwatch.v1 import cluster_pb2
 
@@ -41,28 +42,44 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, ClientSettings)
+    client_for = client_factory(settings)
     try:
-        with ClusterClient.from_settings(settings) as client:
+        with client_for() as client:
             if args.acknowledge or args.resolve:
                 state = (
                     IncidentState.INCIDENT_STATE_ACKNOWLEDGED
                     if args.acknowledge
                     else IncidentState.INCIDENT_STATE_RESOLVED
                 )
-                incident = client.update_incident(args.acknowledge or args.resolve, state)
+                incident = update_where_kept(client, client_for, args.acknowledge or args.resolve, state)
                 print(
                     json.dumps(incident_json(incident), indent=2)
                     if args.json
                     else format_incident(incident, args.stacks)
                 )
                 return 0
-            incidents = client.incidents(include_resolved=args.all, job=args.job)
-            actions: dict[str, list[cluster_pb2.ActionRecord]] = {}
-            for record in client.actions(job=args.job):
-                actions.setdefault(record.incident_id, []).append(record)
+            answers = group_client.from_each(
+                client,
+                client_for,
+                lambda c: (c.incidents(include_resolved=args.all, job=args.job), c.actions(job=args.job)),
+            )
     except grpc.RpcError as exc:
         print(f"clusterwatch: {settings.coordinator}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    incidents: list[cluster_pb2.Incident] = []
+    actions: dict[str, list[cluster_pb2.ActionRecord]] = {}
+    for answer in answers:
+        if answer.value is None:
+            print(
+                f"clusterwatch: coordinator {answer.shard_id} ({answer.address}): {answer.error}; "
+                "its incidents are missing",
+                file=sys.stderr,
+            )
+            continue
+        incidents += answer.value[0]
+        for record in answer.value[1]:
+            actions.setdefault(record.incident_id, []).append(record)
+    incidents.sort(key=lambda i: i.opened_unix_seconds)
     if args.json:
         print(json.dumps([incident_json(i, actions.get(i.id, [])) for i in incidents], indent=2))
         return 0
@@ -71,6 +88,31 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print("\n\n".join(format_incident(i, args.stacks, actions.get(i.id, [])) for i in incidents))
     return 0
+
+
+def update_where_kept(
+    first: ClusterClient,
+    client_for: Callable[[str], ClusterClient],
+    incident_id: str,
+    state: cluster_pb2.IncidentState.ValueType,
+) -> cluster_pb2.Incident:
+    """Change an incident's state at the coordinator that keeps it: ``first``, else another of its group.
+
+    Raises:
+        grpc.RpcError: ``first`` failed, or no coordinator of the group knows the incident (NOT_FOUND).
+    """
+    try:
+        return first.update_incident(incident_id, state)
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.NOT_FOUND:
+            raise
+        for answer in group_client.from_each(first, client_for, lambda c: c.incidents(include_resolved=True))[
+            1:
+        ]:
+            if answer.value is not None and any(i.id == incident_id for i in answer.value):
+                with client_for(answer.address) as other:
+                    return other.update_incident(incident_id, state)
+        raise
 
 
 def incident_json(

@@ -10,8 +10,9 @@ from typing import Any
 
 import grpc
 
+from clusterwatch import group_client
 from clusterwatch.cli.common import add_settings_flags, api_json, settings_from_args
-from clusterwatch.client import ClusterClient
+from clusterwatch.client import client_factory
 from clusterwatch.config import ClientSettings
 from clusterwatch.text.humanize import (
     ago,
@@ -223,42 +224,69 @@ def _group(health: cluster_pb2.CoordinatorHealth) -> str:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, ClientSettings)
+    client_for = client_factory(settings)
     try:
-        with ClusterClient.from_settings(settings) as client:
-            snapshot = client.snapshot(summary_only=True, nodes=args.node, jobs=args.job)
+        with client_for() as client:
+            answers = group_client.snapshots(
+                client,
+                client_for,
+                summary_only=True,
+                nodes=args.node,
+                jobs=args.job,
+            )
     except grpc.RpcError as exc:
         print(
             f"clusterwatch: cannot get status from {settings.coordinator}: {exc.code().name}", file=sys.stderr
         )
         return 1
+    snapshot = group_client.merged(answers)
     rows = [node_summary(n) for n in snapshot.nodes]
     if args.json:
-        health = snapshot.coordinator
         document = {
             "timestamp_unix_seconds": snapshot.timestamp_unix_seconds,
-            "coordinator": {
-                "version": snapshot.coordinator_version,
-                "lag_seconds": health.lag_seconds,
-                "behind": health.behind,
-                "verdicts_held": health.verdicts_held,
-                "agent_streams": health.agent_streams,
-                "streams_refused_last_minute": health.streams_refused_last_minute,
-            },
+            "coordinator": coordinator_json(answers[0]),
+            "coordinators": [coordinator_json(answer) for answer in answers] if len(answers) > 1 else [],
             "nodes": rows,
             "jobs": [job_json(job) for job in snapshot.jobs],
         }
         print(json.dumps(document, indent=2))
         return 0
-    print(coordinator_header(snapshot))
+    for answer in answers:
+        if answer.value is not None:
+            print(coordinator_header(answer.value))
+        else:
+            print(
+                f"coordinator {answer.shard_id} ({answer.address}): {answer.error}; its nodes and jobs are missing"
+            )
+    where = settings.coordinator if len(answers) == 1 else f"the {len(answers)} coordinators"
     if not rows and args.node:
-        print(f"{settings.coordinator} knows no node {', '.join(args.node)}")
+        print(f"{where} know{'s' if len(answers) == 1 else ''} no node {', '.join(args.node)}")
     elif not rows and not args.job:
-        print(f"no nodes have reported to {settings.coordinator} yet")
+        print(f"no nodes have reported to {where} yet")
     elif rows:
         print(format_table(rows, snapshot.timestamp_unix_seconds or time.time()))
     if snapshot.jobs:
         print()
         print(format_jobs(list(snapshot.jobs)))
     elif args.job:
-        print(f"{settings.coordinator} knows no job {', '.join(args.job)}")
+        print(f"{where} know{'s' if len(answers) == 1 else ''} no job {', '.join(args.job)}")
     return 0
+
+
+def coordinator_json(answer: group_client.Answer[cluster_pb2.ClusterSnapshot]) -> dict[str, Any]:
+    """--json's view of one coordinator: how it keeps up, or why it did not answer."""
+    if answer.value is None:
+        return {"shard_id": answer.shard_id, "address": answer.address, "error": answer.error}
+    snapshot = answer.value
+    health = snapshot.coordinator
+    document: dict[str, Any] = {
+        "version": snapshot.coordinator_version,
+        "lag_seconds": health.lag_seconds,
+        "behind": health.behind,
+        "verdicts_held": health.verdicts_held,
+        "agent_streams": health.agent_streams,
+        "streams_refused_last_minute": health.streams_refused_last_minute,
+    }
+    if health.shard_id:
+        document |= {"shard_id": health.shard_id, "address": answer.address, "draining": health.draining}
+    return document

@@ -223,7 +223,7 @@ async def test_a_drained_coordinator_hands_every_node_and_job_to_the_others_and_
     }
     for server in servers.values():
         await server.start()
-    agents, stop, running = await start_agents(f"127.0.0.1:{servers['c1'].grpc_port}", NODES)
+    _agents, stop, running = await start_agents(f"127.0.0.1:{servers['c1'].grpc_port}", NODES)
     group = ("--etcd", etcd.endpoint, "--etcd-prefix", etcd_prefix, "--insecure")
     try:
         homed_at_c2 = {n for n in NODES if node_home(n, {}, ["c1", "c2"]) == "c2"}
