@@ -24,13 +24,25 @@ def free_port() -> int:
 class EtcdServer:
     """One etcd member in ``workdir``, serving clients on ``endpoint``; ``stop()`` ends it.
 
+    Args:
+        tls: (certificate, key, CA) PEM files: serve clients over https and require a client
+            certificate signed by the CA.
+
     Raises:
         RuntimeError: it exited or did not serve within START_TIMEOUT_S (with its log's tail).
     """
 
-    def __init__(self, workdir: Path, binary: str = "etcd", name: str = "clusterwatch") -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        binary: str = "etcd",
+        name: str = "clusterwatch",
+        tls: tuple[Path, Path, Path] | None = None,
+    ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
-        client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+        scheme = "https" if tls else "http"
+        client, peer = f"{scheme}://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+        self._tls = tls
         self.endpoint = client
         self.log = workdir / "etcd.log"
         argv = [
@@ -43,6 +55,10 @@ class EtcdServer:
             "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"{name}={peer}",
         ]  # fmt: skip
+        if tls:
+            cert, key, ca = tls
+            argv += ["--cert-file", str(cert), "--key-file", str(key), "--trusted-ca-file", str(ca)]
+            argv.append("--client-cert-auth")
         with self.log.open("wb") as output:
             self.process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT)
         try:
@@ -53,7 +69,14 @@ class EtcdServer:
 
     def _wait_serving(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
-        with grpc.insecure_channel(self.endpoint.removeprefix("http://")) as channel:
+        address = self.endpoint.split("://", 1)[1]
+        if self._tls:
+            cert, key, ca = (path.read_bytes() for path in self._tls)
+            credentials = grpc.ssl_channel_credentials(ca, key, cert)
+            channel = grpc.secure_channel(address, credentials)
+        else:
+            channel = grpc.insecure_channel(address)
+        with channel:
             kv = rpc_pb2_grpc.KVStub(channel)
             while True:
                 try:

@@ -160,6 +160,11 @@ class CoordinatorSettings(TransportSettings):
         "etcd endpoints http://HOST:PORT,...: join the group of coordinators that share this etcd "
         "(empty: a group of one, as before)",
     )
+    etcd_tls_cert: str = setting(
+        "", "PEM client certificate for an https etcd (with etcd_tls_key, etcd_tls_ca)"
+    )
+    etcd_tls_key: str = setting("", "PEM key of etcd_tls_cert")
+    etcd_tls_ca: str = setting("", "PEM CA that signed etcd's server certificate")
     shard_id: str = setting("", "this coordinator's name in its group (default: hostname)")
     etcd_prefix: str = setting("/clusterwatch", "the cluster's key prefix in etcd (clusters may share one)")
     advertise: str = setting(

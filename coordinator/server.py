@@ -134,9 +134,11 @@ class CoordinatorServer:
         recovery: RecoverySettings | None = None,
         *,
         tls: TlsFiles | None = None,
+        etcd_tls: TlsFiles | None = None,
     ) -> None:
         self.settings = settings
         self._tls = tls
+        self._etcd_tls = etcd_tls
         self.access = AccessPolicy(
             read_tokens(settings.admin_token_file),
             settings.admin_names,
@@ -229,7 +231,9 @@ class CoordinatorServer:
         if self.settings.etcd:
             shard_id = self.settings.shard_id or socket.gethostname()
             membership = self.membership = Membership(
-                Etcd(self.settings.etcd), self.settings.etcd_prefix, Member(shard_id, "")
+                Etcd(self.settings.etcd, tls=self._etcd_tls),
+                self.settings.etcd_prefix,
+                Member(shard_id, ""),
             )
             self.core.fencing_token = lambda: membership.me.token
         # gRPC's aio objects bind to the running loop: create them here, not in __init__.

@@ -17,5 +17,6 @@ from bench.etcd import EtcdServer
 __all__ = ["EtcdServer", "start_etcd"]
 
 
-def start_etcd(workdir: Path) -> EtcdServer:
-    return EtcdServer(workdir, binary=require("etcd", package="etcd-server"))
+def start_etcd(workdir: Path, tls: tuple[Path, Path, Path] | None = None) -> EtcdServer:
+    """Args: tls: (certificate, key, CA): https, client certificates required."""
+    return EtcdServer(workdir, binary=require("etcd", package="etcd-server"), tls=tls)

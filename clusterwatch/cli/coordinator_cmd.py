@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from clusterwatch.cli.common import add_settings_flags, run_until_signalled, settings_from_args
 from clusterwatch.config import CoordinatorSettings, DetectionSettings, RecoverySettings
 from clusterwatch.errors import ConfigError, FailedPreconditionError
-from clusterwatch.runtime.tls import credentials, warn_if_plaintext
+from clusterwatch.runtime.tls import credentials, etcd_credentials, warn_if_plaintext
 
 if TYPE_CHECKING:
     from clusterwatch.coordinator.server import CoordinatorServer
@@ -61,9 +61,10 @@ def run(args: argparse.Namespace) -> int:
 
     if settings.etcd:
         parse_endpoints(settings.etcd, "coordinator.etcd")
+    etcd_tls = etcd_credentials(settings)
     from clusterwatch.coordinator.server import CoordinatorServer
 
-    server = CoordinatorServer(settings, detection, recovery, tls=tls)
+    server = CoordinatorServer(settings, detection, recovery, tls=tls, etcd_tls=etcd_tls)
     warn_if_plaintext(tls, f"the coordinator's API on {settings.listen}")
     if not server.access.has_admins:
         logger.info("no admin_token_file or admin_names: the API is read-only (actions are refused)")

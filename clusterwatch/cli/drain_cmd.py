@@ -16,7 +16,7 @@ from clusterwatch.coordinator.group.drain import set_draining
 from clusterwatch.coordinator.group.membership import Member
 from clusterwatch.errors import ClusterwatchError
 from clusterwatch.runtime.etcd import Etcd, parse_endpoints
-from clusterwatch.runtime.tls import credentials
+from clusterwatch.runtime.tls import credentials, etcd_credentials
 
 POLL_S = 0.5
 
@@ -32,10 +32,11 @@ def drain(settings: CoordinatorSettings, undo: bool, timeout_s: float) -> int:
         return 2
     parse_endpoints(settings.etcd, "coordinator.etcd")
     tls = credentials(settings, "coordinator")
+    etcd_tls = etcd_credentials(settings)
     shard_id = settings.shard_id or socket.gethostname()
 
     async def mark() -> Member:
-        async with Etcd(settings.etcd) as etcd:
+        async with Etcd(settings.etcd, tls=etcd_tls) as etcd:
             return await set_draining(etcd, settings.etcd_prefix, shard_id, draining=not undo)
 
     try:

@@ -21,19 +21,29 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--etcd", required=True, help="etcd endpoints http(s)://HOST:PORT,...")
     parser.add_argument("--etcd-prefix", default="/clusterwatch", help="the cluster's key prefix in etcd")
     parser.add_argument("--once", action="store_true", help="write it once and exit")
+    parser.add_argument("--etcd-tls-cert", default="", help="PEM client certificate for an https etcd")
+    parser.add_argument("--etcd-tls-key", default="", help="PEM key of --etcd-tls-cert")
+    parser.add_argument("--etcd-tls-ca", default="", help="PEM CA that signed etcd's server certificate")
     parser.set_defaults(run=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
+    from clusterwatch.config import CoordinatorSettings
     from clusterwatch.coordinator.group.membership import Members
     from clusterwatch.coordinator.group.sd_file import keep_written, write
     from clusterwatch.runtime.etcd import Etcd, EtcdUnavailableError, parse_endpoints
+    from clusterwatch.runtime.tls import etcd_credentials
 
     parse_endpoints(args.etcd, "--etcd")
+    tls = etcd_credentials(
+        CoordinatorSettings(
+            etcd_tls_cert=args.etcd_tls_cert, etcd_tls_key=args.etcd_tls_key, etcd_tls_ca=args.etcd_tls_ca
+        )
+    )
 
     async def main(stop: asyncio.Event) -> None:
-        async with Etcd(args.etcd) as etcd:
+        async with Etcd(args.etcd, tls=tls) as etcd:
             members = Members(etcd, args.etcd_prefix)
             await members.read()
             write(args.path, members.current)

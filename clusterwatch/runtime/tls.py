@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from clusterwatch.config import TransportSettings
+from clusterwatch.config import CoordinatorSettings, TransportSettings
 from clusterwatch.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -68,11 +68,30 @@ def credentials(settings: TransportSettings, section: str) -> TlsFiles | None:
         return None
     if settings.insecure:
         raise ConfigError(f"{section}.insecure", "cannot be set together with tls_cert, tls_key and tls_ca")
-    missing = [name for name in names if name not in given]
+    return _read_all(section, names)
+
+
+def etcd_credentials(settings: CoordinatorSettings) -> TlsFiles | None:
+    """The client certificate, key and CA for an etcd served over https (``etcd_tls_*``); None when
+    none is set (https then checks etcd against the system's roots, with no client certificate).
+
+    Raises:
+        ConfigError: naming the key: half configured, or a file unreadable or not PEM.
+    """
+    names = {"etcd_tls_cert": settings.etcd_tls_cert, "etcd_tls_key": settings.etcd_tls_key}
+    names["etcd_tls_ca"] = settings.etcd_tls_ca
+    if not any(names.values()):
+        return None
+    return _read_all("coordinator", names)
+
+
+def _read_all(section: str, names: dict[str, str]) -> TlsFiles:
+    """Certificate, key and CA from the files ``names`` gives (in that order), every one required."""
+    missing = [name for name, path in names.items() if not path]
     if missing:
         raise ConfigError(f"{section}.{missing[0]}", f"must be set too: TLS needs {', '.join(names)}")
-    contents = {name: _read_pem(f"{section}.{name}", Path(path)) for name, path in names.items()}
-    return TlsFiles(cert=contents["tls_cert"], key=contents["tls_key"], ca=contents["tls_ca"])
+    cert, key, ca = (_read_pem(f"{section}.{name}", Path(path)) for name, path in names.items())
+    return TlsFiles(cert=cert, key=key, ca=ca)
 
 
 def warn_if_plaintext(tls: TlsFiles | None, what: str) -> None:

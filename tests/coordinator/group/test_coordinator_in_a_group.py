@@ -13,14 +13,17 @@ from pathlib import Path
 
 import grpc
 import pytest
-from etcd_server import EtcdServer
+from etcd_server import EtcdServer, start_etcd
 from helpers import eventually, run_cli, scrape, sim_agent_settings
 from tcp_proxy import TcpProxy
 
 from clusterwatch.agent.runtime import Agent
+from clusterwatch.cli import certs
 from clusterwatch.config import CoordinatorSettings
 from clusterwatch.coordinator.server import CoordinatorServer
 from clusterwatch.errors import FailedPreconditionError
+from clusterwatch.runtime.cert_terms import Role
+from clusterwatch.runtime.tls import TlsFiles
 from clusterwatch.v1 import agent_pb2, cluster_pb2, cluster_pb2_grpc
 
 pytestmark = pytest.mark.timeout(120)
@@ -148,3 +151,48 @@ async def test_commands_carry_the_coordinators_fencing_token_and_an_older_one_is
         stop.set()
         await asyncio.gather(running, return_exceptions=True)
         await server.stop()
+
+
+async def test_a_coordinator_joins_an_etcd_that_requires_client_certificates(tmp_path: Path) -> None:
+    pki = tmp_path / "pki"
+    certs.create_ca(pki)
+    certs.issue(pki, "etcd", role=Role.COORDINATOR, extra_sans=["127.0.0.1"])
+    certs.issue(pki, "c1", role=Role.COORDINATOR)
+    etcd = await asyncio.to_thread(
+        start_etcd, tmp_path / "etcd", (pki / "etcd.crt", pki / "etcd.key", pki / "ca.crt")
+    )
+    try:
+        assert etcd.endpoint.startswith("https://")
+        common = (
+            "coordinator",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "",
+            "--insecure",
+            "--etcd",
+            etcd.endpoint,
+        )
+        no_certificate = await asyncio.to_thread(
+            run_cli, *common, "--state-dir", str(tmp_path / "a"), timeout_s=60
+        )
+        assert no_certificate.returncode == 1, no_certificate.stderr
+        assert "etcd at 127.0.0.1:" in no_certificate.stderr.splitlines()[-1]
+        half = await asyncio.to_thread(run_cli, *common, "--etcd-tls-cert", str(pki / "c1.crt"))
+        assert half.returncode == 2
+        assert "coordinator.etcd_tls_key: must be set too" in half.stderr
+        files = TlsFiles(
+            cert=(pki / "c1.crt").read_bytes(),
+            key=(pki / "c1.key").read_bytes(),
+            ca=(pki / "ca.crt").read_bytes(),
+        )
+        server = CoordinatorServer(settings(tmp_path, etcd.endpoint, "/tls", "c1"), etcd_tls=files)
+        await server.start()
+        try:
+            assert server.membership is not None
+            assert "c1" in server.membership.members
+            assert server.membership.holds_lease()
+        finally:
+            await server.stop()
+    finally:
+        await asyncio.to_thread(etcd.stop)
