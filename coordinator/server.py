@@ -33,6 +33,7 @@ from clusterwatch.coordinator.api.core_calls import CoreCalls
 from clusterwatch.coordinator.api.errors_interceptor import ErrorMappingInterceptor
 from clusterwatch.coordinator.group.homing import Homing
 from clusterwatch.coordinator.group.membership import Member, Membership
+from clusterwatch.coordinator.group_duties import GroupDuties
 from clusterwatch.coordinator.metrics.incidents import IncidentView, incident_view
 from clusterwatch.coordinator.metrics.load import GroupView, LoadView
 from clusterwatch.coordinator.metrics.page import render
@@ -174,6 +175,7 @@ class CoordinatorServer:
         self._api: ApiThread | None = None
         # With coordinator.etcd: this coordinator's place in its group (made in start()).
         self.membership: Membership | None = None
+        self.group: GroupDuties | None = None
         self.homing: Homing | None = None
         self._server: grpc.aio.Server | None = None
         self._health: Any = None  # grpc_health.v1.health.aio.HealthServicer (untyped)
@@ -245,7 +247,12 @@ class CoordinatorServer:
         # Nothing is said in the default mode, where agents send full reports unasked.
         lean = self.settings.hardware_series == "agents"
         report_settings = agent_pb2.ReportSettings(digest=True) if lean else None
-        self.homing = Homing(self.membership) if self.membership is not None else None
+        self.group = (
+            GroupDuties(self.membership, self.settings.etcd_prefix, self.core, self.watchdog, self.recovery)
+            if self.membership is not None
+            else None
+        )
+        self.homing = self.group.homing if self.group is not None else None
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
             AgentServicer(self.core, self.access, report_settings, self.homing), self._server
         )
@@ -310,10 +317,8 @@ class CoordinatorServer:
         if self.membership is not None:
             await self._join_group(self.membership)
             self._tasks.append(asyncio.create_task(self.membership.stay(), name="group"))
-            if self.homing is not None:
-                self._tasks.append(
-                    asyncio.create_task(self.homing.release_moved(self.core.release_jobs), name="homing")
-                )
+            if self.group is not None:
+                self._tasks.append(asyncio.create_task(self.group.run(), name="group duties"))
         if self.settings.ready_file:
             self._write_ready_file(Path(self.settings.ready_file))
 

@@ -167,6 +167,27 @@ class Etcd:
         response = await self._call(self._kv.Txn, rpc_pb2.TxnRequest(compare=[compare], success=[put]))
         return int(response.header.revision) if response.succeeded else None
 
+    async def write_while(
+        self, key: str, value: bytes | None, guard_key: str, guard_create_revision: int
+    ) -> bool:
+        """Write ``key`` (delete it for None) only while ``guard_key`` is the one created at
+        ``guard_create_revision``: a coordinator's own membership key, so that one that has left its
+        group (its lease ran out) writes nothing. Whether it was written.
+        """
+        compare = rpc_pb2.Compare(
+            key=guard_key.encode(),
+            result=rpc_pb2.Compare.CompareResult.EQUAL,
+            target=rpc_pb2.Compare.CompareTarget.CREATE,
+            create_revision=guard_create_revision,
+        )
+        write = (
+            rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=key.encode()))
+            if value is None
+            else rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=key.encode(), value=value))
+        )
+        response = await self._call(self._kv.Txn, rpc_pb2.TxnRequest(compare=[compare], success=[write]))
+        return bool(response.succeeded)
+
     async def grant(self, ttl_s: int) -> int:
         """A new lease of ``ttl_s`` seconds; its id."""
         response = await self._call(self._lease.LeaseGrant, rpc_pb2.LeaseGrantRequest(TTL=ttl_s))

@@ -17,7 +17,6 @@ moving agents on a stale view would send them to a coordinator that may be gone.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
 from typing import Any
 
 from clusterwatch.coordinator.group.membership import Member, Membership
@@ -60,7 +59,7 @@ class Homing:
         Raises:
             MovedError: the node's home is another coordinator (nothing of the report was kept).
         """
-        shards = self._shards()
+        shards = self.shards()
         if shards is None:
             return
         ranks_by_job = collections.Counter(rank.identity.job for rank in report.ranks)
@@ -80,7 +79,7 @@ class Homing:
 
     def owns_job(self, job: str) -> bool:
         """Whether this coordinator detects and acts for ``job``."""
-        shards = self._shards()
+        shards = self.shards()
         if shards is None:
             return True
         owned = self._owned.get(job)
@@ -91,22 +90,13 @@ class Homing:
 
     def elsewhere(self, job: str) -> str | None:
         """The shard that owns ``job`` when it is not this one, else None."""
-        shards = self._shards()
+        shards = self.shards()
         if shards is None:
             return None
         shard_id = job_owner(job, shards)
         return None if shard_id == self._membership.me.shard_id else shard_id
 
-    async def release_moved(self, release_jobs: Callable[[Callable[[str], str | None]], object]) -> None:
-        """After every change of the group, hand ``release_jobs`` what moved away, forever (cancel to stop).
-
-        Streams of nodes homed elsewhere now end at their next report (``check``).
-        """
-        while True:
-            await self._membership.wait_for_change()
-            release_jobs(self.elsewhere)
-
-    def _shards(self) -> frozenset[str] | None:
+    def shards(self) -> frozenset[str] | None:
         """The shards placement chooses from (see the module doc), or None when everything is here."""
         self._refresh()
         return self._eligible

@@ -168,6 +168,16 @@ class CheckpointTracker:
         latest = self.latest.get(job)
         return latest.step if latest is not None else None
 
+    def restore(self, checkpoint: CompletedCheckpoint) -> bool:
+        """Know of a complete checkpoint another coordinator recorded; False when one as new is known."""
+        latest = self.latest.get(checkpoint.job)
+        if latest is not None and latest.step >= checkpoint.step:
+            return False
+        self.latest[checkpoint.job] = LatestCheckpoint(
+            checkpoint.step, checkpoint.completed_unix_s, checkpoint.max_duration_s
+        )
+        return True
+
     def forget(self, job: str) -> None:
         """Drop a job's partial results and counters (the job store dropped the job).
 

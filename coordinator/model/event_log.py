@@ -36,7 +36,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from clusterwatch.coordinator.model.checkpoints import CompletedCheckpoint, LatestCheckpoint
-from clusterwatch.coordinator.model.incidents import Incident, IncidentState, Kind, Severity
+from clusterwatch.coordinator.model.incidents import Incident, IncidentState
+from clusterwatch.coordinator.model.job_records import JobRecords, incident
 from clusterwatch.coordinator.model.state import Event
 from clusterwatch.v1 import cluster_pb2
 
@@ -200,6 +201,9 @@ class EventLog:
         self._outage_started_s = 0.0
         self._next_retry_s = 0.0
         self._closed = False
+        # Called with a job's name after its incidents, actions or checkpoints were written: a
+        # coordinator of a group keeps a copy in etcd (coordinator/group/job_state.py).
+        self.job_listeners: list[Callable[[str], None]] = []
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -281,6 +285,22 @@ class EventLog:
             json.dumps(checkpoint.paths),
         )
         self._write([(("checkpoints", checkpoint.job, checkpoint.step), _Write(SAVE_CHECKPOINT, [row]))])
+        self._changed({checkpoint.job})
+
+    def job_records(self, job: str, actions_since_unix_s: float) -> JobRecords:
+        """What a new owner of ``job`` continues from (coordinator/model/job_records.py)."""
+        newest = self._db.execute("SELECT MAX(step) FROM checkpoints WHERE job = ?", (job,)).fetchone()[0]
+        return JobRecords(
+            job,
+            tuple(self.incidents(job=job)),
+            tuple(a for a in self.actions(job=job) if a.decided_unix_seconds >= actions_since_unix_s),
+            self.checkpoint(job, newest) if newest is not None else None,
+        )
+
+    def _changed(self, jobs: Iterable[str]) -> None:
+        for job in jobs:
+            for listener in self.job_listeners:
+                listener(job)
 
     def latest_checkpoints(self, since_unix_s: float = 0.0) -> dict[str, LatestCheckpoint]:
         """The newest complete checkpoint of every job that completed one since ``since_unix_s``."""
@@ -316,6 +336,7 @@ class EventLog:
         ]
         # One write per incident, so that saving it again replaces it in the queue.
         self._write([(("incidents", row[0]), _Write(SAVE_INCIDENT, [row])) for row in rows])
+        self._changed({str(row[3]) for row in rows if row[3]})
 
     def incidents(self, include_resolved: bool = False, job: str = "", limit: int = 1000) -> list[Incident]:
         """The newest ``limit`` incidents, oldest first; only live ones unless ``include_resolved``.
@@ -354,6 +375,7 @@ class EventLog:
             record.SerializeToString(),
         )
         self._write([(("actions", record.id), _Write(SAVE_ACTION, [row]))])
+        self._changed({record.job})
 
     def actions(
         self, job: str = "", incident_id: str = "", limit: int = 1000
@@ -503,23 +525,4 @@ def _queued_action(row: Row) -> cluster_pb2.ActionRecord:
 
 
 def _incident(key_json: str, latch_value: float | None, blob: bytes) -> Incident:
-    message = cluster_pb2.Incident.FromString(blob)
-    return Incident(
-        id=message.id,
-        key=tuple(json.loads(key_json)),
-        kind=Kind(message.kind),
-        severity=Severity(message.severity),
-        summary=message.summary,
-        cause=message.cause,
-        state=IncidentState.from_proto(message.state),
-        opened_unix_s=message.opened_unix_seconds,
-        updated_unix_s=message.updated_unix_seconds,
-        job=message.job,
-        ranks=tuple(message.ranks),
-        nodes=tuple(message.nodes),
-        gpus=tuple(message.gpus),
-        evidence=dict(message.evidence),
-        diagnoses=list(message.diagnoses),
-        resolved_unix_s=message.resolved_unix_seconds,
-        latch_value=latch_value,
-    )
+    return incident(tuple(json.loads(key_json)), latch_value, blob)

@@ -194,6 +194,16 @@ class IncidentBook:
     def get(self, incident_id: str) -> Incident | None:
         return self._by_id.get(incident_id)
 
+    def restore(self, incident: Incident) -> bool:
+        """Hold a live incident another coordinator kept (coordinator/recovery/adoption.py): detection
+        goes on updating it as its own. False, and nothing changes, when it is resolved, already here,
+        or its finding is live here as another incident."""
+        if not incident.live or incident.id in self._by_id or incident.key in self._live:
+            return False
+        self._live[incident.key] = incident
+        self._by_id[incident.id] = incident
+        return True
+
     def observe(
         self, findings: Sequence[Finding], now_unix_s: float, only: frozenset[Kind] | None = None
     ) -> list[Change]:

@@ -39,7 +39,7 @@ One that has not recovered within ``recovery_timeout_s`` goes back to
 ACKNOWLEDGED, for a person.
 
 After a coordinator restart (same database) nothing is done twice
-(``_take_over``): an incident that already had an action is not decided
+(``take_over``): an incident that already had an action is not decided
 again; the actions of the past hour still count against each job's cooldown
 and restart budget; an action still ``pending`` was in flight when the
 previous coordinator died, and is recorded ``failed`` (interrupted), not
@@ -229,7 +229,10 @@ class Recovery:
         self._holding: str | None = None
         # Live incidents a previous coordinator already acted on: never decided again.
         self._decided_before: set[str] = set()
-        self._take_over(event_log.actions(limit=MAX_ACTIONS_LOADED))
+        # With several coordinators: makes the job's records durable in etcd before an action is
+        # carried out (coordinator/group/job_state.py); an action whose record cannot be is not.
+        self.before_acting: Callable[[str], Awaitable[None]] | None = None
+        self.take_over(event_log.actions(limit=MAX_ACTIONS_LOADED))
 
     def apply_settings(self, settings: RecoverySettings) -> None:
         """New ``[recovery]`` settings (SIGHUP); decisions already made and the restart budget stay."""
@@ -281,11 +284,14 @@ class Recovery:
             return f"the coordinator is behind ({held.figures()})"
         return self._fenced()
 
-    def _take_over(self, records: list[cluster_pb2.ActionRecord]) -> None:
-        """Carry on from the coordinator that used this database before (see the module docstring).
+    def take_over(self, records: Sequence[cluster_pb2.ActionRecord], job: str = "") -> None:
+        """Carry on from the coordinator that used this database before, or from the previous owner of
+        ``job`` (another coordinator of the group: coordinator/recovery/adoption.py); see the module
+        docstring.
 
         Args:
             records: its action records, oldest first.
+            job: only this job's incidents that recovery was acting on go to a person ("": every job's).
         """
         now = self._wall()
         interrupted: list[cluster_pb2.ActionRecord] = []
@@ -301,21 +307,21 @@ class Recovery:
             self._finish(
                 record,
                 FAILED,
-                f"{so_far}interrupted: the coordinator stopped while this action was in progress; "
+                f"{so_far}interrupted: the coordinator carrying it out stopped or handed the job on; "
                 "not redone, since how much of it was carried out is unknown",
             )
             if record.incident_id:
                 self._give_back(
                     record.incident_id,
-                    f"{record.action.replace('_', ' ')} {record.id} was interrupted by a coordinator restart "
+                    f"{record.action.replace('_', ' ')} {record.id} was interrupted (coordinator restarted or replaced) "
                     "and is not redone; left to a person (resolves by itself once the condition clears)",
                 )
         for incident in self._watchdog.book.live():
-            if incident.state == IncidentState.ACTING:
+            if incident.state == IncidentState.ACTING and (not job or incident.job == job):
                 self._give_back(
                     incident.id,
-                    "the coordinator restarted while recovery was acting on it and no longer tracks that "
-                    "recovery; left to a person (resolves by itself once the condition clears)",
+                    "the coordinator that was acting on it stopped or handed the job on, and this one does not "
+                    "track that recovery; left to a person (resolves by itself once the condition clears)",
                 )
         if records:
             logger.info(
@@ -361,6 +367,7 @@ class Recovery:
             return self._finish(record, *settled)
         self._save(record)
         try:
+            await self._record_beyond_this_process(record.job)
             if checkpoints_first(decision.action, incident.kind if incident else None):
                 step = await self._checkpoint_now(decision.job, CHECKPOINT_TIMEOUT_S)
                 record.detail = f"checkpoint complete at step {step}"
@@ -374,6 +381,21 @@ class Recovery:
             logger.exception("action %s on job %s failed", record.id, record.job)
             return self._finish(record, FAILED, f"{record.detail + '; ' if record.detail else ''}{exc}")
         return self._finish(record, FAILED, f"unknown action {decision.action!r}")
+
+    async def _record_beyond_this_process(self, job: str) -> None:
+        """Make the job's records durable for the rest of the group first (``before_acting``).
+
+        Raises:
+            RuntimeError: they could not be: the action is not carried out.
+        """
+        if self.before_acting is None:
+            return
+        try:
+            await self.before_acting(job)
+        except Exception as exc:
+            raise RuntimeError(
+                f"not carried out: it could not be recorded for the rest of the group ({exc})"
+            ) from exc
 
     def _settled_without_acting(self, decision: Decision) -> tuple[str, str] | None:
         """(outcome, detail) for decisions that act on nothing: skipped, alerts, dry runs."""
@@ -566,7 +588,7 @@ class Recovery:
         if incident is None:
             return
         self._watchdog.note_recovery(incident_id, why)
-        if incident.state == IncidentState.ACTING:
+        if incident.state in (IncidentState.OPEN, IncidentState.ACTING):
             self._watchdog.move(incident_id, IncidentState.ACKNOWLEDGED)
 
     def _finish(

@@ -192,7 +192,7 @@ async def test_a_restarted_coordinator_does_not_redo_or_redecide_what_the_previo
 
     (j,) = log.actions(job="j")  # interrupted, recorded as such, not redone
     assert (j.outcome, j.id) == ("failed", "restart-j")
-    assert "interrupted: the coordinator stopped while this action was in progress" in j.detail
+    assert "interrupted: the coordinator carrying it out stopped or handed the job on" in j.detail
     assert [a.outcome for a in log.actions(job="k")] == ["done"]  # done before: not decided again
     # The incident never decided is decided now (its job is gone from this new coordinator's memory).
     assert [(a.action, a.outcome, a.detail) for a in log.actions(job="m")] == [
@@ -204,7 +204,8 @@ async def test_a_restarted_coordinator_does_not_redo_or_redecide_what_the_previo
         assert live is not None
         assert live.state == IncidentState.ACKNOWLEDGED  # a person's now; resolves once the condition clears
     assert (
-        "interrupted by a coordinator restart" in (watchdog.book.get("hang-j") or interrupted).recovery_note
+        "interrupted (coordinator restarted or replaced)"
+        in (watchdog.book.get("hang-j") or interrupted).recovery_note
     )
     # The restarts of the past hour still count against the budget and the cooldown.
     assert recovery.policy.restarts_in_last_hour("k", now) == 1
@@ -272,4 +273,27 @@ async def test_a_fenced_coordinator_decides_nothing_until_it_holds_its_lease_aga
     recovery.round()
     await poll_until(lambda: launcher.restarts, 10, "the hang to be acted on once the fence is gone")
     assert launcher.restarts == ["j"]
+    log.close()
+
+
+async def test_an_action_the_group_cannot_learn_of_is_not_carried_out(tmp_path: Path) -> None:
+    """With several coordinators the job's records reach etcd before recovery acts (a new owner then
+    knows the action was under way); when they cannot, the restart is recorded failed, and not made."""
+    store = JobStore()
+    now_mono, now = time.monotonic(), time.time()
+    store.ingest("n1", [rank_report(r, job="j", steps=[step(5)]) for r in (0, 1)], now_mono, now)
+    log, launcher, recovery = recovery_of_a_hang_in_j(tmp_path, store, now)
+
+    async def etcd_unreachable(job: str) -> None:
+        raise ConnectionError(f"etcd at 127.0.0.1:1: UNAVAILABLE (job {job})")
+
+    recovery.before_acting = etcd_unreachable
+    recovery.round()
+    (action,) = await poll_until(
+        lambda: [a for a in log.actions(job="j") if a.outcome != "pending"], 10, "j decided"
+    )
+    assert action.outcome == "failed"
+    assert "not carried out: it could not be recorded for the rest of the group" in action.detail
+    assert "UNAVAILABLE" in action.detail
+    assert launcher.restarts == []
     log.close()

@@ -181,7 +181,7 @@ def test_coordinator_sigkill_mid_action_loses_nothing_and_does_nothing_twice(
         (hang,) = [i for i in client.incidents(include_resolved=True) if i.kind == "hang"]
     assert hang.id == record.incident_id
     assert hang.state == ACKNOWLEDGED  # left to a person
-    assert "interrupted by a coordinator restart" in hang.summary
+    assert "interrupted (coordinator restarted or replaced)" in hang.summary
     with sqlite3.connect(cluster.state_dir / "clusterwatch.db") as db:
         assert db.execute("SELECT step FROM checkpoints WHERE job = 'solo'").fetchall() == [
             (CHECKPOINT_STEP,)
