@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.coordinator_process import StartedCoordinator, start_coordinator, stop_coordinator
-from bench.etcd import EtcdServer
 from bench.load_agents import WorkerSpec, job_of, worker_main
 from clusterwatch.client import ClusterClient
+from clusterwatch.runtime.etcd_server import EtcdServer
 from clusterwatch.wire.placement import job_owner
 
 PREFIX = "/clusterwatch-capacity"

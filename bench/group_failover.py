@@ -24,10 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.coordinator_process import start_coordinator, stop_coordinator
-from bench.etcd import EtcdServer
 from clusterwatch.coordinator.group import membership
 from clusterwatch.coordinator.group.membership import Members
 from clusterwatch.runtime.etcd import Etcd
+from clusterwatch.runtime.etcd_server import EtcdServer
 
 PREFIX = "/clusterwatch-bench"
 WAIT_S = 60.0

@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.coordinator_process import StartedCoordinator, start_coordinator, stop_coordinator
-from bench.etcd import EtcdServer
 from clusterwatch.agent.runtime import Agent
 from clusterwatch.client import ClusterClient
 from clusterwatch.config import AgentSettings
+from clusterwatch.runtime.etcd_server import EtcdServer
 
 PREFIX = "/clusterwatch-rehome"
 WAIT_S = 120.0

@@ -1,5 +1,5 @@
-"""The tests' etcd: bench.etcd.EtcdServer, one per session (keys under a prefix per test), and when its
-absence skips or fails a test.
+"""The tests' etcd: clusterwatch.runtime.etcd_server.EtcdServer, one per session (keys under a prefix
+per test), and when its absence skips or fails a test.
 
 Imported as ``etcd_server``. ``./dev test`` installs Debian's ``etcd-server`` package when it runs as
 root; elsewhere the tests that need it skip with the reason, except under CI (``CI`` set), where a
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from prometheus_server import require
 
-from bench.etcd import EtcdServer
+from clusterwatch.runtime.etcd_server import EtcdServer
 
 __all__ = ["EtcdServer", "start_etcd"]
 

@@ -1,4 +1,4 @@
-"""A real etcd (Debian's ``etcd-server``) on loopback ports, for tests and benchmarks."""
+"""A real etcd (Debian's ``etcd-server``) on loopback ports, for `clusterwatch demo --coordinators N`, tests and benchmarks."""
 
 from __future__ import annotations
 
