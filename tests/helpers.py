@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from clusterwatch.client import ClusterClient
-from clusterwatch.config import AgentSettings
+from clusterwatch.config import AgentSettings, CoordinatorSettings
 from clusterwatch.v1 import cluster_pb2
 
 # The test tree's shared places: test files live in subfolders mirroring the source tree,
@@ -86,6 +86,23 @@ def sim_agent_settings(grpc_port: int, node_id: str, **overrides: Any) -> AgentS
         collectors=["gpu", "host"],
         reconnect_max_s=0.5,
         socket="",
+    )
+    return dataclasses.replace(settings, **overrides)
+
+
+def group_settings(
+    tmp_path: Path, etcd: str, prefix: str, shard_id: str, **overrides: Any
+) -> CoordinatorSettings:
+    """An in-process coordinator of a group on ``etcd`` (keys under ``prefix``): loopback, ports the OS
+    picks, listed in its group as 127.0.0.1, state under ``tmp_path/shard_id``; ``overrides`` replace any."""
+    settings = CoordinatorSettings(
+        listen="127.0.0.1:0",
+        metrics_listen="",
+        state_dir=tmp_path / shard_id,
+        etcd=etcd,
+        etcd_prefix=prefix,
+        shard_id=shard_id,
+        advertise="127.0.0.1:0",
     )
     return dataclasses.replace(settings, **overrides)
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 from etcd_server import EtcdServer
-from helpers import ADMIN_TOKEN_FILE, eventually, run_cli
+from helpers import ADMIN_TOKEN_FILE, eventually, group_settings, run_cli
 from training_builders import EXITED, AgentStream, rank_report, step
 
-from clusterwatch.config import CoordinatorSettings, RecoverySettings
+from clusterwatch.config import RecoverySettings
 from clusterwatch.coordinator.group.membership import Member
 from clusterwatch.coordinator.server import CoordinatorServer
 from clusterwatch.runtime.etcd import Etcd
@@ -41,16 +41,7 @@ async def test_status_and_incidents_read_every_coordinator_of_the_group(
     jobs = {shard: job_of(shard) for shard in SHARDS}
     servers = {
         shard: CoordinatorServer(
-            CoordinatorSettings(
-                listen="127.0.0.1:0",
-                metrics_listen="",
-                state_dir=tmp_path / shard,
-                etcd=etcd.endpoint,
-                etcd_prefix=etcd_prefix,
-                shard_id=shard,
-                advertise="127.0.0.1:0",
-                admin_token_file=ADMIN_TOKEN_FILE,
-            ),
+            group_settings(tmp_path, etcd.endpoint, etcd_prefix, shard, admin_token_file=ADMIN_TOKEN_FILE),
             recovery=RecoverySettings(opt_out_jobs=list(jobs.values())),  # incidents stay as detected
         )
         for shard in SHARDS

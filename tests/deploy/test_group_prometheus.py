@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 from etcd_server import EtcdServer
-from helpers import ROOT, eventually, run_cli, sim_agent_settings
+from helpers import ROOT, eventually, group_settings, run_cli, sim_agent_settings
 from prometheus_server import start_prometheus
 
 from clusterwatch.agent.runtime import Agent
-from clusterwatch.config import CoordinatorSettings
 from clusterwatch.coordinator.server import CoordinatorServer
 
 pytestmark = pytest.mark.timeout(180)
@@ -31,15 +30,7 @@ async def test_prometheus_over_two_coordinators_counts_each_node_once_and_every_
 ) -> None:
     servers = [
         CoordinatorServer(
-            CoordinatorSettings(
-                listen="127.0.0.1:0",
-                metrics_listen="127.0.0.1:0",
-                state_dir=tmp_path / shard,
-                etcd=etcd.endpoint,
-                etcd_prefix=etcd_prefix,
-                shard_id=shard,
-                advertise="127.0.0.1:0",
-            )
+            group_settings(tmp_path, etcd.endpoint, etcd_prefix, shard, metrics_listen="127.0.0.1:0")
         )
         for shard in ("c1", "c2")
     ]

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from etcd_server import EtcdServer, start_etcd
-from helpers import eventually, run_cli, scrape, sim_agent_settings
+from helpers import eventually, group_settings, run_cli, scrape, sim_agent_settings
 from tcp_proxy import TcpProxy
 
 from clusterwatch.agent.runtime import Agent
@@ -30,14 +30,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def settings(tmp_path: Path, etcd: str, prefix: str, shard_id: str) -> CoordinatorSettings:
-    return CoordinatorSettings(
-        listen="127.0.0.1:0",
-        metrics_listen="127.0.0.1:0",
-        state_dir=tmp_path / shard_id,
-        etcd=etcd,
-        etcd_prefix=prefix,
-        shard_id=shard_id,
-    )
+    return group_settings(tmp_path, etcd, prefix, shard_id, metrics_listen="127.0.0.1:0")
 
 
 async def health_of(server: CoordinatorServer) -> cluster_pb2.CoordinatorHealth:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 from etcd_server import EtcdServer
-from helpers import ADMIN_TOKEN_FILE, Coordinator, clusterwatch_cmd, eventually
+from helpers import ADMIN_TOKEN_FILE, Coordinator, clusterwatch_cmd, eventually, group_settings
 from training_builders import AgentStream, rank_report, step
 
 from clusterwatch.client import ClusterClient
-from clusterwatch.config import CoordinatorSettings, DetectionSettings
+from clusterwatch.config import DetectionSettings
 from clusterwatch.coordinator.model.incidents import IncidentState
 from clusterwatch.coordinator.server import CoordinatorServer
 from clusterwatch.v1 import agent_pb2
@@ -60,15 +60,7 @@ async def test_a_restart_in_flight_when_its_owner_dies_continues_on_the_new_owne
         ready_file=state / "ready",
     )  # fmt: skip
     survivor = CoordinatorServer(
-        CoordinatorSettings(
-            listen="127.0.0.1:0",
-            metrics_listen="",
-            state_dir=tmp_path / "c1",
-            etcd=etcd.endpoint,
-            etcd_prefix=etcd_prefix,
-            shard_id="c1",
-            advertise="127.0.0.1:0",
-        ),
+        group_settings(tmp_path, etcd.endpoint, etcd_prefix, "c1"),
         DetectionSettings(hang_floor_s=2),
     )
     await survivor.start()

@@ -7,16 +7,17 @@ Real coordinators (in-process, and one a subprocess for SIGKILL), a real etcd, r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from etcd_server import EtcdServer
-from helpers import Coordinator, clusterwatch_cmd, eventually, run_cli, sim_agent_settings
+from helpers import Coordinator, clusterwatch_cmd, eventually, group_settings, run_cli, sim_agent_settings
 
 from clusterwatch.agent.runtime import Agent
-from clusterwatch.config import CoordinatorSettings
 from clusterwatch.coordinator.group.homing import Homing
 from clusterwatch.coordinator.group.membership import Member, Membership
 from clusterwatch.coordinator.model.state import NodeState
@@ -29,18 +30,6 @@ from clusterwatch.wire.placement import job_owner, node_home
 pytestmark = pytest.mark.timeout(120)
 
 NODES = [f"node-{i}" for i in range(6)]
-
-
-def settings(tmp_path: Path, etcd: str, prefix: str, shard_id: str) -> CoordinatorSettings:
-    return CoordinatorSettings(
-        listen="127.0.0.1:0",
-        metrics_listen="",
-        state_dir=tmp_path / shard_id,
-        etcd=etcd,
-        etcd_prefix=prefix,
-        shard_id=shard_id,
-        advertise="127.0.0.1:0",
-    )
 
 
 def named_owned_by(shard_id: str, shards: list[str], prefix: str) -> str:
@@ -56,17 +45,31 @@ async def start_agents(
     return agents, stop, [asyncio.create_task(agent.run(stop)) for agent in agents.values()]
 
 
-async def test_agents_report_to_their_nodes_home_whichever_coordinator_they_are_pointed_at(
-    etcd: EtcdServer, etcd_prefix: str, tmp_path: Path
-) -> None:
+@contextlib.asynccontextmanager
+async def two_coordinators_and_agents(
+    tmp_path: Path, etcd: EtcdServer, prefix: str
+) -> AsyncIterator[tuple[dict[str, CoordinatorServer], dict[str, Agent]]]:
+    """c1 and c2 in a group, and an agent for each of NODES pointed at c1 alone."""
     servers = {
-        shard: CoordinatorServer(settings(tmp_path, etcd.endpoint, etcd_prefix, shard))
+        shard: CoordinatorServer(group_settings(tmp_path, etcd.endpoint, prefix, shard))
         for shard in ("c1", "c2")
     }
     for server in servers.values():
         await server.start()
     agents, stop, running = await start_agents(f"127.0.0.1:{servers['c1'].grpc_port}", NODES)
     try:
+        yield servers, agents
+    finally:
+        stop.set()
+        await asyncio.gather(*running, return_exceptions=True)
+        for server in servers.values():
+            await server.stop()
+
+
+async def test_agents_report_to_their_nodes_home_whichever_coordinator_they_are_pointed_at(
+    etcd: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    async with two_coordinators_and_agents(tmp_path, etcd, etcd_prefix) as (servers, agents):
         await eventually(
             lambda: all(len(s.membership.members) == 2 for s in servers.values() if s.membership),
             30,
@@ -90,17 +93,12 @@ async def test_agents_report_to_their_nodes_home_whichever_coordinator_they_are_
         moved = [e for e in servers["c1"].core.event_log.events() if e.kind == "node_moved"]
         assert {e.node_id for e in moved} == {n for n, h in homes.items() if h == "c2"}
         assert all(agent.buffer.dropped_total == 0 for agent in agents.values())
-    finally:
-        stop.set()
-        await asyncio.gather(*running, return_exceptions=True)
-        for server in servers.values():
-            await server.stop()
 
 
 async def test_a_killed_coordinators_agents_re_home_and_lose_no_report(
     etcd: EtcdServer, etcd_prefix: str, tmp_path: Path
 ) -> None:
-    survivor = CoordinatorServer(settings(tmp_path, etcd.endpoint, etcd_prefix, "c1"))
+    survivor = CoordinatorServer(group_settings(tmp_path, etcd.endpoint, etcd_prefix, "c1"))
     await survivor.start()
     state = tmp_path / "c2"
     state.mkdir()
@@ -196,9 +194,9 @@ async def test_a_job_is_judged_by_its_owner_alone(etcd: EtcdServer, etcd_prefix:
 async def test_jobs_that_move_to_a_joining_coordinator_are_let_go(
     etcd: EtcdServer, etcd_prefix: str, tmp_path: Path
 ) -> None:
-    first = CoordinatorServer(settings(tmp_path, etcd.endpoint, etcd_prefix, "c1"))
+    first = CoordinatorServer(group_settings(tmp_path, etcd.endpoint, etcd_prefix, "c1"))
     await first.start()
-    joining = CoordinatorServer(settings(tmp_path, etcd.endpoint, etcd_prefix, "c2"))
+    joining = CoordinatorServer(group_settings(tmp_path, etcd.endpoint, etcd_prefix, "c2"))
     try:
         staying = named_owned_by("c1", ["c1", "c2"], "stays")
         leaving = named_owned_by("c2", ["c1", "c2"], "leaves")
@@ -217,15 +215,8 @@ async def test_jobs_that_move_to_a_joining_coordinator_are_let_go(
 async def test_a_drained_coordinator_hands_every_node_and_job_to_the_others_and_takes_them_back(
     etcd: EtcdServer, etcd_prefix: str, tmp_path: Path
 ) -> None:
-    servers = {
-        shard: CoordinatorServer(settings(tmp_path, etcd.endpoint, etcd_prefix, shard))
-        for shard in ("c1", "c2")
-    }
-    for server in servers.values():
-        await server.start()
-    _agents, stop, running = await start_agents(f"127.0.0.1:{servers['c1'].grpc_port}", NODES)
     group = ("--etcd", etcd.endpoint, "--etcd-prefix", etcd_prefix, "--insecure")
-    try:
+    async with two_coordinators_and_agents(tmp_path, etcd, etcd_prefix) as (servers, _agents):
         homed_at_c2 = {n for n in NODES if node_home(n, {}, ["c1", "c2"]) == "c2"}
         await eventually(lambda: set(servers["c2"].core.sessions) == homed_at_c2, 30, "nodes at their homes")
         job = named_owned_by("c2", ["c1", "c2"], "drained")
@@ -253,8 +244,3 @@ async def test_a_drained_coordinator_hands_every_node_and_job_to_the_others_and_
         no_etcd = await asyncio.to_thread(run_cli, "coordinator", "drain", "--shard-id", "c2", "--insecure")
         assert no_etcd.returncode == 2
         assert "coordinator.etcd" in no_etcd.stderr
-    finally:
-        stop.set()
-        await asyncio.gather(*running, return_exceptions=True)
-        for server in servers.values():
-            await server.stop()
