@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -188,8 +189,12 @@ class Agent:
         return self._http.port if self._http else None
 
     def hello(self, last_acked_sequence: int) -> agent_pb2.Hello:
-        """The Hello that opens each stream: who we are, and the topology as last discovered."""
+        """The Hello that opens each stream: who we are, the topology as last discovered, and the jobs of
+        the first report it will carry (where a group of coordinators homes the node)."""
+        first = next(iter(self.buffer.after(last_acked_sequence)), None) or self.latest
+        ranks_by_job = collections.Counter(r.identity.job for r in first.ranks) if first is not None else {}
         return agent_pb2.Hello(
+            ranks_by_job=ranks_by_job,
             node_id=self.node_id,
             hostname=self.hostname,
             agent_version=__version__,

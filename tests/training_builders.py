@@ -205,6 +205,13 @@ class AgentStream:
                 f"{self.node_id}: timed out waiting for {what}; got {self.messages}"
             ) from None
 
+    def ended_with(self) -> grpc.aio.AioRpcError | None:
+        """The error the coordinator ended the stream with, once it did (None before, or if it ended cleanly)."""
+        if self._reader is None or not self._reader.done() or self._reader.cancelled():
+            return None
+        error = self._reader.exception()
+        return error if isinstance(error, grpc.aio.AioRpcError) else None
+
     def of_kind(self, kind: str) -> list[agent_pb2.CoordinatorMessage]:
         return [m for m in self.messages if m.WhichOneof("kind") == kind]
 

@@ -26,45 +26,49 @@ from clusterwatch.v1 import node_pb2 as clusterwatch_dot_v1_dot_node__pb2
 from clusterwatch.v1 import training_pb2 as clusterwatch_dot_v1_dot_training__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63lusterwatch/v1/agent.proto\x12\x0f\x63lusterwatch.v1\x1a\x1a\x63lusterwatch/v1/node.proto\x1a\x1e\x63lusterwatch/v1/training.proto\"\xff\x01\n\x05Hello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x15\n\ragent_version\x18\x03 \x01(\t\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x05 \x03(\t\x12\x18\n\x10interval_seconds\x18\x06 \x01(\x01\x12\x1b\n\x13last_acked_sequence\x18\x07 \x01(\x04\x12\x34\n\x08topology\x18\x08 \x01(\x0b\x32\x1d.clusterwatch.v1.NodeTopologyH\x00\x88\x01\x01\x12\x17\n\x0fnewest_sequence\x18\t \x01(\x04\x42\x0b\n\t_topology\"\xdc\x02\n\rCommandResult\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x35\n\x06status\x18\x02 \x01(\x0e\x32%.clusterwatch.v1.CommandResult.Status\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x18\n\x10\x64uration_seconds\x18\x04 \x01(\x01\x12\x34\n\tdiagnoses\x18\x05 \x03(\x0b\x32!.clusterwatch.v1.ProcessDiagnosis\x12\x30\n\x07stopped\x18\x06 \x03(\x0b\x32\x1f.clusterwatch.v1.StoppedProcess\"m\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\r\n\tSTATUS_OK\x10\x01\x12\x11\n\rSTATUS_FAILED\x10\x02\x12\x16\n\x12STATUS_UNSUPPORTED\x10\x03\x12\x11\n\rSTATUS_FENCED\x10\x04\"M\n\x0eStoppedProcess\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0f\n\x07outcome\x18\x03 \x01(\t\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\xa8\x01\n\x0c\x41gentMessage\x12\'\n\x05hello\x18\x01 \x01(\x0b\x32\x16.clusterwatch.v1.HelloH\x00\x12-\n\x06report\x18\x02 \x01(\x0b\x32\x1b.clusterwatch.v1.NodeReportH\x00\x12\x38\n\x0e\x63ommand_result\x18\x03 \x01(\x0b\x32\x1e.clusterwatch.v1.CommandResultH\x00\x42\x06\n\x04kind\"\x17\n\x03\x41\x63k\x12\x10\n\x08sequence\x18\x01 \x01(\x04\"\r\n\x0bPingCommand\".\n\x11\x43heckpointCommand\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\"X\n\x0f\x44iagnoseCommand\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x03(\r\x12\x12\n\nstack_dump\x18\x03 \x01(\x08\x12\x15\n\rhealthy_ranks\x18\x04 \x03(\r\"m\n\x12StopWorkersCommand\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x15\n\rgrace_seconds\x18\x02 \x01(\x01\x12\x15\n\rstop_launcher\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0c\n\x04pids\x18\x05 \x03(\r\"\xd5\x02\n\x07\x43ommand\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x1b\n\x13issued_unix_seconds\x18\x02 \x01(\x01\x12\x1d\n\x15\x64\x65\x61\x64line_unix_seconds\x18\x03 \x01(\x01\x12\x15\n\rfencing_token\x18\x04 \x01(\x03\x12,\n\x04ping\x18\n \x01(\x0b\x32\x1c.clusterwatch.v1.PingCommandH\x00\x12\x38\n\ncheckpoint\x18\x0b \x01(\x0b\x32\".clusterwatch.v1.CheckpointCommandH\x00\x12\x34\n\x08\x64iagnose\x18\x0c \x01(\x0b\x32 .clusterwatch.v1.DiagnoseCommandH\x00\x12;\n\x0cstop_workers\x18\r \x01(\x0b\x32#.clusterwatch.v1.StopWorkersCommandH\x00\x42\x08\n\x06\x61\x63tion\"i\n\x0eJobCheckpoints\x12\x33\n\x04jobs\x18\x01 \x03(\x0b\x32%.clusterwatch.v1.JobCheckpoints.Entry\x1a\"\n\x05\x45ntry\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\" \n\x0eReportSettings\x12\x0e\n\x06\x64igest\x18\x01 \x01(\x08\"%\n\x10\x43oordinatorGroup\x12\x11\n\taddresses\x18\x01 \x03(\t\"\x96\x02\n\x12\x43oordinatorMessage\x12#\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x14.clusterwatch.v1.AckH\x00\x12+\n\x07\x63ommand\x18\x02 \x01(\x0b\x32\x18.clusterwatch.v1.CommandH\x00\x12\x36\n\x0b\x63heckpoints\x18\x03 \x01(\x0b\x32\x1f.clusterwatch.v1.JobCheckpointsH\x00\x12:\n\x0freport_settings\x18\x04 \x01(\x0b\x32\x1f.clusterwatch.v1.ReportSettingsH\x00\x12\x32\n\x05group\x18\x05 \x01(\x0b\x32!.clusterwatch.v1.CoordinatorGroupH\x00\x42\x06\n\x04kind2a\n\x0c\x41gentService\x12Q\n\x07\x43onnect\x12\x1d.clusterwatch.v1.AgentMessage\x1a#.clusterwatch.v1.CoordinatorMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63lusterwatch/v1/agent.proto\x12\x0f\x63lusterwatch.v1\x1a\x1a\x63lusterwatch/v1/node.proto\x1a\x1e\x63lusterwatch/v1/training.proto\"\xf0\x02\n\x05Hello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x15\n\ragent_version\x18\x03 \x01(\t\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x05 \x03(\t\x12\x18\n\x10interval_seconds\x18\x06 \x01(\x01\x12\x1b\n\x13last_acked_sequence\x18\x07 \x01(\x04\x12\x34\n\x08topology\x18\x08 \x01(\x0b\x32\x1d.clusterwatch.v1.NodeTopologyH\x00\x88\x01\x01\x12\x17\n\x0fnewest_sequence\x18\t \x01(\x04\x12<\n\x0cranks_by_job\x18\n \x03(\x0b\x32&.clusterwatch.v1.Hello.RanksByJobEntry\x1a\x31\n\x0fRanksByJobEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x42\x0b\n\t_topology\"\xdc\x02\n\rCommandResult\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x35\n\x06status\x18\x02 \x01(\x0e\x32%.clusterwatch.v1.CommandResult.Status\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x18\n\x10\x64uration_seconds\x18\x04 \x01(\x01\x12\x34\n\tdiagnoses\x18\x05 \x03(\x0b\x32!.clusterwatch.v1.ProcessDiagnosis\x12\x30\n\x07stopped\x18\x06 \x03(\x0b\x32\x1f.clusterwatch.v1.StoppedProcess\"m\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\r\n\tSTATUS_OK\x10\x01\x12\x11\n\rSTATUS_FAILED\x10\x02\x12\x16\n\x12STATUS_UNSUPPORTED\x10\x03\x12\x11\n\rSTATUS_FENCED\x10\x04\"M\n\x0eStoppedProcess\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0f\n\x07outcome\x18\x03 \x01(\t\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\xa8\x01\n\x0c\x41gentMessage\x12\'\n\x05hello\x18\x01 \x01(\x0b\x32\x16.clusterwatch.v1.HelloH\x00\x12-\n\x06report\x18\x02 \x01(\x0b\x32\x1b.clusterwatch.v1.NodeReportH\x00\x12\x38\n\x0e\x63ommand_result\x18\x03 \x01(\x0b\x32\x1e.clusterwatch.v1.CommandResultH\x00\x42\x06\n\x04kind\"\x17\n\x03\x41\x63k\x12\x10\n\x08sequence\x18\x01 \x01(\x04\"\r\n\x0bPingCommand\".\n\x11\x43heckpointCommand\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\"X\n\x0f\x44iagnoseCommand\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x03(\r\x12\x12\n\nstack_dump\x18\x03 \x01(\x08\x12\x15\n\rhealthy_ranks\x18\x04 \x03(\r\"m\n\x12StopWorkersCommand\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x15\n\rgrace_seconds\x18\x02 \x01(\x01\x12\x15\n\rstop_launcher\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0c\n\x04pids\x18\x05 \x03(\r\"\xd5\x02\n\x07\x43ommand\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x1b\n\x13issued_unix_seconds\x18\x02 \x01(\x01\x12\x1d\n\x15\x64\x65\x61\x64line_unix_seconds\x18\x03 \x01(\x01\x12\x15\n\rfencing_token\x18\x04 \x01(\x03\x12,\n\x04ping\x18\n \x01(\x0b\x32\x1c.clusterwatch.v1.PingCommandH\x00\x12\x38\n\ncheckpoint\x18\x0b \x01(\x0b\x32\".clusterwatch.v1.CheckpointCommandH\x00\x12\x34\n\x08\x64iagnose\x18\x0c \x01(\x0b\x32 .clusterwatch.v1.DiagnoseCommandH\x00\x12;\n\x0cstop_workers\x18\r \x01(\x0b\x32#.clusterwatch.v1.StopWorkersCommandH\x00\x42\x08\n\x06\x61\x63tion\"i\n\x0eJobCheckpoints\x12\x33\n\x04jobs\x18\x01 \x03(\x0b\x32%.clusterwatch.v1.JobCheckpoints.Entry\x1a\"\n\x05\x45ntry\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\" \n\x0eReportSettings\x12\x0e\n\x06\x64igest\x18\x01 \x01(\x08\"%\n\x10\x43oordinatorGroup\x12\x11\n\taddresses\x18\x01 \x03(\t\"\x96\x02\n\x12\x43oordinatorMessage\x12#\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x14.clusterwatch.v1.AckH\x00\x12+\n\x07\x63ommand\x18\x02 \x01(\x0b\x32\x18.clusterwatch.v1.CommandH\x00\x12\x36\n\x0b\x63heckpoints\x18\x03 \x01(\x0b\x32\x1f.clusterwatch.v1.JobCheckpointsH\x00\x12:\n\x0freport_settings\x18\x04 \x01(\x0b\x32\x1f.clusterwatch.v1.ReportSettingsH\x00\x12\x32\n\x05group\x18\x05 \x01(\x0b\x32!.clusterwatch.v1.CoordinatorGroupH\x00\x42\x06\n\x04kind2a\n\x0c\x41gentService\x12Q\n\x07\x43onnect\x12\x1d.clusterwatch.v1.AgentMessage\x1a#.clusterwatch.v1.CoordinatorMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'clusterwatch.v1.agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_HELLO_RANKSBYJOBENTRY']._loaded_options = None
+  _globals['_HELLO_RANKSBYJOBENTRY']._serialized_options = b'8\001'
   _globals['_HELLO']._serialized_start=109
-  _globals['_HELLO']._serialized_end=364
-  _globals['_COMMANDRESULT']._serialized_start=367
-  _globals['_COMMANDRESULT']._serialized_end=715
-  _globals['_COMMANDRESULT_STATUS']._serialized_start=606
-  _globals['_COMMANDRESULT_STATUS']._serialized_end=715
-  _globals['_STOPPEDPROCESS']._serialized_start=717
-  _globals['_STOPPEDPROCESS']._serialized_end=794
-  _globals['_AGENTMESSAGE']._serialized_start=797
-  _globals['_AGENTMESSAGE']._serialized_end=965
-  _globals['_ACK']._serialized_start=967
-  _globals['_ACK']._serialized_end=990
-  _globals['_PINGCOMMAND']._serialized_start=992
-  _globals['_PINGCOMMAND']._serialized_end=1005
-  _globals['_CHECKPOINTCOMMAND']._serialized_start=1007
-  _globals['_CHECKPOINTCOMMAND']._serialized_end=1053
-  _globals['_DIAGNOSECOMMAND']._serialized_start=1055
-  _globals['_DIAGNOSECOMMAND']._serialized_end=1143
-  _globals['_STOPWORKERSCOMMAND']._serialized_start=1145
-  _globals['_STOPWORKERSCOMMAND']._serialized_end=1254
-  _globals['_COMMAND']._serialized_start=1257
-  _globals['_COMMAND']._serialized_end=1598
-  _globals['_JOBCHECKPOINTS']._serialized_start=1600
-  _globals['_JOBCHECKPOINTS']._serialized_end=1705
-  _globals['_JOBCHECKPOINTS_ENTRY']._serialized_start=1671
-  _globals['_JOBCHECKPOINTS_ENTRY']._serialized_end=1705
-  _globals['_REPORTSETTINGS']._serialized_start=1707
-  _globals['_REPORTSETTINGS']._serialized_end=1739
-  _globals['_COORDINATORGROUP']._serialized_start=1741
-  _globals['_COORDINATORGROUP']._serialized_end=1778
-  _globals['_COORDINATORMESSAGE']._serialized_start=1781
-  _globals['_COORDINATORMESSAGE']._serialized_end=2059
-  _globals['_AGENTSERVICE']._serialized_start=2061
-  _globals['_AGENTSERVICE']._serialized_end=2158
+  _globals['_HELLO']._serialized_end=477
+  _globals['_HELLO_RANKSBYJOBENTRY']._serialized_start=415
+  _globals['_HELLO_RANKSBYJOBENTRY']._serialized_end=464
+  _globals['_COMMANDRESULT']._serialized_start=480
+  _globals['_COMMANDRESULT']._serialized_end=828
+  _globals['_COMMANDRESULT_STATUS']._serialized_start=719
+  _globals['_COMMANDRESULT_STATUS']._serialized_end=828
+  _globals['_STOPPEDPROCESS']._serialized_start=830
+  _globals['_STOPPEDPROCESS']._serialized_end=907
+  _globals['_AGENTMESSAGE']._serialized_start=910
+  _globals['_AGENTMESSAGE']._serialized_end=1078
+  _globals['_ACK']._serialized_start=1080
+  _globals['_ACK']._serialized_end=1103
+  _globals['_PINGCOMMAND']._serialized_start=1105
+  _globals['_PINGCOMMAND']._serialized_end=1118
+  _globals['_CHECKPOINTCOMMAND']._serialized_start=1120
+  _globals['_CHECKPOINTCOMMAND']._serialized_end=1166
+  _globals['_DIAGNOSECOMMAND']._serialized_start=1168
+  _globals['_DIAGNOSECOMMAND']._serialized_end=1256
+  _globals['_STOPWORKERSCOMMAND']._serialized_start=1258
+  _globals['_STOPWORKERSCOMMAND']._serialized_end=1367
+  _globals['_COMMAND']._serialized_start=1370
+  _globals['_COMMAND']._serialized_end=1711
+  _globals['_JOBCHECKPOINTS']._serialized_start=1713
+  _globals['_JOBCHECKPOINTS']._serialized_end=1818
+  _globals['_JOBCHECKPOINTS_ENTRY']._serialized_start=1784
+  _globals['_JOBCHECKPOINTS_ENTRY']._serialized_end=1818
+  _globals['_REPORTSETTINGS']._serialized_start=1820
+  _globals['_REPORTSETTINGS']._serialized_end=1852
+  _globals['_COORDINATORGROUP']._serialized_start=1854
+  _globals['_COORDINATORGROUP']._serialized_end=1891
+  _globals['_COORDINATORMESSAGE']._serialized_start=1894
+  _globals['_COORDINATORMESSAGE']._serialized_end=2172
+  _globals['_AGENTSERVICE']._serialized_start=2174
+  _globals['_AGENTSERVICE']._serialized_end=2271
 # @@protoc_insertion_point(module_scope)

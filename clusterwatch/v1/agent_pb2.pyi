@@ -25,6 +25,26 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class Hello(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class RanksByJobEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NODE_ID_FIELD_NUMBER: _builtins.int
     HOSTNAME_FIELD_NUMBER: _builtins.int
     AGENT_VERSION_FIELD_NUMBER: _builtins.int
@@ -34,6 +54,7 @@ class Hello(_message.Message):
     LAST_ACKED_SEQUENCE_FIELD_NUMBER: _builtins.int
     TOPOLOGY_FIELD_NUMBER: _builtins.int
     NEWEST_SEQUENCE_FIELD_NUMBER: _builtins.int
+    RANKS_BY_JOB_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     hostname: _builtins.str
     agent_version: _builtins.str
@@ -57,6 +78,14 @@ class Hello(_message.Message):
         not discover it.
         """
 
+    @_builtins.property
+    def ranks_by_job(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """The ranks of each job in the first report this stream will carry (the
+        oldest not acknowledged, else the newest collected): a coordinator of a
+        group that is not the node's home (clusterwatch/wire/placement.py) sends
+        the stream there at once, before any report.
+        """
+
     def __init__(
         self,
         *,
@@ -69,10 +98,11 @@ class Hello(_message.Message):
         last_acked_sequence: _builtins.int = ...,
         topology: _node_pb2.NodeTopology | None = ...,
         newest_sequence: _builtins.int = ...,
+        ranks_by_job: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_topology", b"_topology", "topology", b"topology"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_topology", b"_topology", "agent_version", b"agent_version", "capabilities", b"capabilities", "hostname", b"hostname", "instance_id", b"instance_id", "interval_seconds", b"interval_seconds", "last_acked_sequence", b"last_acked_sequence", "newest_sequence", b"newest_sequence", "node_id", b"node_id", "topology", b"topology"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_topology", b"_topology", "agent_version", b"agent_version", "capabilities", b"capabilities", "hostname", b"hostname", "instance_id", b"instance_id", "interval_seconds", b"interval_seconds", "last_acked_sequence", b"last_acked_sequence", "newest_sequence", b"newest_sequence", "node_id", b"node_id", "ranks_by_job", b"ranks_by_job", "topology", b"topology"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__topology: _TypeAlias = _typing.Literal["topology"]  # noqa: Y015
     _WhichOneofArgType__topology: _TypeAlias = _typing.Literal["_topology", b"_topology"]  # noqa: Y015

@@ -59,6 +59,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         if first.WhichOneof("kind") != "hello":
             raise InvalidReportError("the first message on a stream must be a hello")
         self._access.check_node(context, first.hello.node_id)
+        if self._homing is not None:
+            self._homing.check_hello(first.hello)
         session = self._core.open_stream(first.hello)
         if self._report_settings is not None:
             session.send_report_settings(self._report_settings)
@@ -116,6 +118,12 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             await session.wake.wait()
             session.wake.clear()
             if session.stopping:
+                # What was applied is acknowledged even as the stream ends (the node moved to another
+                # coordinator): else the agent would replay it there, and a report from before a change
+                # of its jobs could send it back here.
+                sequence = session.take_ack()
+                if sequence is not None:
+                    await context.write(agent_pb2.CoordinatorMessage(ack=agent_pb2.Ack(sequence=sequence)))
                 return
             report_settings = session.take_report_settings()
             if report_settings is not None:

@@ -53,6 +53,21 @@ class Homing:
         self._refresh()
         return self._group
 
+    def check_hello(self, hello: agent_pb2.Hello) -> None:
+        """Refuse a stream whose node is homed elsewhere, judged by the jobs its first report carries.
+
+        Raises:
+            MovedError: the node's home is another coordinator.
+        """
+        shards = self.shards()
+        if shards is None:
+            return
+        home = self._membership.members[node_home(hello.node_id, hello.ranks_by_job, shards)]
+        if home.shard_id != self._membership.me.shard_id:
+            raise MovedError(
+                f"node {hello.node_id} reports to coordinator {home.shard_id} ({home.address})", home.address
+            )
+
     def check(self, node_id: str, report: node_pb2.NodeReport) -> None:
         """Keep ``report`` here, without the ranks of jobs owned elsewhere.
 

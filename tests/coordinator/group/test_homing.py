@@ -13,9 +13,11 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 from etcd_server import EtcdServer
 from helpers import Coordinator, clusterwatch_cmd, eventually, group_settings, run_cli, sim_agent_settings
+from training_builders import AgentStream, rank_report, step
 
 from clusterwatch.agent.runtime import Agent
 from clusterwatch.coordinator.group.homing import Homing
@@ -25,11 +27,13 @@ from clusterwatch.coordinator.server import CoordinatorServer
 from clusterwatch.errors import MovedError
 from clusterwatch.runtime.etcd import Etcd
 from clusterwatch.v1 import node_pb2, training_pb2
+from clusterwatch.wire.grpc_status import home_address
 from clusterwatch.wire.placement import job_owner, node_home
 
 pytestmark = pytest.mark.timeout(120)
 
 NODES = [f"node-{i}" for i in range(6)]
+STEPS = [step(n) for n in range(1, 4)]
 
 
 def named_owned_by(shard_id: str, shards: list[str], prefix: str) -> str:
@@ -47,18 +51,20 @@ async def start_agents(
 
 @contextlib.asynccontextmanager
 async def two_coordinators_and_agents(
-    tmp_path: Path, etcd: EtcdServer, prefix: str
+    tmp_path: Path, etcd: EtcdServer, prefix: str, *, agents: bool = True
 ) -> AsyncIterator[tuple[dict[str, CoordinatorServer], dict[str, Agent]]]:
-    """c1 and c2 in a group, and an agent for each of NODES pointed at c1 alone."""
+    """c1 and c2 in a group, and (unless not ``agents``) an agent for each of NODES pointed at c1 alone."""
     servers = {
         shard: CoordinatorServer(group_settings(tmp_path, etcd.endpoint, prefix, shard))
         for shard in ("c1", "c2")
     }
     for server in servers.values():
         await server.start()
-    agents, stop, running = await start_agents(f"127.0.0.1:{servers['c1'].grpc_port}", NODES)
+    started, stop, running = await start_agents(
+        f"127.0.0.1:{servers['c1'].grpc_port}", NODES if agents else []
+    )
     try:
-        yield servers, agents
+        yield servers, started
     finally:
         stop.set()
         await asyncio.gather(*running, return_exceptions=True)
@@ -88,11 +94,41 @@ async def test_agents_report_to_their_nodes_home_whichever_coordinator_they_are_
         for node, home in homes.items():
             assert agents[node].uplink.target == f"127.0.0.1:{servers[home].grpc_port}"
             other = servers["c2" if home == "c1" else "c1"]
-            assert node not in other.core.state.nodes  # forgotten where it first said hello: no verdict on it
-        # Nodes sent on from c1 were not lost there: moved, not unreachable.
-        moved = [e for e in servers["c1"].core.event_log.events() if e.kind == "node_moved"]
-        assert {e.node_id for e in moved} == {n for n, h in homes.items() if h == "c2"}
+            assert node not in other.core.state.nodes  # sent on at its hello: no state, no verdict there
+        # Sent on before they joined: c1's history does not mention c2's nodes at all.
+        assert not {e.node_id for e in servers["c1"].core.event_log.events()} & {
+            n for n, h in homes.items() if h == "c2"
+        }
         assert all(agent.buffer.dropped_total == 0 for agent in agents.values())
+
+
+async def test_a_node_whose_jobs_change_moves_with_its_reports_acknowledged(
+    etcd: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    """Its stream ends at the first report homed elsewhere, after the ack of every report before it (a
+    replay of those would send it back), and the old home forgets it without a verdict."""
+    async with two_coordinators_and_agents(tmp_path, etcd, etcd_prefix, agents=False) as (servers, _):
+        await eventually(
+            lambda: all(len(s.membership.members) == 2 for s in servers.values() if s.membership),
+            30,
+            "both in the group",
+        )
+        here, there = named_owned_by("c1", ["c1", "c2"], "first"), named_owned_by("c2", ["c1", "c2"], "then")
+        # Its hello names no job (AgentStream's does not): it is homed by its name at first, on c1.
+        node = next(f"node-x{i}" for i in range(100) if node_home(f"node-x{i}", {}, ["c1", "c2"]) == "c1")
+        async with AgentStream(f"127.0.0.1:{servers['c1'].grpc_port}", node) as stream:
+            applied = await stream.report(rank_report(0, job=here, steps=STEPS))
+            await stream.report(rank_report(0, job=there, steps=STEPS))
+            ended = await eventually(stream.ended_with, 30, "the stream to end")
+            assert ended.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert home_address(ended.trailing_metadata()) == f"127.0.0.1:{servers['c2'].grpc_port}"
+            assert [m.ack.sequence for m in stream.of_kind("ack")][-1] == applied
+        assert node not in servers["c1"].core.state.nodes
+        assert [e.kind for e in servers["c1"].core.event_log.events() if e.node_id == node] == [
+            "node_joined",
+            "node_moved",
+        ]
+        assert not servers["c1"].core.jobs.jobs[here].ranks  # no rank of that node is left here
 
 
 async def test_a_killed_coordinators_agents_re_home_and_lose_no_report(
