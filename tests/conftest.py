@@ -57,11 +57,22 @@ def lean_demo_run(tmp_path_factory: pytest.TempPathFactory, demo_run: DemoRun) -
     run.close()
 
 
+@pytest.fixture(scope="session")
+def group_demo_run(tmp_path_factory: pytest.TempPathFactory, lean_demo_run: DemoRun) -> Iterator[DemoRun]:
+    """The demo with two coordinators on etcd (the job's owner is killed midway), started when
+    ``lean_demo_run`` has ended."""
+    from demo_run import DemoRun
+
+    run = DemoRun(tmp_path_factory.mktemp("group-demo"), after=lean_demo_run, coordinators=2)
+    yield run
+    run.close()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _demo_early(request: pytest.FixtureRequest) -> None:
     """Start the demos with the session's first test when a selected test will look at them:
     each trains in the background for a minute while other tests run, instead of being waited for."""
-    for name in ("demo_run", "lean_demo_run"):
+    for name in ("demo_run", "lean_demo_run", "group_demo_run"):
         if any(name in getattr(item, "fixturenames", ()) for item in request.session.items):
             request.getfixturevalue(name)
 

@@ -82,12 +82,18 @@ class DemoRun:
         workdir: the demo's log, summary and temporary directory (``tmpdir``), and Prometheus' data.
         hardware_series: the coordinator's mode (``--hardware-series``).
         after: start once this run's demo has ended (None: at once).
+        coordinators: ``--coordinators`` (several: a group on etcd; no Prometheus is started).
     """
 
     def __init__(
-        self, workdir: Path, hardware_series: str = "coordinator", after: DemoRun | None = None
+        self,
+        workdir: Path,
+        hardware_series: str = "coordinator",
+        after: DemoRun | None = None,
+        coordinators: int = 1,
     ) -> None:
         self.hardware_series = hardware_series
+        self.coordinators = coordinators
         self.log = workdir / "demo.log"
         self.summary_path = workdir / "summary.json"
         self.tmpdir = workdir / "t"  # short: the demo's agent sockets go in a directory under it
@@ -95,7 +101,7 @@ class DemoRun:
         # test_dashboards skips or fails without Prometheus, and says why it did not start; test_demo needs none.
         self.prometheus: PrometheusServer | None = None
         self.prometheus_error: Exception | None = None
-        if shutil.which("prometheus"):
+        if shutil.which("prometheus") and coordinators == 1:
             try:  # prometheus_server needs bench: the repository root on sys.path (python -m pytest)
                 from prometheus_server import deployed_agent_job, start_prometheus
 
@@ -132,6 +138,8 @@ class DemoRun:
                     str(self.summary_path),
                     "--hardware-series",
                     self.hardware_series,
+                    "--coordinators",
+                    str(self.coordinators),
                 ),
                 stdout=out,
                 stderr=subprocess.STDOUT,

@@ -10,16 +10,21 @@ complete checkpoint. A live timeline is printed, then a summary; exit 0
 once training completes. With ``--no-train``: the coordinator and agents
 only, until Ctrl-C or ``--duration``. With ``--hardware-series agents`` the
 coordinator runs in the large-cluster mode (report digests, no per-GPU
-series on its /metrics) and each agent serves its node's /metrics.
+series on its /metrics) and each agent serves its node's /metrics. With
+``--coordinators 2`` an etcd (Debian's ``etcd-server``) and two coordinators
+share the work; the job's owner is killed (SIGKILL) once the first fault is
+recovered, and the other one continues the job and recovers the hang.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +40,8 @@ from clusterwatch.cli import demo_faults, demo_training
 from clusterwatch.cli.demo_timeline import FaultOutcome, Timeline
 from clusterwatch.client import ClusterClient
 from clusterwatch.config import HARDWARE_SERIES
+from clusterwatch.runtime.etcd_server import EtcdServer
+from clusterwatch.wire.placement import job_owner
 
 DEMO_NODES = ("demo-node-0", "demo-node-1")
 RANKS_PER_NODE = 2
@@ -44,6 +51,9 @@ STOP_GRACE_S = 5.0
 POLL_S = 0.25
 # After the job ends: the coordinator learns of the last steps within a report or two.
 SETTLE_S = 2.0
+# With several coordinators: the job's owner is killed once the first fault is recovered, or this long
+# into training when none is.
+KILL_OWNER_AFTER_S = 40.0
 # Recovery tuned for a demo that lasts a minute (production defaults are minutes).
 DEMO_RECOVERY = ("--straggler-persist-s", "2", "--cooldown-s", "0", "--restart-grace-s", "2")
 # Elastic rendezvous through a store the demo hosts, so either node may go; a node gone for 2 s
@@ -92,6 +102,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "/metrics (the large-cluster mode, coordinator.hardware_series)",
     )
     parser.add_argument(
+        "--coordinators",
+        type=int,
+        choices=(1, 2, 3),
+        default=1,
+        help="coordinators (more than one: a group on an etcd the demo starts; the job's owner is killed "
+        "midway and another continues)",
+    )
+    parser.add_argument(
         "--top",
         action="store_true",
         help="watch it live in clusterwatch top; the timeline and summary are printed when top quits",
@@ -107,21 +125,26 @@ def run(args: argparse.Namespace) -> int:
     ]
     processes: list[subprocess.Popen[bytes]] = []
     jobs: list[subprocess.Popen[bytes]] = []
+    etcd: list[EtcdServer] = []
     with tempfile.TemporaryDirectory(prefix="clusterwatch-demo-") as tmp:
         workdir = Path(tmp)
         # The timeline tells the story: the services log only errors unless asked for more.
         child_log = "error" if args.log_level == "info" else args.log_level
         try:
-            ports = _start_cluster(args, workdir, child_log, processes)
-            address = f"127.0.0.1:{ports['grpc_port']}"
-            metrics_url = f"http://127.0.0.1:{ports['metrics_port']}/metrics"
-            agent_urls = _agent_metrics_urls(processes[1:]) if args.hardware_series == "agents" else []
+            ports = _start_cluster(args, workdir, child_log, processes, etcd)
+            group = [
+                Member(f"c{i}", p["grpc_port"], p["metrics_port"], processes[i]) for i, p in enumerate(ports)
+            ]
+            address, metrics_url = group[0].address, group[0].metrics_url
+            agent_urls = (
+                _agent_metrics_urls(processes[len(group) :]) if args.hardware_series == "agents" else []
+            )
 
             def demo() -> int:
                 _print_banner(args, address, metrics_url, faults, agent_urls)
                 if not args.train:
                     return _idle(processes, args.duration)
-                return _train(args, workdir, (address, metrics_url), faults, (processes, jobs))
+                return _train(args, workdir, group, faults, (processes, jobs))
 
             return _under_top(address, demo, workdir / "demo.log") if args.top else demo()
         except KeyboardInterrupt:
@@ -133,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
         finally:
             with contextlib.suppress(KeyboardInterrupt):
                 _stop(processes, jobs)
+                for server in etcd:
+                    server.stop()
 
 
 def _under_top(address: str, demo: Callable[[], int], log_path: Path) -> int:
@@ -163,33 +188,45 @@ def _under_top(address: str, demo: Callable[[], int], log_path: Path) -> int:
 
 
 def _start_cluster(
-    args: argparse.Namespace, workdir: Path, log_level: str, processes: list[subprocess.Popen[bytes]]
-) -> dict[str, int]:
-    """The coordinator and the agents; the coordinator's ports. Under --top the terminal
-    is top's: the services' logs go to services.log, printed when top quits."""
+    args: argparse.Namespace,
+    workdir: Path,
+    log_level: str,
+    processes: list[subprocess.Popen[bytes]],
+    etcd: list[EtcdServer],
+) -> list[dict[str, int]]:
+    """The coordinators (with an etcd when several) and the agents; each coordinator's ports. Under
+    --top the terminal is top's: the services' logs go to services.log, printed when top quits."""
     errors = (workdir / "services.log").open("wb") if args.top else None
-    ready_file = workdir / "coordinator.ready"
-    coordinator = _start(
-        [
-            "coordinator",
-            "--insecure",
-            "--listen",
-            f"127.0.0.1:{args.grpc_port}",
-            "--metrics-listen",
-            f"127.0.0.1:{args.metrics_port}",
-            "--state-dir",
-            str(args.state_dir or workdir / "state"),
-            "--ready-file",
-            str(ready_file),
-            "--hardware-series",
-            args.hardware_series,
-            *DEMO_RECOVERY,
-        ],
-        log_level,
-        errors,
-    )
-    processes.append(coordinator)
-    ports = _wait_ready(ready_file, coordinator)
+    group: list[str] = []
+    if args.coordinators > 1:
+        etcd.append(_start_etcd(workdir))
+        group = ["--etcd", etcd[0].endpoint, "--advertise", "127.0.0.1:0"]
+    ports = []
+    for index in range(args.coordinators):
+        ready_file = workdir / f"coordinator-{index}.ready"
+        coordinator = _start(
+            [
+                "coordinator",
+                "--insecure",
+                "--listen",
+                f"127.0.0.1:{args.grpc_port if index == 0 else 0}",
+                "--metrics-listen",
+                f"127.0.0.1:{args.metrics_port if index == 0 else 0}",
+                "--state-dir",
+                str((args.state_dir or workdir / "state") / (f"c{index}" if group else "")),
+                "--ready-file",
+                str(ready_file),
+                "--hardware-series",
+                args.hardware_series,
+                *DEMO_RECOVERY,
+                *(["--shard-id", f"c{index}", *group] if group else []),
+            ],
+            log_level,
+            errors,
+        )
+        processes.append(coordinator)
+        ports.append(_wait_ready(ready_file, coordinator))
+    coordinators = ",".join(f"127.0.0.1:{p['grpc_port']}" for p in ports)
     for node in DEMO_NODES:
         processes.append(
             _start(
@@ -197,7 +234,7 @@ def _start_cluster(
                     "agent",
                     "--insecure",
                     "--coordinator",
-                    f"127.0.0.1:{ports['grpc_port']}",
+                    coordinators,
                     "--node-id",
                     node,
                     "--gpu-backend",
@@ -217,6 +254,13 @@ def _start_cluster(
             )
         )
     return ports
+
+
+def _start_etcd(workdir: Path) -> EtcdServer:
+    binary = shutil.which("etcd")
+    if binary is None:
+        raise RuntimeError("--coordinators needs etcd: apt-get install etcd-server (./dev does it)")
+    return EtcdServer(workdir / "etcd", binary=binary)
 
 
 def _agent_metrics_urls(agents: list[subprocess.Popen[bytes]]) -> list[str]:
@@ -245,8 +289,11 @@ def _print_banner(
     faults: list[demo_faults.Fault],
     agent_urls: list[str],
 ) -> None:
+    coordinators = (
+        "a coordinator" if args.coordinators == 1 else f"{args.coordinators} coordinators (on etcd)"
+    )
     lines = [
-        f"clusterwatch demo: a coordinator and {len(DEMO_NODES)} agents with simulated GPUs are running."
+        f"clusterwatch demo: {coordinators} and {len(DEMO_NODES)} agents with simulated GPUs are running."
     ]
     if args.train:
         lines.append(
@@ -279,23 +326,42 @@ def _idle(processes: list[subprocess.Popen[bytes]], duration_s: float | None) ->
     return 0
 
 
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One of the demo's coordinators."""
+
+    shard_id: str
+    grpc_port: int
+    metrics_port: int
+    process: subprocess.Popen[bytes]
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+
 def _train(
     args: argparse.Namespace,
     workdir: Path,
-    endpoints: tuple[str, str],
+    group: list[Member],
     faults: list[demo_faults.Fault],
     children: tuple[list[subprocess.Popen[bytes]], list[subprocess.Popen[bytes]]],
 ) -> int:
     """Run the job to completion, printing the timeline, then the summary.
 
     Args:
-        endpoints: the coordinator's gRPC address and /metrics URL.
+        group: the coordinators; with several, the job's owner is killed once the first fault is
+            recovered (or KILL_OWNER_AFTER_S into training) and the timeline follows the next owner.
         children: the services (checked to stay up) and the list the jobs go in.
     """
     from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in its __all__
 
-    address, metrics_url = endpoints
     services, jobs = children
+    owner = group[int(job_owner(JOB, [m.shard_id for m in group])[1:])] if len(group) > 1 else group[0]
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     started = time.time()
     jobs.extend(
@@ -304,11 +370,21 @@ def _train(
     )
     print("timeline (seconds since start):", flush=True)
     deadline = time.monotonic() + args.duration if args.duration else None
-    with ClusterClient(address) as client:
-        timeline = Timeline(client, JOB, workdir / demo_training.EVENTS_FILE, started)
+    with contextlib.ExitStack() as clients:
+        timeline = Timeline(
+            clients.enter_context(ClusterClient(owner.address)),
+            JOB,
+            workdir / demo_training.EVENTS_FILE,
+            started,
+        )
+        to_kill = owner if len(group) > 1 else None
         while any(job.poll() is None for job in jobs):
             _check_alive(services)
             timeline.poll()
+            if to_kill is not None and (timeline.resolved() or time.time() - started > KILL_OWNER_AFTER_S):
+                owner = _kill_owner(to_kill, group, services, timeline)
+                timeline.client = clients.enter_context(ClusterClient(owner.address))
+                to_kill = None
             if deadline is not None and time.monotonic() > deadline:
                 raise RuntimeError(f"training did not complete within --duration {args.duration:g} s")
             time.sleep(POLL_S)
@@ -320,12 +396,30 @@ def _train(
                     (workdir / f"train-node-{node}.log").read_text(errors="replace")[-3000:], file=sys.stderr
                 )
             raise RuntimeError("the training job ended without completing its steps (its logs are above)")
-        summary = _summary(timeline, json.loads(done.read_text()), _ettr(metrics_url), time.time() - started)
+        summary = _summary(
+            timeline, json.loads(done.read_text()), _ettr(owner.metrics_url), time.time() - started
+        )
     _print_summary(summary)
     if args.summary_json:
         args.summary_json.write_text(json.dumps(summary, indent=2))
     del store
     return 0
+
+
+def _kill_owner(
+    owner: Member, group: list[Member], services: list[subprocess.Popen[bytes]], timeline: Timeline
+) -> Member:
+    """SIGKILL the job's owner; the coordinator that owns the job next."""
+    owner.process.kill()
+    owner.process.wait()
+    services.remove(owner.process)
+    rest = [m for m in group if m is not owner]
+    heir = next(m for m in rest if m.shard_id == job_owner(JOB, [r.shard_id for r in rest]))
+    timeline.note(
+        f"killed    coordinator {owner.shard_id} (SIGKILL), owner of job {JOB}; {heir.shard_id} continues it "
+        "once the lease runs out (5 s)"
+    )
+    return heir
 
 
 def _settle(timeline: Timeline) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,14 @@ class Timeline:
         for record in self.client.actions(job=self.job):
             self._action(record)
 
+    def note(self, text: str) -> None:
+        """A line of the demo's own (a coordinator killed), at the time it is printed."""
+        self._line(time.time(), text)
+
+    def resolved(self) -> int:
+        """Incidents of the job seen resolved so far."""
+        return sum(incident.state == RESOLVED for incident in self._incidents.values())
+
     def _line(self, at_unix_s: float, text: str) -> None:
         self.emit(f"  {max(0.0, at_unix_s - self.started_unix_s):6.1f} s  {text}")
 
@@ -99,6 +108,10 @@ class Timeline:
 
     def _incident(self, incident: cluster_pb2.Incident) -> None:
         before = self._incidents.get(incident.id)
+        if before is not None and before.state == RESOLVED:
+            # Seen resolved already: a coordinator that took the job over may show it again, without
+            # the recovery figures its first owner added.
+            return
         self._incidents[incident.id] = incident
         if before is not None and before.state == incident.state:
             return

@@ -8,6 +8,7 @@ import os
 import pytest
 from demo_run import DemoRun, demo_processes
 from helpers import run_cli, wait_for
+from prometheus_server import require
 
 from clusterwatch.cli.demo_faults import Fault, parse_fault
 from clusterwatch.cli.demo_training import CHECKPOINT_EVERY
@@ -52,6 +53,32 @@ def test_the_demo_detects_and_recovers_from_a_straggler_and_a_hang(demo_run: Dem
     assert 0 < summary["effective_training_time_ratio"] < 1, output
     assert summary["coordinated_checkpoint_delay_steps"] >= 0, output
     assert wait_for(lambda: demo_processes(demo_run.tmpdir) == [], 30, "nothing left of the demo")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(720)  # waits for the two runs before it
+def test_with_two_coordinators_the_jobs_owner_is_killed_and_its_hang_still_recovered(
+    group_demo_run: DemoRun,
+) -> None:
+    require("etcd", package="etcd-server")
+    assert group_demo_run.wait_started(600), "the runs before it did not end"
+    assert group_demo_run.wait(timeout_s=300) == 0, group_demo_run.log.read_text()
+    output = group_demo_run.log.read_text()
+    killed = output.index("killed    coordinator c")
+    assert "detected  straggler" in output[:killed], output
+    after = output[killed:]
+    for expected in (
+        "detected  hang",
+        "restart:",
+        "resumed   every rank past step",
+        "finished  all 150 steps",
+    ):
+        assert expected in after, output
+    summary = json.loads(group_demo_run.summary_path.read_text())
+    hang = summary["faults"][-1]
+    assert hang["action"] == "restart", output
+    assert hang["recovery_s"] > 0, output
+    assert wait_for(lambda: demo_processes(group_demo_run.tmpdir) == [], 30, "nothing left of the demo")
 
 
 def test_without_training_the_demo_runs_the_services_until_its_duration(
