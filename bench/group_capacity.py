@@ -3,6 +3,9 @@
 Usage:
     python -m bench.group_capacity [--agents 3000] [--seconds 60] [--warmup-s 30] [--procs 2]
 
+The generator processes (``--procs`` in all) are split over the coordinators, so both runs spend the
+same on generating the load; each coordinator's CPU (psutil) gives its cores and µs per report.
+
 For each group size: a real etcd, that many real `clusterwatch coordinator --etcd ...` processes
 (report digests: coordinator.hardware_series = "agents", the mode for large clusters), and the
 load generator of bench/load.py (bench/load_agents.py: 8 GPUs, 8 ranks, 1 Hz per node) with every
@@ -18,11 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from bench.coordinator_process import StartedCoordinator, start_coordinator, stop_coordinator
 from bench.load_agents import WorkerSpec, job_of, worker_main
@@ -34,11 +40,16 @@ PREFIX = "/clusterwatch-capacity"
 JOB_NODES = 16
 
 
-def received_total(coordinator: StartedCoordinator) -> tuple[float, int]:
-    """(the coordinator's clock, the reports it applied so far)."""
+def received_total(coordinator: StartedCoordinator) -> tuple[float, int, float]:
+    """(the coordinator's clock, the reports it applied so far, its CPU seconds so far)."""
     with ClusterClient(coordinator.address, timeout_s=60) as client:
         snapshot = client.snapshot(summary_only=True)
-    return snapshot.timestamp_unix_seconds, sum(node.reports_received_total for node in snapshot.nodes)
+    times = psutil.Process(coordinator.process.pid).cpu_times()
+    return (
+        snapshot.timestamp_unix_seconds,
+        sum(node.reports_received_total for node in snapshot.nodes),
+        times.user + times.system,
+    )
 
 
 def start(tmp: Path, etcd: EtcdServer, coordinators: int, shard: str) -> StartedCoordinator:
@@ -63,13 +74,14 @@ def measure(coordinators: int, args: argparse.Namespace, tmp: Path) -> dict[str,
         for index in range(args.agents):
             homes[job_owner(job_of(index, JOB_NODES), shards)].append(index)
         worker = 0
+        per_coordinator = max(1, args.procs // coordinators)
         for shard, indices in homes.items():
-            for part in range(args.procs):
+            for part in range(per_coordinator):
                 spec = WorkerSpec(
                     worker=worker,
                     host="127.0.0.1",
                     port=group[shard].grpc_port,
-                    agents=tuple(indices[part :: args.procs]),
+                    agents=tuple(indices[part::per_coordinator]),
                     total_agents=args.agents,
                     gpus=8,
                     ranks=8,
@@ -100,15 +112,23 @@ def measure(coordinators: int, args: argparse.Namespace, tmp: Path) -> dict[str,
         first = {shard: received_total(c) for shard, c in group.items()}
         time.sleep(args.seconds)
         last = {shard: received_total(c) for shard, c in group.items()}
-        per_shard = {
-            shard: round((last[shard][1] - first[shard][1]) / (last[shard][0] - first[shard][0]), 1)
-            for shard in shards
-        }
+        per_shard, cores, us_per_report = {}, {}, {}
+        for shard in shards:
+            wall_s = last[shard][0] - first[shard][0]
+            applied = last[shard][1] - first[shard][1]
+            cpu_s = last[shard][2] - first[shard][2]
+            per_shard[shard] = round(applied / wall_s, 1)
+            cores[shard] = round(cpu_s / wall_s, 2)
+            us_per_report[shard] = round(cpu_s / applied * 1e6) if applied else None
         return {
             "coordinators": coordinators,
             "agents_per_coordinator": {shard: len(homes[shard]) for shard in shards},
             "reports_applied_per_second": per_shard,
+            "coordinator_cores": cores,
+            "coordinator_cpu_us_per_report": us_per_report,
             "total_reports_applied_per_second": round(sum(per_shard.values()), 1),
+            "generator_processes": len(processes),
+            "load_average_1m_at_end": round(os.getloadavg()[0], 2),
         }
     finally:
         for process in processes:
@@ -126,7 +146,9 @@ def main() -> int:
     parser.add_argument("--agents", type=int, default=3000)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--warmup-s", type=float, default=30.0)
-    parser.add_argument("--procs", type=int, default=2, help="generator processes per coordinator")
+    parser.add_argument(
+        "--procs", type=int, default=2, help="generator processes in all (split over the coordinators)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="group-capacity-") as tmp:
         runs = [measure(n, args, Path(tmp)) for n in (1, 2)]

@@ -150,6 +150,7 @@ class Agent:
         "open",
         "opened_mono_s",
         "phase_s",
+        "ranks_by_job",
         "retries",
         "sequence",
         "stats",
@@ -167,9 +168,12 @@ class Agent:
         stats: WorkerStats,
         *,
         retries: list[tuple[float, str, Agent]] | None = None,
+        ranks_by_job: dict[str, int] | None = None,
     ) -> None:
-        """``retries``: where a closed stream schedules its reconnect (a heap); None: no reconnects."""
+        """``retries``: where a closed stream schedules its reconnect (a heap); None: no reconnects.
+        ``ranks_by_job``: what its hello says its reports carry (a group of coordinators homes it by it)."""
         self.name = name
+        self.ranks_by_job = ranks_by_job or {}
         self.retries = retries
         self.backoff = Backoff(cap_s=RECONNECT_MAX_S)
         self.busy_backoff = Backoff(base_s=1.0, cap_s=BUSY_RECONNECT_MAX_S)
@@ -190,6 +194,7 @@ class Agent:
         greeting = hello(self.name, instance_id=self.name)
         greeting.interval_seconds = interval_s
         greeting.last_acked_sequence = self.acked
+        greeting.ranks_by_job.update(self.ranks_by_job)
         self.conn = conn
         self.opened_mono_s = time.monotonic()
         self.stream_acked = False
@@ -332,6 +337,7 @@ def build_agents(
                 template,
                 stats,
                 retries=retries,
+                ranks_by_job={job_of(index, spec.job_nodes): spec.ranks} if spec.ranks else None,
             )
         )
     return agents
