@@ -35,12 +35,12 @@ def adopt(
     if restored:
         event_log.save_incidents(restored)
     known = {record.id for record in event_log.actions(job=job)}
-    for record in records.actions:
-        if record.id not in known:
-            event_log.save_action(record)
-    recovery.take_over(records.actions, job=job)
+    new = [record for record in records.actions if record.id not in known]
+    for record in new:
+        event_log.save_action(record)
+    recovery.take_over(new, job=job)  # those known here were taken over when this coordinator started
     checkpoint = records.checkpoint
     if checkpoint is not None and checkpoints.restore(checkpoint):
         event_log.add_checkpoint(checkpoint)
     step = f", checkpoint at step {checkpoint.step}" if checkpoint is not None else ""
-    return f"{len(restored)} live incidents, {len(records.actions)} actions{step}"
+    return f"{len(restored)} live incidents, {len(new)} actions{step}"
