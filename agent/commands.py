@@ -95,26 +95,36 @@ class CommandHandler:
         self._worker_lookup = worker_lookup
         self._stopper = stopper or WorkerStopper()
         self.cordoned_jobs: set[str] = set()
-        # The newest fencing token seen on a command (Command.fencing_token).
+        # The newest fencing token seen on a command about each job (Command.fencing_token), and on
+        # any command (what status shows).
+        self._fencing_tokens: dict[str, int] = {}
         self.fencing_token = 0
 
     async def handle(self, command: agent_pb2.Command) -> agent_pb2.CommandResult:
         """Carry out ``command``, or answer a repeated id with its first run's result; refuse it when
-        its fencing token is older than the newest seen (a coordinator that was replaced sent it)."""
-        if command.fencing_token < self.fencing_token:
+        its fencing token is older than the newest seen on a command about the same job (the coordinator
+        that sent it no longer owns the job: another one took it over)."""
+        job = _job_of(command)
+        newest = self._fencing_tokens.get(job, 0)
+        if command.fencing_token < newest:
             logger.warning(
-                "refused command %s: fencing token %d is older than %d (its coordinator was replaced)",
+                "refused command %s about job %r: fencing token %d is older than %d (its coordinator was "
+                "replaced)",
                 command.command_id,
+                job,
                 command.fencing_token,
-                self.fencing_token,
+                newest,
             )
             return agent_pb2.CommandResult(
                 command_id=command.command_id,
                 status=Status.STATUS_FENCED,
-                message=f"fencing token {command.fencing_token} is older than {self.fencing_token}: "
+                message=f"fencing token {command.fencing_token} is older than {newest}: "
                 "the coordinator that sent it was replaced",
             )
-        self.fencing_token = command.fencing_token
+        if len(self._fencing_tokens) >= self._remembered and job not in self._fencing_tokens:
+            self._fencing_tokens.pop(next(iter(self._fencing_tokens)))
+        self._fencing_tokens[job] = command.fencing_token
+        self.fencing_token = max(self.fencing_token, command.fencing_token)
         command_id = command.command_id
         if not command_id:
             return await self._carry_out(command)
@@ -294,3 +304,9 @@ class CommandHandler:
             message=message,
             stopped=report.processes,
         )
+
+
+def _job_of(command: agent_pb2.Command) -> str:
+    """The job a command is about ("" for one about none, a ping)."""
+    action = command.WhichOneof("action")
+    return str(getattr(command, action).job) if action in ("checkpoint", "diagnose", "stop_workers") else ""

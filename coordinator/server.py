@@ -237,7 +237,7 @@ class CoordinatorServer:
                 self.settings.etcd_prefix,
                 Member(shard_id, ""),
             )
-            self.core.fencing_token = lambda: membership.me.token
+            self.core.fencing_token = lambda: membership.fencing_token
         # gRPC's aio objects bind to the running loop: create them here, not in __init__.
         self._server = grpc.aio.server(
             interceptors=[ErrorMappingInterceptor(gate=self.access.gate)], options=SERVER_OPTIONS

@@ -150,7 +150,7 @@ def coordinator_health(
         health.shard_id = group.me.shard_id
         health.group_members = len(group.members)
         health.holds_lease = group.holds_lease()
-        health.fencing_token = group.me.token
+        health.fencing_token = group.fencing_token
         health.draining = group.draining
         for shard_id, member in sorted(group.members.items()):
             health.group.add(

@@ -5,9 +5,12 @@ renewed every RENEW_EVERY_S; it leaves by revoking the lease, and a coordinator 
 off from etcd leaves when its lease runs out. Everyone watches the prefix, so everyone sees the same
 members (clusterwatch/wire/placement.py turns them into owners and homes).
 
-The revision at which a coordinator's key was created is its **fencing token**: it grows with
-every join, so a coordinator that took over a job's shard carries a higher one than the one it
-replaced, and an agent can refuse the older.
+The revision at which a coordinator's key was created is its ``token``: it names this incarnation
+of the coordinator (a rejoin makes a new one), and guards its writes to etcd (Etcd.write_while).
+The **fencing token** its commands carry is the revision its view of the group is as of
+(``fencing_token``): a job changes owner only at a change of the group, so its new owner carries a
+higher one than anything the deposed owner could send, whichever of them joined first, and an
+agent refuses a command about a job older than the newest it has seen about that job.
 
 A coordinator may act only while it surely holds its lease: ``holds_lease()`` is true until
 TTL_S after the last renewal etcd acknowledged, measured from when that renewal was *sent*, so its
@@ -39,7 +42,7 @@ REWATCH_AFTER_S = 0.5
 
 @dataclasses.dataclass(frozen=True)
 class Member:
-    """One live coordinator: where agents and clients reach it, and its fencing token."""
+    """One live coordinator: where agents and clients reach it, and the revision its key was created at."""
 
     shard_id: str
     address: str
@@ -94,6 +97,8 @@ class Members:
         self.changed = asyncio.Event()
         # Counts the changes, for those who cache what they computed from the members.
         self.generation = 0
+        # The etcd revision the members are known as of: of the last change watched, or of the last read.
+        self.revision = 0
 
     async def read(self) -> int:
         """Read them all; the store's revision they were read at.
@@ -105,6 +110,7 @@ class Members:
         self.current = {}
         for entry in entries:
             self._apply(entry.key, entry.value, entry.create_revision)
+        self.revision = max(self.revision, revision)
         self._changed()
         return revision
 
@@ -118,7 +124,7 @@ class Members:
                 async for changes in self.etcd.watch_prefix(self.prefix, revision + 1):
                     for change in changes:
                         self._apply_change(change)
-                        revision = change.revision
+                        revision = self.revision = max(self.revision, change.revision)
                     self._changed()
             except ClusterwatchError as exc:
                 logger.warning("watching the coordinators in etcd: %s; reading them again", exc)
@@ -173,6 +179,16 @@ class Membership:
         return self._all.current
 
     @property
+    def fencing_token(self) -> int:
+        """What this coordinator's commands carry: the etcd revision its view of the group is as of.
+
+        A job changes owner only at a change of the group, so its new owner, which acts only once it
+        has seen that change, carries a higher token than anything its deposed owner could send; an
+        agent refuses a command about a job older than the newest it saw about that job.
+        """
+        return self._all.revision
+
+    @property
     def draining(self) -> bool:
         """Whether this coordinator is handing its share to the others (coordinator/group/drain.py)."""
         member = self.members.get(self.me.shard_id)
@@ -189,7 +205,7 @@ class Membership:
         self._all.changed.clear()
 
     async def join(self) -> Member:
-        """Register under a new lease; this coordinator with its fencing token.
+        """Register under a new lease; this coordinator with its token (its key's creation revision).
 
         Raises:
             FailedPreconditionError: a live coordinator already holds this shard id.
@@ -207,7 +223,7 @@ class Membership:
         self.me = dataclasses.replace(self.me, token=revision)
         await self._all.read()
         logger.info(
-            "joined as shard %s (fencing token %d); members: %s",
+            "joined as shard %s (key revision %d); members: %s",
             self.me.shard_id,
             revision,
             ", ".join(sorted(self.members)),
@@ -228,8 +244,8 @@ class Membership:
         )
 
     async def stay(self) -> None:
-        """Stay in the group until cancelled: keep the lease, and when it is lost, rejoin (with a new
-        fencing token) as soon as etcd lets it."""
+        """Stay in the group until cancelled: keep the lease, and when it is lost, rejoin (a new key, and
+        a view of the group as of a later revision) as soon as etcd lets it."""
         while True:
             try:
                 await self.run()

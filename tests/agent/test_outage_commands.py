@@ -29,6 +29,8 @@ from clusterwatch.coordinator.recovery.executor import Recovery
 from clusterwatch.coordinator.recovery.launchers import LaunchOutcome
 from clusterwatch.v1 import agent_pb2, cluster_pb2
 
+FENCED = agent_pb2.CommandResult.Status.STATUS_FENCED
+
 pytestmark = pytest.mark.timeout(60)
 
 OK = agent_pb2.CommandResult.Status.STATUS_OK
@@ -62,21 +64,28 @@ async def test_commands_without_an_id_are_each_carried_out() -> None:
     assert handler.replays_total == 0
 
 
-async def test_a_command_older_than_the_newest_fencing_token_is_refused() -> None:
-    """A coordinator that was replaced (its fencing token is older than one this agent has seen) is
-    not obeyed; the newer owner, and anything newer still, is."""
+async def test_a_command_older_than_the_newest_fencing_token_about_its_job_is_refused() -> None:
+    """A coordinator that was replaced as a job's owner (its fencing token is older than one this agent
+    has seen about that job) is not obeyed about it; the newer owner, and anything newer still, is. The
+    owners of other jobs keep their own tokens: a node hosts jobs of several coordinators."""
     handler = CommandHandler()
 
-    def ping(command_id: str, token: int) -> agent_pb2.Command:
-        return agent_pb2.Command(command_id=command_id, fencing_token=token, ping=agent_pb2.PingCommand())
+    def checkpoint(command_id: str, job: str, token: int) -> agent_pb2.Command:
+        return agent_pb2.Command(
+            command_id=command_id,
+            fencing_token=token,
+            checkpoint=agent_pb2.CheckpointCommand(job=job, step=1),
+        )
 
-    assert (await handler.handle(ping("a", 7))).status == OK
-    stale = await handler.handle(ping("b", 5))
-    assert stale.status == agent_pb2.CommandResult.Status.STATUS_FENCED
+    # Without a hook socket a checkpoint is unsupported here: what matters is that it is not fenced.
+    assert (await handler.handle(checkpoint("a", "j", 7))).status != FENCED
+    stale = await handler.handle(checkpoint("b", "j", 5))
+    assert stale.status == FENCED
     assert stale.message == "fencing token 5 is older than 7: the coordinator that sent it was replaced"
-    alone = await handler.handle(ping("c", 0))  # a coordinator outside any group, after one inside
-    assert alone.status == agent_pb2.CommandResult.Status.STATUS_FENCED
-    assert (await handler.handle(ping("d", 9))).status == OK
+    alone = await handler.handle(checkpoint("c", "j", 0))  # a coordinator outside any group, after one inside
+    assert alone.status == FENCED
+    assert (await handler.handle(checkpoint("d", "k", 3))).status != FENCED  # another job, another owner
+    assert (await handler.handle(checkpoint("e", "j", 9))).status != FENCED
     assert handler.fencing_token == 9
 
 

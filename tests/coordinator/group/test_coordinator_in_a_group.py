@@ -130,15 +130,22 @@ async def test_commands_carry_the_coordinators_fencing_token_and_an_older_one_is
     try:
         await eventually(lambda: "node-a" in server.core.sessions, 30, "node-a to connect")
         assert server.membership is not None
-        token = server.membership.me.token
-        ping = agent_pb2.Command(command_id="ping-1", ping=agent_pb2.PingCommand())
-        answer = await server.core.send_command("node-a", ping, 30)
-        assert answer.status == agent_pb2.CommandResult.Status.STATUS_OK
+        token = server.membership.fencing_token
+        assert token >= server.membership.me.token  # its view of the group is as of its join, or later
+
+        def checkpoint(command_id: str) -> agent_pb2.Command:
+            return agent_pb2.Command(
+                command_id=command_id, checkpoint=agent_pb2.CheckpointCommand(job="j", step=1)
+            )
+
+        answer = await server.core.send_command("node-a", checkpoint("c-1"), 30)
+        assert (
+            answer.status == agent_pb2.CommandResult.Status.STATUS_UNSUPPORTED
+        )  # no hook socket: not fenced
         assert agent.commands.fencing_token == token
-        # What a replaced coordinator would send: its token is older than the one the agent saw.
+        # What the job's deposed owner would send: its view of the group is older than the new owner's.
         server.core.fencing_token = lambda: token - 1
-        stale = agent_pb2.Command(command_id="ping-2", ping=agent_pb2.PingCommand())
-        refused = await server.core.send_command("node-a", stale, 30)
+        refused = await server.core.send_command("node-a", checkpoint("c-2"), 30)
         assert refused.status == agent_pb2.CommandResult.Status.STATUS_FENCED
     finally:
         stop.set()

@@ -43,9 +43,15 @@ async def test_coordinators_see_each_other_join_and_leave(etcd: EtcdServer, etcd
         async with member(etcd.endpoint, etcd_prefix, "c2") as (second, _):
             await eventually(lambda: set(first.members) == {"c1", "c2"}, 30, "c1 to see c2 join")
             assert set(second.members) == {"c1", "c2"}
-            assert second.me.token > first.me.token  # joined later: a higher fencing token
+            assert second.me.token > first.me.token  # joined later: a key created later
+            # c1's view of the group is as of c2's join: a job c1 takes over later gets a higher token.
+            assert first.fencing_token >= second.me.token
             assert first.members["c2"].address == "c2.example:50051"
+            deposed = second.fencing_token
         await eventually(lambda: set(first.members) == {"c1"}, 30, "c1 to see c2 leave")
+        # c1 joined first, yet the jobs it takes over from c2 carry a token above any c2 could send:
+        # agents obey c1 about them and refuse c2.
+        assert first.fencing_token > deposed
 
 
 async def test_a_shard_id_held_by_a_live_coordinator_is_refused(etcd: EtcdServer, etcd_prefix: str) -> None:
