@@ -136,8 +136,18 @@ class AgentStream:
     CoordinatorMessage kept in ``messages``. Commands are answered OK (or not,
     with ``answer_commands=False``), as an agent that relayed them would."""
 
-    def __init__(self, address: str, node_id: str, *, answer_commands: bool = True) -> None:
+    def __init__(
+        self,
+        address: str,
+        node_id: str,
+        *,
+        answer_commands: bool = True,
+        ranks_by_job: dict[str, int] | None = None,
+    ) -> None:
+        """``ranks_by_job``: what the hello says its reports will carry (a group of coordinators homes
+        the node by it, as an agent's hello says; none: homed by its name)."""
         self.address = address
+        self.ranks_by_job = ranks_by_job or {}
         self.node_id = node_id
         self.answer_commands = answer_commands
         self.sequence = 0
@@ -155,6 +165,7 @@ class AgentStream:
             agent_version="test",
             instance_id=uuid.uuid4().hex,
             interval_seconds=0.2,
+            ranks_by_job=self.ranks_by_job,
         )
         await self._write(agent_pb2.AgentMessage(hello=hello))
         self._reader = asyncio.create_task(self._read())

@@ -57,7 +57,8 @@ async def test_status_and_incidents_read_every_coordinator_of_the_group(
             "both in the group",
         )
         for shard, server in servers.items():  # each node homed with its job, at the job's owner
-            async with AgentStream(f"127.0.0.1:{server.grpc_port}", f"node-{shard}") as node:
+            address = f"127.0.0.1:{server.grpc_port}"
+            async with AgentStream(address, f"node-{shard}", ranks_by_job={jobs[shard]: 2}) as node:
                 await node.report(
                     rank_report(0, job=jobs[shard], steps=STEPS), rank_report(1, job=jobs[shard], steps=STEPS)
                 )

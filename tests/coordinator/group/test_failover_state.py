@@ -70,7 +70,9 @@ async def test_a_restart_in_flight_when_its_owner_dies_continues_on_the_new_owne
         await eventually(
             lambda: survivor.membership and len(survivor.membership.members) == 2, 30, "c2 joined"
         )
-        async with AgentStream(doomed.address, "node-j", answer_commands=False) as first:
+        async with AgentStream(
+            doomed.address, "node-j", answer_commands=False, ranks_by_job={JOB: 2}
+        ) as first:
             reporting = asyncio.create_task(hang_on(first, done))
             await first.wait_for(
                 lambda m: (
@@ -104,7 +106,10 @@ async def test_a_restart_in_flight_when_its_owner_dies_continues_on_the_new_owne
         assert survivor.recovery.policy.restarts_in_last_hour(JOB, time.time()) == 1
         # The agent re-homes to c1 and the job is still hung: c1 does not stop its workers again.
         done.clear()
-        async with AgentStream(f"127.0.0.1:{survivor.grpc_port}", "node-j", answer_commands=False) as second:
+        survivor_address = f"127.0.0.1:{survivor.grpc_port}"
+        async with AgentStream(
+            survivor_address, "node-j", answer_commands=False, ranks_by_job={JOB: 2}
+        ) as second:
             reporting = asyncio.create_task(hang_on(second, done))
             rounds = survivor.watchdog.counts().rounds
             await eventually(
