@@ -219,9 +219,11 @@ class Membership:
             raise FailedPreconditionError(
                 f"shard id {self.me.shard_id!r} is held by a live coordinator ({self.key} exists in etcd)"
             )
-        self._holds_until_s = sent_s + TTL_S
         self.me = dataclasses.replace(self.me, token=revision)
+        # The members first: it may act (and stamp commands with its view of the group) only once
+        # that view includes its own new key.
         await self._all.read()
+        self._holds_until_s = sent_s + TTL_S
         logger.info(
             "joined as shard %s (key revision %d); members: %s",
             self.me.shard_id,
