@@ -50,8 +50,9 @@ class GroupDuties:
         core.event_log.job_listeners.append(self.job_state.changed)
         core.job_ended_listeners.append(self.job_state.forget)
         recovery.before_acting = self.job_state.write_now
-        # The shards placement chose from when the group last changed (None: before the first look).
+        # The shards placement chose from when the group last changed (None: alone, every job here).
         self._shards_before: frozenset[str] | None = None
+        self._followed = False
         self.adopted_total = 0
 
     async def run(self) -> None:
@@ -69,9 +70,16 @@ class GroupDuties:
 
     async def _follow(self) -> None:
         """Let go of the jobs another coordinator owns now; adopt those that came here."""
+        if self.membership.me.shard_id not in self.membership.members:
+            # Its key is gone (lease lost): when it rejoins, others will have owned its jobs meanwhile.
+            self._followed = False
+            return
         self._core.release_jobs(self.homing.elsewhere)
         before, now = self._shards_before, self.homing.shards()
         self._shards_before = now
+        joined, self._followed = not self._followed, True
+        if before is None and not joined:
+            return  # it was alone: every job it owns now, it owned already
         me = self.membership.me.shard_id
         try:
             states = await self.job_state.read_all()
@@ -81,8 +89,10 @@ class GroupDuties:
             )
             return
         for job, value in sorted(states.items()):
-            # New here: owned now, and not before (or this coordinator has just joined).
-            if not self.homing.owns_job(job) or (before is not None and job_owner(job, before) == me):
+            # New here: owned now and not before, or this coordinator has just joined.
+            if not self.homing.owns_job(job) or (
+                not joined and before is not None and job_owner(job, before) == me
+            ):
                 continue
             try:
                 records = JobRecords.decode(value)

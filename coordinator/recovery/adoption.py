@@ -38,7 +38,9 @@ def adopt(
     new = [record for record in records.actions if record.id not in known]
     for record in new:
         event_log.save_action(record)
-    recovery.take_over(new, job=job)  # those known here were taken over when this coordinator started
+    # Those known here were taken over when this coordinator started; only the incidents adopted now
+    # can have been acted on by a recovery this coordinator does not track.
+    recovery.take_over(new, incidents={incident.id for incident in restored})
     checkpoint = records.checkpoint
     if checkpoint is not None and checkpoints.restore(checkpoint):
         event_log.add_checkpoint(checkpoint)

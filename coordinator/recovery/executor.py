@@ -57,7 +57,7 @@ import collections
 import dataclasses
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 
 from clusterwatch import config
 from clusterwatch.config import RecoverySettings
@@ -284,14 +284,17 @@ class Recovery:
             return f"the coordinator is behind ({held.figures()})"
         return self._fenced()
 
-    def take_over(self, records: Sequence[cluster_pb2.ActionRecord], job: str = "") -> None:
+    def take_over(
+        self, records: Sequence[cluster_pb2.ActionRecord], incidents: Collection[str] | None = None
+    ) -> None:
         """Carry on from the coordinator that used this database before, or from the previous owner of
         ``job`` (another coordinator of the group: coordinator/recovery/adoption.py); see the module
         docstring.
 
         Args:
             records: its action records, oldest first.
-            job: only this job's incidents that recovery was acting on go to a person ("": every job's).
+            incidents: of the incidents recovery was acting on, only these go to a person (the ones
+                adopted with a job; None: every one, at start).
         """
         now = self._wall()
         interrupted: list[cluster_pb2.ActionRecord] = []
@@ -317,7 +320,7 @@ class Recovery:
                     "and is not redone; left to a person (resolves by itself once the condition clears)",
                 )
         for incident in self._watchdog.book.live():
-            if incident.state == IncidentState.ACTING and (not job or incident.job == job):
+            if incident.state == IncidentState.ACTING and (incidents is None or incident.id in incidents):
                 self._give_back(
                     incident.id,
                     "the coordinator that was acting on it stopped or handed the job on, and this one does not "

@@ -26,7 +26,7 @@ from clusterwatch.coordinator.model.state import NodeState
 from clusterwatch.coordinator.server import CoordinatorServer
 from clusterwatch.errors import MovedError
 from clusterwatch.runtime.etcd import Etcd
-from clusterwatch.v1 import node_pb2, training_pb2
+from clusterwatch.v1 import cluster_pb2, node_pb2, training_pb2
 from clusterwatch.wire.grpc_status import home_address
 from clusterwatch.wire.placement import job_owner, node_home
 
@@ -280,3 +280,33 @@ async def test_a_drained_coordinator_hands_every_node_and_job_to_the_others_and_
         no_etcd = await asyncio.to_thread(run_cli, "coordinator", "drain", "--shard-id", "c2", "--insecure")
         assert no_etcd.returncode == 2
         assert "coordinator.etcd" in no_etcd.stderr
+
+
+async def test_a_coordinator_that_was_alone_keeps_what_it_is_doing_when_another_joins(
+    etcd: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    """Alone it owned every job: a joiner takes some, and the jobs it keeps are not adopted again, which
+    would record its own action under way as interrupted and give its incident to a person."""
+    first = CoordinatorServer(group_settings(tmp_path, etcd.endpoint, etcd_prefix, "c1"))
+    await first.start()
+    joining = CoordinatorServer(group_settings(tmp_path, etcd.endpoint, etcd_prefix, "c2"))
+    try:
+        job = named_owned_by("c1", ["c1", "c2"], "acting")
+        under_way = cluster_pb2.ActionRecord(
+            id="restart-1", job=job, action="restart", outcome="pending", decided_unix_seconds=time.time()
+        )
+        first.core.event_log.save_action(under_way)
+        assert first.group is not None
+        assert first.membership is not None
+        await first.group.job_state.write_now(job)  # as recovery does before it acts
+        generation = first.membership.generation
+        await joining.start()
+        await eventually(lambda: first.membership.generation > generation, 30, "c1 to see c2 join")
+        await eventually(
+            lambda: joining.group is not None and joining.group.job_state.writes_total >= 0, 30, "c2"
+        )
+        (record,) = first.core.event_log.actions(job=job)
+        assert record.outcome == "pending"
+    finally:
+        await joining.stop()
+        await first.stop()
