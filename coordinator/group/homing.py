@@ -64,9 +64,7 @@ class Homing:
             return
         home = self._membership.members[node_home(hello.node_id, hello.ranks_by_job, shards)]
         if home.shard_id != self._membership.me.shard_id:
-            raise MovedError(
-                f"node {hello.node_id} reports to coordinator {home.shard_id} ({home.address})", home.address
-            )
+            raise _moved(hello.node_id, home)
 
     def check(self, node_id: str, report: node_pb2.NodeReport) -> None:
         """Keep ``report`` here, without the ranks of jobs owned elsewhere.
@@ -84,9 +82,7 @@ class Homing:
             _bounded(self._homes)
             home = self._homes[key] = self._membership.members[node_home(node_id, ranks_by_job, shards)]
         if home.shard_id != self._membership.me.shard_id:
-            raise MovedError(
-                f"node {node_id} reports to coordinator {home.shard_id} ({home.address}) now", home.address
-            )
+            raise _moved(node_id, home)
         if any(not self.owns_job(job) for job in ranks_by_job):
             kept = [rank for rank in report.ranks if self.owns_job(rank.identity.job)]
             del report.ranks[:]
@@ -131,6 +127,10 @@ class Homing:
             self._eligible = None
         else:
             self._eligible = frozenset(s for s, m in members.items() if not m.draining) or frozenset(members)
+
+
+def _moved(node_id: str, home: Member) -> MovedError:
+    return MovedError(f"node {node_id} reports to coordinator {home.shard_id} ({home.address})", home.address)
 
 
 def _bounded(cache: dict[Any, Any]) -> None:
