@@ -295,8 +295,13 @@ def _general_name(extra: str) -> x509.GeneralName:
         return x509.IPAddress(ipaddress.ip_address(extra))
     except ValueError:
         pass
-    if not extra or len(extra) > MAX_NAME_CHARS or not _NAME.fullmatch(extra):
-        raise BadNameError("san", f"{extra[:MAX_NAME_CHARS]!r} is neither an IP address nor a host name")
+    # A wildcard covers one leftmost label, e.g. every pod under a Kubernetes headless Service.
+    wildcard = extra.startswith("*.")
+    host = extra.removeprefix("*.")
+    if not host or len(extra) > MAX_NAME_CHARS or not _NAME.fullmatch(host) or (wildcard and "." not in host):
+        raise BadNameError(
+            "san", f"{extra[:MAX_NAME_CHARS]!r} is neither an IP address nor a host name (or *.DOMAIN)"
+        )
     return x509.DNSName(extra)
 
 

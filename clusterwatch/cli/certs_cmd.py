@@ -78,7 +78,8 @@ def _add_issue(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         default=[],
         metavar="NAME_OR_IP",
         help="another host name or IP address the certificate is valid for (repeatable); the "
-        "coordinator's needs every name and IP agents dial, e.g. --san 127.0.0.1",
+        "coordinator's needs every name and IP agents dial, e.g. --san 127.0.0.1; *.DOMAIN covers "
+        "every name one label under DOMAIN (the pods of a Kubernetes headless Service)",
     )
     parser.add_argument(
         "--days",

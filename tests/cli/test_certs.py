@@ -77,13 +77,13 @@ def test_certificate_from_another_ca_does_not_verify(tmp_path: Path, ca_dir: Pat
 
 
 def test_leaf_carries_name_sans_and_usage(ca_dir: Path) -> None:
-    extra = ["127.0.0.1", "coordinator.example", "::1", "coordinator"]  # the last repeats NAME
+    extra = ["127.0.0.1", "coordinator.example", "::1", "coordinator", "*.pods.example"]  # NAME repeated
     written = certs.issue(ca_dir, "coordinator", role=Role.COORDINATOR, extra_sans=extra)
     leaf = _cert(written.cert_path)
 
     assert leaf.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "coordinator"
     sans = _sans(leaf)
-    assert sans.get_values_for_type(x509.DNSName) == ["coordinator", "coordinator.example"]
+    assert sans.get_values_for_type(x509.DNSName) == ["coordinator", "coordinator.example", "*.pods.example"]
     assert sans.get_values_for_type(x509.IPAddress) == [
         ipaddress.ip_address("127.0.0.1"),
         ipaddress.ip_address("::1"),
@@ -97,6 +97,7 @@ def test_leaf_carries_name_sans_and_usage(ca_dir: Path) -> None:
         "IP:127.0.0.1",
         "DNS:coordinator.example",
         "IP:::1",
+        "DNS:*.pods.example",
     )
     usage = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert list(usage) == [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
@@ -191,7 +192,7 @@ def test_refuses_names_that_are_not_node_names(ca_dir: Path, name: str) -> None:
     assert sorted(p.name for p in ca_dir.iterdir()) == before
 
 
-@pytest.mark.parametrize("san", ["", "not a host", "a/b", "300.1.1.1/8"])
+@pytest.mark.parametrize("san", ["", "not a host", "a/b", "300.1.1.1/8", "*.svc", "*", "a.*.svc", "**.a.svc"])
 def test_refuses_extra_sans_that_are_neither_ip_nor_host(ca_dir: Path, san: str) -> None:
     with pytest.raises(certs.BadNameError, match="neither an IP address nor a host name"):
         certs.issue(ca_dir, "gpu01", role=Role.NODE, extra_sans=[san])
