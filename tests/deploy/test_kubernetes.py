@@ -29,6 +29,8 @@ import http.server
 import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import threading
 import tomllib
@@ -38,21 +40,25 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
 import jsonschema
 import kubernetes_validate
+import kustomize
 import psutil
 import pytest
 import yaml
-from helpers import ROOT, wait_for
+from helpers import ROOT, Cluster, wait_for
 from prometheus_server import require
 
 from clusterwatch import config
 from clusterwatch.agent.runtime import AGENT_CONNECTED
-from clusterwatch.cli import build_parser
+from clusterwatch.cli import build_parser, certs
 from clusterwatch.cli.common import settings_from_args
 from clusterwatch.exposition.node_metrics import NODE_UP, write_node, write_node_info
 from clusterwatch.exposition.promtext import Exposition
-from clusterwatch.v1 import node_pb2
+from clusterwatch.runtime.cert_terms import Role
+from clusterwatch.runtime.etcd import parse_endpoints
+from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc, node_pb2
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,26 +66,27 @@ MANIFESTS = ROOT / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.30"
 NAMESPACE = "clusterwatch"
 NODE_NAME = "gpu-node-7"  # what the agent's spec.nodeName fieldRef resolves to in these checks
+POD_NAME = "clusterwatch-coordinator-1"  # and a coordinator's (or etcd member's) metadata.name
+FIELDS = {"spec.nodeName": NODE_NAME, "metadata.name": POD_NAME}
 
 Doc = dict[str, Any]
 S = TypeVar("S")
 
 
-def load_documents() -> list[tuple[str, Doc]]:
-    docs = []
-    for path in sorted(MANIFESTS.glob("*.yaml")):
-        if path.name == "kustomization.yaml":
-            continue
-        docs.extend((path.name, doc) for doc in yaml.safe_load_all(path.read_text()) if doc)
-    return docs
+GROUP = MANIFESTS / "several-coordinators"
+COMPONENT = MANIFESTS / "hardware-series-agents"
+
+DOCUMENTS = kustomize.build(MANIFESTS)  # one coordinator, the default
+GROUP_DOCUMENTS = kustomize.build(GROUP, MANIFESTS)  # several coordinators and an etcd
 
 
-DOCUMENTS = load_documents()
-
-
-def find(kind: str, name: str) -> Doc:
-    (doc,) = [d for _, d in DOCUMENTS if d["kind"] == kind and d["metadata"]["name"] == name]
+def find(kind: str, name: str, documents: list[tuple[str, Doc]] = DOCUMENTS) -> Doc:
+    (doc,) = [d for _, d in documents if d["kind"] == kind and d["metadata"]["name"] == name]
     return doc
+
+
+def find_group(kind: str, name: str) -> Doc:
+    return find(kind, name, GROUP_DOCUMENTS)
 
 
 def doc_id(item: tuple[str, Doc]) -> str:
@@ -87,7 +94,14 @@ def doc_id(item: tuple[str, Doc]) -> str:
     return f"{path}:{doc['kind']}/{doc['metadata']['name']}"
 
 
-BUILT_IN = [item for item in DOCUMENTS if item[1]["apiVersion"] != "monitoring.coreos.com/v1"]
+# Each object once, whichever of the two builds has it.
+BUILT_IN = list(
+    {
+        doc_id(item): item
+        for item in DOCUMENTS + GROUP_DOCUMENTS
+        if item[1]["apiVersion"] != "monitoring.coreos.com/v1"
+    }.values()
+)
 
 
 @pytest.mark.parametrize("item", BUILT_IN, ids=doc_id)
@@ -263,30 +277,70 @@ def test_service_monitor_schema_rejects_an_unknown_field() -> None:
 # --- kustomization -------------------------------------------------------------
 
 
-def test_kustomization_lists_every_manifest_and_the_image() -> None:
-    kustomization = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())
-    assert kustomization["apiVersion"] == "kustomize.config.k8s.io/v1beta1"
-    assert kustomization["kind"] == "Kustomization"
-    listed = kustomization["resources"]
-    assert len(listed) == len(set(listed))
-    on_disk = {p.name for p in MANIFESTS.glob("*.y*ml")} - {"kustomization.yaml"}
-    assert set(listed) == on_disk
-    # The one component, offered commented out: the folder it names exists and is a Component.
-    assert "# components:\n#   - hardware-series-agents\n" in (MANIFESTS / "kustomization.yaml").read_text()
-    assert component()["kind"] == "Component"
-    # No namespace transformer: it would move the Role in the jobs' namespace.
-    assert "namespace" not in kustomization
-    images = {image["name"] for image in kustomization["images"]}
-    used = {c["image"].rsplit(":", 1)[0] for c in containers()}
-    assert used == images
+def test_the_two_kustomizations_use_every_manifest_once_and_name_every_image() -> None:
+    on_disk = {str(p.relative_to(MANIFESTS)) for p in MANIFESTS.rglob("*.y*ml")} - {
+        str(p.relative_to(MANIFESTS)) for p in MANIFESTS.rglob("kustomization.yaml")
+    }
+    single = [path for path, _ in DOCUMENTS]
+    group = [path for path, _ in GROUP_DOCUMENTS]
+    assert set(single) | set(group) == on_disk
+    assert {p for p in single if p.startswith("base/")} == {p for p in group if p.startswith("base/")}
+    for folder, documents in ((MANIFESTS, DOCUMENTS), (GROUP, GROUP_DOCUMENTS)):
+        spec = kustomize.kustomization(folder)
+        assert (spec["apiVersion"], spec["kind"]) == ("kustomize.config.k8s.io/v1beta1", "Kustomization")
+        # No namespace transformer: it would move the Role in the jobs' namespace.
+        assert "namespace" not in spec
+        # The component, offered commented out, names the folder that is one.
+        relative = os.path.relpath(COMPONENT, folder)
+        assert f"# components:\n#   - {relative}\n" in (folder / "kustomization.yaml").read_text()
+        images = {image["name"] for image in spec["images"]}
+        used = {c["image"].rsplit(":", 1)[0] for c in containers(documents)}
+        assert used == images
+    assert kustomize.kustomization(COMPONENT)["kind"] == "Component"
+
+
+@pytest.mark.parametrize("folder", [MANIFESTS, GROUP], ids=["one-coordinator", "several-coordinators"])
+@pytest.mark.parametrize("with_the_component", [False, True], ids=["", "hardware-series-agents"])
+def test_the_kustomizations_build_as_kubectl_builds_them(
+    folder: Path, with_the_component: bool, tmp_path: Path
+) -> None:
+    """tests/kustomize.py, which every test here reads the manifests through, agrees with the real
+    kustomize in kubectl, object by object (where kubectl is installed; it needs no cluster)."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed: the offline build is not compared with kustomize's")
+    copied = tmp_path / "kubernetes"
+    shutil.copytree(MANIFESTS, copied)
+    where = copied / folder.relative_to(MANIFESTS)
+    if with_the_component:
+        spec_path = where / "kustomization.yaml"
+        text = spec_path.read_text()
+        relative = os.path.relpath(COMPONENT, folder)
+        spec_path.write_text(
+            text.replace(f"# components:\n#   - {relative}\n", f"components:\n  - {relative}\n")
+        )
+    ours = kustomize.build(where)
+    printed = subprocess.run(
+        ["kubectl", "kustomize", str(where)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    theirs = [doc for doc in yaml.safe_load_all(printed) if doc]
+
+    def keyed(docs: list[Doc]) -> dict[str, str]:
+        return {f"{d['kind']}/{d['metadata']['name']}": json.dumps(d, sort_keys=True) for d in docs}
+
+    assert keyed([doc for _, doc in ours]) == keyed(theirs)
+    if with_the_component:
+        assert (
+            '"CLUSTERWATCH_COORDINATOR_HARDWARE_SERIES"'
+            in keyed(theirs)[f"{'StatefulSet' if folder == GROUP else 'Deployment'}/clusterwatch-coordinator"]
+        )
 
 
 # --- the manifests agree with each other and with clusterwatch's settings ------
 
 
-def containers() -> Iterator[Doc]:
-    for _, doc in DOCUMENTS:
-        if doc["kind"] in {"Deployment", "DaemonSet"}:
+def containers(documents: list[tuple[str, Doc]] = DOCUMENTS) -> Iterator[Doc]:
+    for _, doc in documents:
+        if doc["kind"] in {"Deployment", "DaemonSet", "StatefulSet"}:
             yield from doc["spec"]["template"]["spec"]["containers"]
 
 
@@ -313,11 +367,37 @@ def test_config_file_is_valid_for_every_section() -> None:
             config.load(cls, file_tables=tables, file_name="configmap.yaml", environ={})
 
 
-def container_settings(workload: Doc, cls: type[S], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> S:
-    """The settings the container's command line, environment and mounted config file give."""
+def expand(value: str, defined: dict[str, str]) -> str:
+    """``value`` with ``$(NAME)`` of each variable defined above it replaced, as the kubelet does."""
+    return re.sub(r"\$\((\w+)\)", lambda m: defined.get(m[1], m[0]), value)
+
+
+def container_env(container: Doc) -> dict[str, str]:
+    """The container's environment as the kubelet gives it (the downward API as FIELDS say)."""
+    defined: dict[str, str] = {}
+    for env in container.get("env", []):
+        if "valueFrom" in env:
+            defined[env["name"]] = FIELDS[env["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            defined[env["name"]] = expand(env["value"], defined)
+    return defined
+
+
+def container_settings(
+    workload: Doc,
+    cls: type[S],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    command: list[str] | None = None,
+) -> S:
+    """The settings the container's command line (or ``command``, e.g. a hook's), environment
+    and mounted config file give."""
     (container,) = workload["spec"]["template"]["spec"]["containers"]
-    assert container["command"] == ["clusterwatch"]
-    args = list(container["args"])
+    if command is None:
+        assert container["command"] == ["clusterwatch"]
+        command = ["clusterwatch", *container["args"]]
+    assert command[0] == "clusterwatch"
+    args = command[1:]
     config_path = Path(args[args.index("--config") + 1])
     config_volume = mount_source(workload, container, config_path.parent)
     assert config_volume["configMap"]["name"] == "clusterwatch-config"
@@ -326,15 +406,8 @@ def container_settings(workload: Doc, cls: type[S], tmp_path: Path, monkeypatch:
     args[args.index("--config") + 1] = str(local_config)
     for name in [n for n in os.environ if n.startswith(config.ENV_PREFIX)]:
         monkeypatch.delenv(name)
-    defined: dict[str, str] = {}
-    for env in container.get("env", []):
-        if "valueFrom" in env:
-            assert env["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}, env
-            value = NODE_NAME
-        else:  # the kubelet expands $(NAME) of a variable defined above
-            value = re.sub(r"\$\((\w+)\)", lambda m: defined.get(m[1], m[0]), env["value"])
-        defined[env["name"]] = value
-        monkeypatch.setenv(env["name"], value)
+    for name, value in container_env(container).items():
+        monkeypatch.setenv(name, value)
     parsed = build_parser().parse_args(args)
     # Every CLUSTERWATCH_* variable the container sets is a setting or the log level.
     known = {config.env_name(s, f.name) for c, s in config.SECTIONS.items() for f in config.fields_of(c)}
@@ -474,57 +547,40 @@ def test_rbac_grants_the_kubernetes_launcher_what_kubectl_needs_and_no_more() ->
 
 # --- the hardware-series-agents component --------------------------------------
 
-COMPONENT = MANIFESTS / "hardware-series-agents" / "kustomization.yaml"
 
-
-def component() -> Doc:
-    doc: Doc = yaml.safe_load(COMPONENT.read_text())
-    return doc
-
-
-def json_patch(doc: Doc, operations: list[Doc]) -> Doc:
-    """``doc`` with the RFC 6902 operations the component uses (add, replace), as kustomize applies them."""
-    doc = copy.deepcopy(doc)
-    for operation in operations:
-        *parents, last = operation["path"].lstrip("/").split("/")
-        where: Any = doc
-        for key in parents:
-            where = where[int(key)] if isinstance(where, list) else where[key]
-        if operation["op"] == "add" and isinstance(where, list):
-            assert last == "-", operation
-            where.append(operation["value"])
-        else:
-            assert operation["op"] == "replace", operation
-            assert last in where, operation
-            where[last] = operation["value"]
-    return doc
-
-
-def with_component(kind: str, name: str) -> Doc:
+def with_component(kind: str, name: str, documents: list[tuple[str, Doc]] = DOCUMENTS) -> Doc:
     """The object as ``kubectl apply -k`` makes it with the component enabled."""
-    doc = find(kind, name)
-    for patch in component()["patches"]:
-        target = patch["target"]
-        if (target["kind"], target["name"]) == (kind, name):
-            assert target.get("group") in (None, doc["apiVersion"].rpartition("/")[0]), target
-            doc = json_patch(doc, yaml.safe_load(patch["patch"]))
+    patches = kustomize.kustomization(COMPONENT)["patches"]
+    doc = find(kind, name, documents)
+    for patch in patches:
+        if kustomize.matches(patch["target"], doc):
+            doc = kustomize.json_patch(doc, yaml.safe_load(patch["patch"]))
     return doc
 
 
+@pytest.mark.parametrize(
+    ("documents", "kind"),
+    [(DOCUMENTS, "Deployment"), (GROUP_DOCUMENTS, "StatefulSet")],
+    ids=["one-coordinator", "several-coordinators"],
+)
 def test_the_component_switches_the_coordinator_and_the_pod_monitor_to_agents(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    documents: list[tuple[str, Doc]], kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    patched_kinds = {(p["target"]["kind"], p["target"]["name"]) for p in component()["patches"]}
-    assert patched_kinds == {("Deployment", "clusterwatch-coordinator"), ("PodMonitor", "clusterwatch-agent")}
-    default = find("Deployment", "clusterwatch-coordinator")
-    lean = with_component("Deployment", "clusterwatch-coordinator")
+    patched = [
+        f"{doc['kind']}/{doc['metadata']['name']}"
+        for _, doc in documents
+        if any(kustomize.matches(p["target"], doc) for p in kustomize.kustomization(COMPONENT)["patches"])
+    ]
+    assert sorted(patched) == sorted([f"{kind}/clusterwatch-coordinator", "PodMonitor/clusterwatch-agent"])
+    default = find(kind, "clusterwatch-coordinator", documents)
+    lean = with_component(kind, "clusterwatch-coordinator", documents)
     settings = container_settings(default, config.CoordinatorSettings, tmp_path, monkeypatch)
     assert settings.hardware_series == "coordinator"
     settings = container_settings(lean, config.CoordinatorSettings, tmp_path, monkeypatch)
     assert settings.hardware_series == "agents"
     assert kubernetes_validate.validate(lean, KUBERNETES_VERSION, strict=True) == KUBERNETES_VERSION
     jsonschema.Draft202012Validator(POD_MONITOR_SCHEMA).validate(
-        with_component("PodMonitor", "clusterwatch-agent")
+        with_component("PodMonitor", "clusterwatch-agent", documents)
     )
 
 
@@ -710,3 +766,192 @@ def test_prometheus_stores_from_the_agents_what_the_mode_wants(hardware_series: 
     assert not {"pod", "namespace", "container"} & unassigned.keys(), unassigned
     assert assigned["node"] == NODE_NAME
     assert assigned["job"] == "clusterwatch-agent"
+
+
+# --- several coordinators and their etcd ----------------------------------------
+
+
+def group_coordinators() -> Doc:
+    return find_group("StatefulSet", "clusterwatch-coordinator")
+
+
+def pod_dns_name(statefulset: Doc, pod: str) -> str:
+    """A StatefulSet pod's own DNS name, under the headless Service the StatefulSet names."""
+    return f"{pod}.{statefulset['spec']['serviceName']}.{statefulset['metadata']['namespace']}.svc"
+
+
+def flag_values(args: list[str], defined: dict[str, str]) -> dict[str, str]:
+    """``--name=value`` arguments, with ``$(VAR)`` expanded as the kubelet does."""
+    values = {}
+    for arg in args:
+        name, equals, value = arg.partition("=")
+        assert arg.startswith("--"), arg
+        assert equals, arg
+        values[name] = expand(value, defined)
+    return values
+
+
+def test_the_coordinators_name_themselves_advertise_their_pod_and_share_the_etcd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    coordinators = group_coordinators()
+    assert coordinators["spec"]["replicas"] >= 2
+    (container,) = coordinators["spec"]["template"]["spec"]["containers"]
+    settings = container_settings(coordinators, config.CoordinatorSettings, tmp_path, monkeypatch)
+    # Its name in the group is its pod's, stable across restarts; its address is the pod's own DNS name.
+    assert settings.shard_id == POD_NAME
+    host, port = config.split_host_port(settings.advertise)
+    assert host == pod_dns_name(coordinators, POD_NAME)
+    assert port == container_port(container, "grpc")
+    pods_service = find_group("Service", coordinators["spec"]["serviceName"])
+    assert pods_service["spec"]["clusterIP"] == "None"
+    assert pods_service["spec"]["publishNotReadyAddresses"] is True
+    pod_labels = coordinators["spec"]["template"]["metadata"]["labels"]
+    assert pods_service["spec"]["selector"].items() <= pod_labels.items()
+    assert {p["name"] for p in pods_service["spec"]["ports"]} == {p["name"] for p in container["ports"]}
+    # Agents and clients first reach any coordinator through the base Service, which selects them all.
+    service = find_group("Service", "clusterwatch-coordinator")
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    # Each coordinator keeps its own history on its own volume.
+    (claim,) = coordinators["spec"]["volumeClaimTemplates"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounts[str(settings.state_dir)] == claim["metadata"]["name"]
+    # The group's etcd: every member, by its own DNS name, on its client port.
+    etcd = find_group("StatefulSet", "clusterwatch-etcd")
+    (etcd_container,) = etcd["spec"]["template"]["spec"]["containers"]
+    hosts, secure = parse_endpoints(settings.etcd)
+    client_port = container_port(etcd_container, "client")
+    members = [f"{etcd['metadata']['name']}-{i}" for i in range(etcd["spec"]["replicas"])]
+    assert hosts == [f"{pod_dns_name(etcd, member)}:{client_port}" for member in members]
+    assert not secure  # plain http, behind etcd-networkpolicy.yaml
+
+
+def test_the_only_service_the_service_monitor_selects_is_the_one_each_coordinator_is_behind_once() -> None:
+    for documents in (DOCUMENTS, GROUP_DOCUMENTS):
+        monitor = find("ServiceMonitor", "clusterwatch-coordinator", documents)
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        selected = [
+            d["metadata"]["name"]
+            for _, d in documents
+            if d["kind"] == "Service" and selector.items() <= d["metadata"].get("labels", {}).items()
+        ]
+        assert selected == ["clusterwatch-coordinator"]
+
+
+def test_a_planned_stop_drains_the_coordinator_before_it_is_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    coordinators = group_coordinators()
+    pod = coordinators["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[1:3] == ["coordinator", "drain"]
+    # The hook sees the container's environment and config: it drains this pod's shard of this etcd.
+    drained = container_settings(
+        coordinators, config.CoordinatorSettings, tmp_path, monkeypatch, command=command
+    )
+    running = container_settings(coordinators, config.CoordinatorSettings, tmp_path, monkeypatch)
+    assert (drained.shard_id, drained.etcd, drained.etcd_prefix) == (
+        running.shard_id,
+        running.etcd,
+        running.etcd_prefix,
+    )
+    drain_timeout_s = build_parser().parse_args([*command[1:3], "--drain-timeout", command[-1]]).drain_timeout
+    assert command[-2] == "--drain-timeout"
+    # The kubelet kills the container after the grace period, drained or not: the drain must fit in it.
+    assert drain_timeout_s < pod["terminationGracePeriodSeconds"]
+    budget = find_group("PodDisruptionBudget", "clusterwatch-coordinator")
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"]["matchLabels"] == coordinators["spec"]["selector"]["matchLabels"]
+
+
+def etcd_help() -> str:
+    etcd = require("etcd", package="etcd-server")
+    result = subprocess.run([etcd, "--help"], capture_output=True, text=True, timeout=30, check=False)
+    return result.stdout + result.stderr
+
+
+def test_the_etcd_members_find_each_other_and_only_coordinators_reach_them() -> None:
+    etcd = find_group("StatefulSet", "clusterwatch-etcd")
+    service = find_group("Service", etcd["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True  # peers meet before any is ready
+    assert etcd["spec"]["podManagementPolicy"] == "Parallel"
+    (container,) = etcd["spec"]["template"]["spec"]["containers"]
+    env = container_env(container)
+    flags = flag_values(container["args"], env)
+    # Every flag is one etcd knows (Debian's etcd-server, the tests' etcd).
+    known = etcd_help()
+    assert not [flag for flag in flags if f"{flag} " not in known and f"{flag}=" not in known]
+    peer_port, client_port = container_port(container, "peer"), container_port(container, "client")
+    me = pod_dns_name(etcd, POD_NAME)
+    assert flags["--name"] == POD_NAME
+    assert flags["--initial-advertise-peer-urls"] == f"http://{me}:{peer_port}"
+    assert flags["--advertise-client-urls"] == f"http://{me}:{client_port}"
+    members = [f"{etcd['metadata']['name']}-{i}" for i in range(etcd["spec"]["replicas"])]
+    assert flags["--initial-cluster"] == ",".join(
+        f"{m}=http://{pod_dns_name(etcd, m)}:{peer_port}" for m in members
+    )
+    assert etcd["spec"]["replicas"] % 2 == 1  # a quorum survives the loss of a member
+    data = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert data[flags["--data-dir"]] == etcd["spec"]["volumeClaimTemplates"][0]["metadata"]["name"]
+    # The NetworkPolicy lets coordinators reach the client port and members each other, no one else.
+    policy = find_group("NetworkPolicy", "clusterwatch-etcd")
+    assert policy["spec"]["podSelector"]["matchLabels"] == etcd["spec"]["selector"]["matchLabels"]
+    allowed = {
+        (peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"], port["port"])
+        for rule in policy["spec"]["ingress"]
+        for peer in rule["from"]
+        for port in rule["ports"]
+    }
+    assert allowed == {("coordinator", "client"), ("etcd", "client"), ("etcd", "peer")}
+    coordinator_labels = group_coordinators()["spec"]["template"]["metadata"]["labels"]
+    assert coordinator_labels["app.kubernetes.io/component"] == "coordinator"
+
+
+def test_the_coordinator_certificate_of_the_readme_is_valid_for_every_coordinator_pod(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Agents are redirected to a coordinator by its pod's DNS name: the certificate the README
+    issues must pass gRPC's own host name check for every pod, and for nothing else."""
+    readme = re.sub(r"\s*\\\n\s*", " ", (MANIFESTS / "README.md").read_text())  # one command a line
+    (line,) = [line for line in readme.splitlines() if "clusterwatch certs issue coordinator" in line]
+    words = shlex.split(line)
+    sans = [words[i + 1] for i, word in enumerate(words) if word == "--san"]
+    assert len(sans) == 2, line
+    pki = tmp_path / "pki"
+    certs.create_ca(pki)
+    certs.issue(pki, "coordinator", role=Role.COORDINATOR, extra_sans=[*sans, "127.0.0.1"])
+    certs.issue(pki, "reader", role=Role.USER)
+    coordinator = cluster.coordinator(
+        "--no-insecure",
+        "--tls-cert", str(pki / "coordinator.crt"),
+        "--tls-key", str(pki / "coordinator.key"),
+        "--tls-ca", str(pki / "ca.crt"),
+    )  # fmt: skip
+    reader = grpc.ssl_channel_credentials(
+        (pki / "ca.crt").read_bytes(), (pki / "reader.key").read_bytes(), (pki / "reader.crt").read_bytes()
+    )
+
+    def answers_as(name: str) -> grpc.StatusCode:
+        options = [("grpc.ssl_target_name_override", name)]
+        with grpc.secure_channel(coordinator.address, reader, options=options) as channel:
+            try:
+                cluster_pb2_grpc.ClusterServiceStub(channel).GetSnapshot(
+                    cluster_pb2.GetSnapshotRequest(summary_only=True), timeout=10
+                )
+            except grpc.RpcError as exc:
+                return exc.code()  # type: ignore[no-any-return]
+            return grpc.StatusCode.OK
+
+    coordinators = group_coordinators()
+    for i in range(coordinators["spec"]["replicas"] + 2):  # scaled up too
+        assert answers_as(pod_dns_name(coordinators, f"clusterwatch-coordinator-{i}")) == grpc.StatusCode.OK
+    service = find_group("Service", "clusterwatch-coordinator")
+    assert answers_as(f"{service['metadata']['name']}.{NAMESPACE}.svc") == grpc.StatusCode.OK
+    # The handshake fails for any other name (UNAVAILABLE), a wildcard covering one label only.
+    for name in (
+        f"clusterwatch-coordinator-0.elsewhere.{NAMESPACE}.svc",
+        f"a.b.{pod_dns_name(coordinators, 'x')}",
+    ):
+        assert answers_as(name) == grpc.StatusCode.UNAVAILABLE
