@@ -13,6 +13,7 @@ from clusterwatch.cli import (
     common,
     coordinator_cmd,
     demo,
+    export_cmd,
     incidents,
     job_cmd,
     restart_cmd,
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         restart_cmd,
         job_cmd,
         certs_cmd,
+        export_cmd,
         demo,
         simulate,
     ):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tomllib
 import venv
+import zipfile
 from importlib import metadata
 from pathlib import Path
 
@@ -121,6 +122,60 @@ def test_wheel_installs_in_a_fresh_venv_and_imports_every_module(tmp_path: Path,
         [env_dir / "bin" / "clusterwatch", "--help"], capture_output=True, text=True, check=True
     )
     assert "coordinator" in cli.stdout
+    # A pip-only install has the dashboards and alert rules, byte for byte the repository's.
+    for kind, folder, pattern in (
+        ("dashboards", "dashboards", "*.json"),
+        ("rules", "deploy/prometheus/rules", "*.yml"),
+    ):
+        exported = tmp_path / kind
+        subprocess.run(
+            [env_dir / "bin" / "clusterwatch", "export", kind, exported], check=True, capture_output=True
+        )
+        expected_files = {p.name: p.read_bytes() for p in (ROOT / folder).glob(pattern)}
+        assert expected_files
+        assert {p.name: p.read_bytes() for p in exported.iterdir()} == expected_files
+    version = subprocess.run(
+        [env_dir / "bin" / "clusterwatch", "--version"], capture_output=True, text=True, check=True
+    )
+    assert (
+        version.stdout.strip()
+        == f"clusterwatch {tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']['version']}"
+    )
+    with zipfile.ZipFile(wheel) as archive:
+        (license_file,) = [n for n in archive.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+        assert archive.read(license_file) == (ROOT / "LICENSE").read_bytes()
+        wheel_metadata = archive.read(license_file.replace("licenses/LICENSE", "METADATA")).decode()
+    assert "License-Expression: Apache-2.0" in wheel_metadata
+    assert "Project-URL: Source, " in wheel_metadata
+
+
+def stand_in_torch(where: Path, version: str) -> Path:
+    """A wheel named torch ``version`` with one empty module: what pip resolves against."""
+    path = where / f"torch-{version.replace('+', '_')}-py3-none-any.whl"
+    info = f"torch-{version}.dist-info"
+    files = {
+        "torch/__init__.py": "",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: clusterwatch-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, text in files.items():
+            archive.writestr(name, text)
+        archive.writestr(f"{info}/RECORD", "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"]))
+    return path
+
+
+def metadata_version(python: Path, distribution: str) -> str:
+    code = f"from importlib.metadata import version; print(version({distribution!r}))"
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_the_hook_extras_ask_for_a_torch_and_never_pin_one() -> None:
+    """Pinned, an extra would replace the CUDA torch of a training image (./dev pins this machine's)."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for name in ("torch", "lightning", "transformers"):
+        (torch,) = [r for r in extras[name] if _requirement_names([r]) == {"torch"}]
+        assert re.fullmatch(r"torch>=[0-9.]+", torch), torch
 
 
 def _module_name(path: Path) -> str:
@@ -161,8 +216,19 @@ def test_the_hook_alone_installs_without_the_daemons_dependencies_and_reports(
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
     pip = [python, "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, "torch==2.13.0"], check=True, cwd=tmp_path)  # the image's own torch
+    # An image whose torch is some other build (a stand-in distribution: pip reads only its
+    # name and version): the hook's extra must leave it in place.
+    subprocess.run([*pip, str(stand_in_torch(tmp_path, "2.4.1+cu121"))], check=True, cwd=tmp_path)
     subprocess.run([*pip, str(wheel)], check=True, cwd=tmp_path)
+    plan = subprocess.run(
+        [*pip, "--no-index", "--dry-run", "--report", "-", f"{wheel}[torch]"],
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert [item["metadata"]["name"] for item in json.loads(plan.stdout)["install"]] == []
+    subprocess.run([*pip, "torch==2.13.0"], check=True, cwd=tmp_path)  # the image's own torch
+    own_torch = metadata_version(python, "torch")
+    subprocess.run([*pip, f"{wheel}[torch]"], check=True, cwd=tmp_path)
+    assert metadata_version(python, "torch") == own_torch
     installed = subprocess.run(
         [python, "-m", "pip", "list", "--format=json"], capture_output=True, text=True, check=True
     ).stdout
