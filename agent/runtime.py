@@ -287,7 +287,9 @@ class Agent:
 
     async def _report_until(self, stop: asyncio.Event) -> None:
         if self.settings.metrics_listen:
-            self._http = MetricsHttpServer(self.settings.metrics_listen, self.render_metrics, lambda: True)
+            self._http = MetricsHttpServer(
+                self.settings.metrics_listen, self.render_metrics, lambda: True, key="agent.metrics_listen"
+            )
             self._http.start()
             logger.info("serving /metrics on port %d", self._http.port)
         logger.info(

@@ -9,8 +9,9 @@ from types import TracebackType
 import grpc
 
 from clusterwatch.config import ClientSettings
-from clusterwatch.errors import ConfigError
+from clusterwatch.errors import ConfigError, UnreachableError
 from clusterwatch.runtime.grpc_options import CHANNEL_OPTIONS
+from clusterwatch.runtime.reach import tls_paths, why_unreachable
 from clusterwatch.runtime.tls import credentials
 from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
 from clusterwatch.wire.recovery_names import restart_action
@@ -37,12 +38,12 @@ class ClusterClient:
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = (
+        self.channel = (
             grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
             if credentials is None
             else grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
         )
-        self._stub = cluster_pb2_grpc.ClusterServiceStub(self._channel)
+        self._stub = cluster_pb2_grpc.ClusterServiceStub(self.channel)
         self._admin: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
 
     @classmethod
@@ -201,7 +202,7 @@ class ClusterClient:
         return self._stub.GetTopology(request, timeout=self.timeout_s, wait_for_ready=True)
 
     def close(self) -> None:
-        self._channel.close()
+        self.channel.close()
 
     def __enter__(self) -> ClusterClient:
         return self
@@ -245,3 +246,23 @@ def client_factory(settings: ClientSettings) -> Callable[..., ClusterClient]:
         return ClusterClient(address, settings.timeout_s, credentials=channel_credentials, token=token)
 
     return make
+
+
+def connect(settings: ClientSettings, within_s: float = 1.0) -> ClusterClient:
+    """A client of ``settings.coordinator`` whose channel is ready, or, when it is not ready within
+    ``within_s``, the reason in one line. A server that answers gRPC but slowly is waited for as
+    every call waits (``timeout_s``).
+
+    Raises:
+        ConfigError: naming the key of an unusable TLS or token setting.
+        UnreachableError: refused, not resolved, TLS refused or missing, not a gRPC port.
+    """
+    client = client_factory(settings)()
+    try:
+        grpc.channel_ready_future(client.channel).result(timeout=within_s)
+    except grpc.FutureTimeoutError:
+        reason = why_unreachable(settings.coordinator, tls_paths(settings), timeout_s=within_s)
+        if reason is not None:
+            client.close()
+            raise UnreachableError(reason) from None
+    return client

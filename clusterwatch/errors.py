@@ -87,3 +87,13 @@ class AbortedError(ClusterwatchError):
     Raised, not aborted with, so that the stream's writer stops before the
     status goes out (see AgentSession.stopping).
     """
+
+
+class UnreachableError(ClusterwatchError):
+    """No call can reach the server: the message says why in one line (refused, not found, TLS, the
+    wrong port; clusterwatch/runtime/reach.py). Commands exit 1 with it."""
+
+
+class ListenError(ClusterwatchError):
+    """A port this process must serve on cannot be bound: the message names the setting, the
+    address and why (clusterwatch/runtime/listen.py). The process exits 1 with it."""

@@ -56,6 +56,7 @@ from clusterwatch.exposition.http_server import MetricsHttpServer
 from clusterwatch.runtime import sd_notify
 from clusterwatch.runtime.etcd import Etcd
 from clusterwatch.runtime.grpc_options import SERVER_OPTIONS
+from clusterwatch.runtime.listen import add_grpc_port
 from clusterwatch.runtime.peer_identity import PeerVerifier
 from clusterwatch.runtime.tls import TlsFiles
 from clusterwatch.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2
@@ -268,14 +269,12 @@ class CoordinatorServer:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(services, self._server)
-        if self._tls is None:
-            self.grpc_port = self._server.add_insecure_port(self.settings.listen)
-        else:
-            self.grpc_port = self._server.add_secure_port(
-                self.settings.listen, self._tls.server_credentials()
-            )
-        if self.grpc_port == 0:
-            raise OSError(f"cannot listen on {self.settings.listen}")
+        self.grpc_port = add_grpc_port(
+            self._server,
+            self.settings.listen,
+            self._tls.server_credentials() if self._tls is not None else None,
+            "coordinator.listen",
+        )
         await self._server.start()
         for service in services[:2]:
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -297,7 +296,12 @@ class CoordinatorServer:
             )
             self.api_port = await self._api.start()
         if self.settings.metrics_listen:
-            self._http = MetricsHttpServer(self.settings.metrics_listen, self.render_metrics, lambda: True)
+            self._http = MetricsHttpServer(
+                self.settings.metrics_listen,
+                self.render_metrics,
+                lambda: True,
+                key="coordinator.metrics_listen",
+            )
             self._http.start()
             self.metrics_port = self._http.port
         logger.info(

@@ -23,10 +23,11 @@ from clusterwatch.cli import (
     top,
     topology_cmd,
 )
-from clusterwatch.errors import ConfigError
+from clusterwatch.errors import ConfigError, ListenError, UnreachableError
 
 EXIT_CONFIG_ERROR = 2
 EXIT_NOT_INSTALLED = 1
+EXIT_UNREACHABLE = 1
 
 OPTIONAL_MODULES = frozenset(
     {"cryptography", "grpc_health", "grpc_reflection", "prometheus_client", "psutil", "pynvml", "textual"}
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"clusterwatch: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except (UnreachableError, ListenError) as exc:
+        print(f"clusterwatch {args.command}: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     except ModuleNotFoundError as exc:
         module = (exc.name or "").partition(".")[0]
         if module not in OPTIONAL_MODULES:

@@ -18,7 +18,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from clusterwatch import config
-from clusterwatch.client import ClusterClient
+from clusterwatch.client import ClusterClient, connect
 
 T = TypeVar("T")
 
@@ -83,7 +83,7 @@ def with_client(args: argparse.Namespace, use: Callable[[ClusterClient], T]) -> 
     stderr naming the coordinator and the status) when the call failed."""
     settings = settings_from_args(args, config.ClientSettings)
     try:
-        with ClusterClient.from_settings(settings) as client:
+        with connect(settings) as client:
             return use(client)
     except grpc.RpcError as exc:
         print(f"clusterwatch: {settings.coordinator}: {exc.code().name}: {exc.details()}", file=sys.stderr)

@@ -14,7 +14,7 @@ from google.protobuf.json_format import MessageToDict
 
 from clusterwatch import group_client
 from clusterwatch.cli.common import add_settings_flags, api_json, settings_from_args
-from clusterwatch.client import ClusterClient, client_factory
+from clusterwatch.client import ClusterClient, client_factory, connect
 from clusterwatch.config import ClientSettings
 from clusterwatch.v1 import cluster_pb2
 
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, ClientSettings)
     client_for = client_factory(settings)
     try:
-        with client_for() as client:
+        with connect(settings) as client:
             if args.acknowledge or args.resolve:
                 state = (
                     IncidentState.INCIDENT_STATE_ACKNOWLEDGED

@@ -12,7 +12,7 @@ import grpc
 
 from clusterwatch import group_client
 from clusterwatch.cli.common import add_settings_flags, api_json, settings_from_args
-from clusterwatch.client import client_factory
+from clusterwatch.client import client_factory, connect
 from clusterwatch.config import ClientSettings
 from clusterwatch.text.humanize import (
     ago,
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, ClientSettings)
     client_for = client_factory(settings)
     try:
-        with client_for() as client:
+        with connect(settings) as client:
             answers = group_client.snapshots(
                 client,
                 client_for,

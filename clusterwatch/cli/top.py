@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from clusterwatch.cli.common import add_settings_flags, settings_from_args
-from clusterwatch.client import client_factory
+from clusterwatch.client import client_factory, connect
 from clusterwatch.config import ClientSettings
 
 
@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from clusterwatch.tui.app import TopApp  # Textual loads only for this command
 
     settings = settings_from_args(args, ClientSettings)
+    connect(settings).close()  # say at once, in one line, why the coordinator cannot be reached
     TopApp(
         settings.coordinator,
         readonly=args.readonly,

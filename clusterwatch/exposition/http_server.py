@@ -25,7 +25,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, generate_latest
 
 from clusterwatch.config import split_host_port
+from clusterwatch.errors import ListenError
 from clusterwatch.exposition.promtext import CONTENT_TYPE
+from clusterwatch.runtime.listen import describe_bind_error
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +48,27 @@ def self_metrics() -> bytes:
 class MetricsHttpServer:
     """Serves ``GET /metrics`` from ``render()`` and ``GET /healthz`` from ``healthy()``."""
 
-    def __init__(self, address: str, render: Callable[[], bytes], healthy: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        address: str,
+        render: Callable[[], bytes],
+        healthy: Callable[[], bool],
+        *,
+        key: str = "metrics_listen",
+    ) -> None:
+        """Bind ``address`` (the setting ``key``), not serving until start().
+
+        Raises:
+            ListenError: naming ``key``, the address and why it cannot be bound.
+        """
         host, port = split_host_port(address)
         handler = _make_handler(render, healthy)
-        self._server = ThreadingHTTPServer((host, port), handler)
+        try:
+            self._server = ThreadingHTTPServer((host, port), handler)
+        except OSError as exc:
+            raise ListenError(
+                f"{key}: cannot serve /metrics on {address}: {describe_bind_error(exc, port)}"
+            ) from None
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
 

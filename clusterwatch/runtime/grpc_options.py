@@ -34,6 +34,8 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 # The server accepts the agents' keepalive pings instead of answering them
 # with GOAWAY "too_many_pings".
 SERVER_OPTIONS: list[tuple[str, int]] = [
+    # A taken port is an error, not a share of it (runtime/listen.py).
+    ("grpc.so_reuseport", 0),
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),

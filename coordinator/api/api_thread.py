@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -26,7 +27,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from clusterwatch.coordinator.api.cluster_servicer import SERVICE_NAME, ClusterServicer, add_cluster_service
+from clusterwatch.errors import ListenError
 from clusterwatch.runtime.grpc_options import SERVER_OPTIONS
+from clusterwatch.runtime.listen import add_grpc_port
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +69,7 @@ class ApiThread:
         """Start serving; the port bound.
 
         Raises:
-            OSError: the address cannot be bound.
+            ListenError: the address cannot be bound.
             TimeoutError: the thread did not bind within START_TIMEOUT_S.
         """
         self._thread.start()
@@ -76,7 +79,8 @@ class ApiThread:
     async def stop(self) -> None:
         """Stop serving (calls in flight get STOP_GRACE_S) and wait for the thread to end."""
         if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
+            with contextlib.suppress(RuntimeError):  # its loop has closed: it never started, or ended
+                self._loop.call_soon_threadsafe(self._stop.set)
         if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join)
 
@@ -104,12 +108,11 @@ class ApiThread:
             ),
             server,
         )
-        if self._credentials is None:
-            port = server.add_insecure_port(self._listen)
-        else:
-            port = server.add_secure_port(self._listen, self._credentials)
-        if port == 0:
-            raise OSError(f"cannot listen on {self._listen} (coordinator.api_listen)")
+        try:
+            port = add_grpc_port(server, self._listen, self._credentials, "coordinator.api_listen")
+        except ListenError:
+            await server.stop(None)  # on this loop, before it closes
+            raise
         await server.start()
         for service in (SERVICE_NAME, ""):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
