@@ -22,11 +22,12 @@ flags cannot drift apart. A bad value raises ConfigError naming the key.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import socket
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
@@ -356,13 +357,41 @@ def read_config_file(path: Path | None, environ: Mapping[str, str]) -> tuple[dic
         return {}, ""
     try:
         with chosen.open("rb") as fh:
-            return tomllib.load(fh), str(chosen)
+            tables = tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError("config", f"file {chosen} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("config", f"{chosen} is not valid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError("config", f"cannot read {chosen}: {exc.strerror}") from None
+    check_names(tables, str(chosen))
+    return tables, str(chosen)
+
+
+def check_names(tables: Mapping[str, Any], file_name: str) -> None:
+    """Every section and key of the file is one clusterwatch knows, whichever command reads it: a
+    misspelt ``[agnet]`` or ``intervall_s`` would otherwise be ignored by every command.
+
+    Raises:
+        ConfigError: naming the first unknown section or key, and the nearest known one.
+    """
+    by_section = {section: {f.name for f in fields_of(cls)} for cls, section in SECTIONS.items()}
+    for section, table in tables.items():
+        if section not in by_section:
+            raise ConfigError(
+                section, f"unknown section [{section}]{_nearest(section, by_section)}", file_name
+            )
+        if not isinstance(table, dict):
+            raise ConfigError(section, "must be a table", file_name)
+        for key in table:
+            if key not in by_section[section]:
+                message = f"unknown setting{_nearest(key, by_section[section])}"
+                raise ConfigError(f"{section}.{key}", message, file_name)
+
+
+def _nearest(name: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(sorted(known))})"
 
 
 def load(
