@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from clusterwatch import __version__
@@ -28,6 +30,7 @@ from clusterwatch.errors import ConfigError, ListenError, UnreachableError
 EXIT_CONFIG_ERROR = 2
 EXIT_NOT_INSTALLED = 1
 EXIT_UNREACHABLE = 1
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 
 OPTIONAL_MODULES = frozenset(
     {"cryptography", "grpc_health", "grpc_reflection", "prometheus_client", "psutil", "pynvml", "textual"}
@@ -76,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     except (UnreachableError, ListenError) as exc:
         print(f"clusterwatch {args.command}: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
+    except BrokenPipeError:
+        # `clusterwatch status | head`: the reader has what it wanted. Quiet, as a program killed
+        # by SIGPIPE is, and with its status; stdout goes to /dev/null so the exit's flush is quiet too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except ModuleNotFoundError as exc:
         module = (exc.name or "").partition(".")[0]
         if module not in OPTIONAL_MODULES:

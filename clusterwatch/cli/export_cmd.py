@@ -29,13 +29,16 @@ def run(args: argparse.Namespace) -> int:
     if directory.exists() and not directory.is_dir():
         print(f"clusterwatch export: {directory} is not a directory", file=sys.stderr)
         return 2
+    written = []
     try:
         directory.mkdir(parents=True, exist_ok=True)
         for source in bundled_files(args.kind):
             target = directory / source.name
             target.write_bytes(source.read_bytes())
-            print(target)
+            written.append(target)
     except OSError as exc:
         print(f"clusterwatch export: {exc.filename or directory}: {exc.strerror}", file=sys.stderr)
         return 1
+    for target in written:
+        print(target)
     return 0
