@@ -51,7 +51,7 @@ def main() -> int:
                     "sim",
                     "--sim-gpus",
                     str(args.gpus),
-                    "--interval",
+                    "--interval-s",
                     str(args.interval),
                     "--socket",
                     f"{tmp}/agent.sock",

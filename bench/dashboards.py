@@ -95,6 +95,7 @@ def main() -> None:
                 "-m",
                 "clusterwatch",
                 "simulate",
+                "--insecure",
                 "--coordinator",
                 coordinator.address,
                 "--scenario",

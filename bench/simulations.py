@@ -49,6 +49,7 @@ def start_simulation(coordinator: str, scenario: Path, job: str, tmp: Path, extr
                 "-m",
                 "clusterwatch",
                 "simulate",
+                "--insecure",
                 "--coordinator",
                 coordinator,
                 "--scenario",

@@ -44,14 +44,17 @@ HARDWARE_SERIES = ("coordinator", "agents")
 COLLECTORS = ("gpu", "host", "network", "infiniband")
 
 
-def setting(default: Any, help: str, flag: str | None = None, **checks: Any) -> Any:
-    """Declare a setting: its default, help text, optional flag name and checks.
+def setting(default: Any, help: str, old_flags: tuple[str, ...] = (), **checks: Any) -> Any:
+    """Declare a setting: its default, help text, checks, and the flags it used to have.
+
+    Its flag is its name in kebab-case (``interval_s``: ``--interval-s``); ``old_flags`` still
+    work, with a note on stderr naming the new one (docs/changes.md lists them).
 
     Checks: ``positive=True`` (> 0), ``minimum=N``, ``choices=(...)``,
     ``host_port=True`` (HOST:PORT, empty allowed when ``optional=True``), ``host_ports=True``
     (HOST:PORT[,HOST:PORT...]).
     """
-    meta = {"help": help, "flag": flag, **checks}
+    meta = {"help": help, "old_flags": old_flags, **checks}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -85,7 +88,7 @@ class AgentSettings(TransportSettings):
         host_ports=True,
     )
     node_id: str = setting("", "node name in every report and metric (default: hostname)")
-    interval_s: float = setting(1.0, "seconds between node reports", flag="--interval", positive=True)
+    interval_s: float = setting(1.0, "seconds between node reports", old_flags=("--interval",), positive=True)
     gpu_backend: str = setting(
         "auto", "GPU source: auto (NVML if it loads), nvml, sim (simulated), none", choices=GPU_BACKENDS
     )
@@ -317,7 +320,9 @@ class ClientSettings(TransportSettings):
     """Settings of the client commands such as ``clusterwatch status`` (section ``[client]``)."""
 
     coordinator: str = setting("127.0.0.1:50051", "coordinator gRPC address HOST:PORT", host_port=True)
-    timeout_s: float = setting(5.0, "seconds to wait for the coordinator", flag="--timeout", positive=True)
+    timeout_s: float = setting(
+        5.0, "seconds to wait for the coordinator", old_flags=("--timeout",), positive=True
+    )
     token_file: str = setting("", "file holding the admin token sent with actions (checkpoint, restart, ...)")
 
 
@@ -333,9 +338,8 @@ T = TypeVar("T")
 
 
 def flag_name(field: dataclasses.Field[Any]) -> str:
-    """The command-line flag of a setting: explicit, or the field name in kebab-case."""
-    explicit: str | None = field.metadata.get("flag")
-    return explicit or "--" + field.name.replace("_", "-")
+    """The command-line flag of a setting: its name in kebab-case, units and all."""
+    return "--" + field.name.replace("_", "-")
 
 
 def env_name(section: str, field_name: str) -> str:

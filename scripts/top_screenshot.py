@@ -40,7 +40,16 @@ async def photograph(address: str) -> str:
 def main() -> int:
     path = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/top.svg")
     demo = subprocess.Popen(
-        [sys.executable, "-m", "clusterwatch", "demo", "--grpc-port", "0", "--metrics-port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "clusterwatch",
+            "demo",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )

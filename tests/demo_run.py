@@ -130,10 +130,10 @@ class DemoRun:
             self.process = subprocess.Popen(
                 clusterwatch_cmd(
                     "demo",
-                    "--grpc-port",
-                    "0",
-                    "--metrics-port",
-                    "0",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--metrics-listen",
+                    "127.0.0.1:0",
                     "--summary-json",
                     str(self.summary_path),
                     "--hardware-series",

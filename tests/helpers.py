@@ -282,7 +282,7 @@ class Cluster:
             coordinator.address,
             "--node-id",
             node_id,
-            "--interval",
+            "--interval-s",
             str(interval_s),
             "--reconnect-max-s",
             "0.5",

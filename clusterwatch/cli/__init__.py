@@ -13,6 +13,7 @@ from clusterwatch.cli import (
     certs_cmd,
     checkpoint_cmd,
     common,
+    completion,
     coordinator_cmd,
     demo,
     export_cmd,
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         job_cmd,
         certs_cmd,
         export_cmd,
+        completion,
         demo,
         simulate,
     ):

@@ -26,30 +26,66 @@ LOG_LEVEL_ENV = "CLUSTERWATCH_LOG_LEVEL"
 _FLAG_PREFIX = "setting__"
 
 
-def add_settings_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per field of a settings dataclass; values are parsed by config.load."""
+def add_settings_flags(parser: argparse.ArgumentParser, cls: type, only: type | None = None) -> None:
+    """One flag per field of a settings dataclass (of its base class ``only`` alone, when given);
+    values are parsed by config.load."""
     section = config.SECTIONS[cls]
     group = parser.add_argument_group(
         f"settings ([{section}] in the config file, or CLUSTERWATCH_{section.upper()}_*)"
     )
-    for field in config.fields_of(cls):
+    for field in config.fields_of(only or cls):
         factory: Any = field.default_factory
         default = factory() if field.default is dataclasses.MISSING else field.default
         shown = ",".join(default) if isinstance(default, list) else default
-        # A switch (--insecure / --no-insecure) for a bool, a value for the rest.
+        # A switch (--insecure / --no-insecure) for a bool, a value for the rest; its choices
+        # listed where it has some (argparse does not check them: config.load does, naming the key).
+        choices = field.metadata.get("choices")
+        metavar = "{" + ",".join(choices) + "}" if choices else field.name.upper()
         switch: dict[str, Any] = (
-            {"action": argparse.BooleanOptionalAction}
-            if isinstance(default, bool)
-            else {"metavar": field.name.upper()}
+            {"action": argparse.BooleanOptionalAction} if isinstance(default, bool) else {"metavar": metavar}
         )
+        flag = config.flag_name(field)
+        old_flags = field.metadata.get("old_flags", ())
+        dest = _FLAG_PREFIX + field.name
         group.add_argument(
-            config.flag_name(field),
-            dest=_FLAG_PREFIX + field.name,
+            flag,
+            dest=dest,
             default=argparse.SUPPRESS,
             **switch,
             help=f"{field.metadata['help']} ({f'default {shown}; ' if shown != '' else ''}"
-            f"env {config.env_name(section, field.name)})",
+            f"env {config.env_name(section, field.name)}"
+            f"{'; formerly ' + ', '.join(old_flags) if old_flags else ''})",
         )
+        for old in old_flags:
+            add_old_flag(group, old, flag, dest=dest, default=argparse.SUPPRESS)
+
+
+class _OldFlag(argparse.Action):
+    """A flag's former spelling: sets what the new one sets, and says which that is on stderr."""
+
+    def __init__(self, option_strings: list[str], dest: str, new_flag: str = "", **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.new_flag = new_flag
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(
+            f"clusterwatch: {option_string} is now {self.new_flag} (the old name still works)",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
+
+
+def add_old_flag(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, old: str, new: str, **kwargs: Any
+) -> None:
+    """Keep ``old`` working as ``new`` (same dest, type and default), hidden from --help."""
+    parser.add_argument(old, action=_OldFlag, new_flag=new, help=argparse.SUPPRESS, **kwargs)
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:

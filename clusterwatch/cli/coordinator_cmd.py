@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from clusterwatch.cli.common import add_settings_flags, run_until_signalled, settings_from_args
+from clusterwatch.cli.common import add_old_flag, add_settings_flags, run_until_signalled, settings_from_args
 from clusterwatch.config import CoordinatorSettings, DetectionSettings, RecoverySettings
 from clusterwatch.errors import ConfigError, FailedPreconditionError
 from clusterwatch.runtime.tls import credentials, etcd_credentials, warn_if_plaintext
@@ -39,8 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument("--undo", action="store_true", help="with drain: the shard takes its share back")
     parser.add_argument(
-        "--drain-timeout", type=float, default=120.0, metavar="SECONDS", help="with drain: how long to wait"
+        "--drain-timeout-s", type=float, default=120.0, metavar="S", help="with drain: how long to wait"
     )
+    add_old_flag(parser, "--drain-timeout", "--drain-timeout-s", dest="drain_timeout_s", type=float)
     add_settings_flags(parser, CoordinatorSettings)
     add_settings_flags(parser, DetectionSettings)
     add_settings_flags(parser, RecoverySettings)
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "drain":
         from clusterwatch.cli.drain_cmd import drain
 
-        return drain(settings_from_args(args, CoordinatorSettings), args.undo, args.drain_timeout)
+        return drain(settings_from_args(args, CoordinatorSettings), args.undo, args.drain_timeout_s)
     settings = settings_from_args(args, CoordinatorSettings)
     detection = settings_from_args(args, DetectionSettings)
     recovery = settings_from_args(args, RecoverySettings)

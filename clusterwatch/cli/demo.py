@@ -8,7 +8,7 @@ the rank, node and cause, and recovers: the straggler's node is checkpointed
 and left out of the elastic job, the hung job is restarted from its last
 complete checkpoint. A live timeline is printed, then a summary; exit 0
 once training completes. With ``--no-train``: the coordinator and agents
-only, until Ctrl-C or ``--duration``. With ``--hardware-series agents`` the
+only, until Ctrl-C or ``--duration-s``. With ``--hardware-series agents`` the
 coordinator runs in the large-cluster mode (report digests, no per-GPU
 series on its /metrics) and each agent serves its node's /metrics. With
 ``--coordinators 2`` an etcd (Debian's ``etcd-server``) and two coordinators
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from clusterwatch.cli import demo_faults, demo_training
+from clusterwatch.cli.common import add_old_flag
 from clusterwatch.cli.demo_timeline import FaultOutcome, Timeline
 from clusterwatch.client import ClusterClient
 from clusterwatch.config import HARDWARE_SERIES
@@ -68,14 +69,27 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
     )
     parser.add_argument(
-        "--grpc-port", type=int, default=50051, help="coordinator gRPC port (0: any free port)"
+        "--listen",
+        default="127.0.0.1:50051",
+        metavar="HOST:PORT",
+        help="the (first) coordinator's gRPC address (default 127.0.0.1:50051; port 0: any free port)",
     )
-    parser.add_argument("--metrics-port", type=int, default=9470, help="coordinator /metrics port (0: any)")
+    parser.add_argument(
+        "--metrics-listen",
+        default="127.0.0.1:9470",
+        metavar="HOST:PORT",
+        help="its /metrics address (default 127.0.0.1:9470; port 0: any)",
+    )
     parser.add_argument("--sim-gpus", type=int, default=4, help="simulated GPUs per node (default: 4)")
     parser.add_argument(
-        "--interval", type=float, default=0.5, help="report interval in seconds (default: 0.5)"
+        "--interval-s", type=float, default=0.5, help="report interval in seconds (default: 0.5)"
     )
-    parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    parser.add_argument("--duration-s", type=float, default=None, help="stop after this many seconds")
+    # The former spellings: ports on loopback, and seconds without their unit.
+    add_old_flag(parser, "--grpc-port", "--listen", dest="listen", type=_loopback)
+    add_old_flag(parser, "--metrics-port", "--metrics-listen", dest="metrics_listen", type=_loopback)
+    add_old_flag(parser, "--interval", "--interval-s", dest="interval_s", type=float)
+    add_old_flag(parser, "--duration", "--duration-s", dest="duration_s", type=float)
     parser.add_argument(
         "--state-dir", type=Path, default=None, help="coordinator state (default: a temp dir)"
     )
@@ -143,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
             def demo() -> int:
                 _print_banner(args, address, metrics_url, faults, agent_urls)
                 if not args.train:
-                    return _idle(processes, args.duration)
+                    return _idle(processes, args.duration_s)
                 return _train(args, workdir, group, faults, (processes, jobs))
 
             return _under_top(address, demo, workdir / "demo.log") if args.top else demo()
@@ -158,6 +172,11 @@ def run(args: argparse.Namespace) -> int:
                 _stop(processes, jobs)
                 for server in etcd:
                     server.stop()
+
+
+def _loopback(port: str) -> str:
+    """An old ``--grpc-port N`` as the address it meant."""
+    return f"127.0.0.1:{int(port)}"
 
 
 def _under_top(address: str, demo: Callable[[], int], log_path: Path) -> int:
@@ -209,9 +228,9 @@ def _start_cluster(
                 "coordinator",
                 "--insecure",
                 "--listen",
-                f"127.0.0.1:{args.grpc_port if index == 0 else 0}",
+                args.listen if index == 0 else "127.0.0.1:0",
                 "--metrics-listen",
-                f"127.0.0.1:{args.metrics_port if index == 0 else 0}",
+                args.metrics_listen if index == 0 else "127.0.0.1:0",
                 "--state-dir",
                 str((args.state_dir or workdir / "state") / (f"c{index}" if group else "")),
                 "--ready-file",
@@ -241,8 +260,8 @@ def _start_cluster(
                     "sim",
                     "--sim-gpus",
                     str(args.sim_gpus),
-                    "--interval",
-                    str(args.interval),
+                    "--interval-s",
+                    str(args.interval_s),
                     "--socket",
                     str(workdir / f"{node}.sock"),
                     # Any free port: the banner says which (agents mode; empty: off).
@@ -312,7 +331,7 @@ def _print_banner(
     if not args.train:
         lines.append(
             "Press Ctrl-C to stop"
-            + (f" (stopping by itself after {args.duration:g} s)." if args.duration else ".")
+            + (f" (stopping by itself after {args.duration_s:g} s)." if args.duration_s else ".")
         )
     print("\n".join(lines), flush=True)
 
@@ -369,7 +388,7 @@ def _train(
         for node in range(len(DEMO_NODES))
     )
     print("timeline (seconds since start):", flush=True)
-    deadline = time.monotonic() + args.duration if args.duration else None
+    deadline = time.monotonic() + args.duration_s if args.duration_s else None
     with contextlib.ExitStack() as clients:
         timeline = Timeline(
             clients.enter_context(ClusterClient(owner.address)),
@@ -386,7 +405,7 @@ def _train(
                 timeline.client = clients.enter_context(ClusterClient(owner.address))
                 to_kill = None
             if deadline is not None and time.monotonic() > deadline:
-                raise RuntimeError(f"training did not complete within --duration {args.duration:g} s")
+                raise RuntimeError(f"training did not complete within --duration-s {args.duration_s:g} s")
             time.sleep(POLL_S)
         _settle(timeline)
         done = workdir / demo_training.DONE_FILE

@@ -7,7 +7,8 @@ import asyncio
 import datetime
 from pathlib import Path
 
-from clusterwatch.cli.common import run_until_signalled
+from clusterwatch.cli.common import add_settings_flags, run_until_signalled, settings_from_args
+from clusterwatch.config import AgentSettings, TransportSettings
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -18,7 +19,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "a synchronous training job on their GPUs (steps, collectives, heartbeats, Flight Recorder status) "
         "with GPU, host and InfiniBand telemetry. The scenario file (TOML) sets the noise and the faults; "
         "--ground-truth-out writes what was injected, when and on whom (see bench/detection.py). "
-        "Flags override the scenario file's run settings.",
+        "Flags override the scenario file's run settings. It reports as agents do, with [agent]'s TLS "
+        "settings: one node certificate per simulated node, named by {node} in --tls-cert and --tls-key "
+        "(e.g. --tls-cert pki/{node}.crt --tls-key pki/{node}.key --tls-ca pki/ca.crt), or --insecure.",
     )
     parser.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="coordinator gRPC address")
     parser.add_argument("--scenario", required=True, type=Path, metavar="FILE", help="scenario file (TOML)")
@@ -47,6 +50,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--ground-truth-out", type=Path, default=None, metavar="FILE.json", help="write the ground truth here"
     )
+    # It speaks for agents, so as agents do: [agent]'s TLS, with {node} in the certificate and key
+    # paths naming each simulated node's own (the coordinator checks a node's name against it).
+    add_settings_flags(parser, AgentSettings, only=TransportSettings)
     parser.set_defaults(run=run)
     return parser
 
@@ -57,8 +63,10 @@ def run(args: argparse.Namespace) -> int:
     from clusterwatch.sim.truth import GroundTruth
 
     scenario = load_scenario(args.scenario)
+    transport = settings_from_args(args, AgentSettings)
     settings = resolve_settings(
         scenario,
+        tls=transport if not transport.insecure else None,
         coordinator=args.coordinator,
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,

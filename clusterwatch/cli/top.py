@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from clusterwatch.cli.common import add_settings_flags, settings_from_args
+from clusterwatch.cli.common import add_old_flag, add_settings_flags, settings_from_args
 from clusterwatch.client import client_factory, connect
 from clusterwatch.config import ClientSettings
 
@@ -21,8 +21,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--readonly", action="store_true", help="no actions: checkpoint, restart and exclude are not offered"
     )
     parser.add_argument(
-        "--interval", type=float, default=1.0, metavar="S", help="seconds between updates (default 1)"
+        "--interval-s", type=float, default=1.0, metavar="S", help="seconds between updates (default 1)"
     )
+    add_old_flag(parser, "--interval", "--interval-s", dest="interval_s", type=float)
     add_settings_flags(parser, ClientSettings)
     parser.set_defaults(run=run)
     return parser
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     TopApp(
         settings.coordinator,
         readonly=args.readonly,
-        interval_s=args.interval,
+        interval_s=args.interval_s,
         client_factory=client_factory(settings),
     ).run()
     return 0

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import grpc
 
-from clusterwatch.config import split_host_port
+from clusterwatch.config import TransportSettings, split_host_port
 from clusterwatch.errors import ConfigError
 from clusterwatch.runtime.grpc_options import CHANNEL_OPTIONS
+from clusterwatch.runtime.tls import TlsFiles, credentials
 from clusterwatch.sim import diagnose
 from clusterwatch.sim.nodes import NodeModel, gpu_uuid
 from clusterwatch.sim.ranks import FIRST_STEP, JobModel
@@ -79,6 +80,8 @@ class SimulationSettings:
     duration_s: float | None = None
     ground_truth_out: Path | None = None
     seed: int | None = None
+    tls: dict[str, TlsFiles] | None = None
+    """Each node's certificate, key and CA; None: plaintext."""
 
     @property
     def world_size(self) -> int:
@@ -102,8 +105,10 @@ def resolve_settings(
     node_prefix: str | None = None,
     ground_truth_out: Path | None = None,
     seed: int | None = None,
+    tls: TransportSettings | None = None,
 ) -> SimulationSettings:
-    """Flags (the keyword arguments) over the scenario file over defaults, checked.
+    """Flags (the keyword arguments) over the scenario file over defaults, checked. ``tls``: the
+    certificate and key paths may hold ``{node}``, each node's name (one certificate per node).
 
     Raises:
         ConfigError: naming the bad setting.
@@ -131,6 +136,7 @@ def resolve_settings(
     if not job_name:
         raise ConfigError("job", "must not be empty")
     check_fits(scenario, node_count, gpus)
+    prefix = node_prefix if node_prefix is not None else f"{job_name}-node-"
     return SimulationSettings(
         coordinator=coordinator,
         scenario=scenario,
@@ -139,11 +145,33 @@ def resolve_settings(
         step_s=step,
         interval_s=interval,
         job=job_name,
-        node_prefix=node_prefix if node_prefix is not None else f"{job_name}-node-",
+        node_prefix=prefix,
         duration_s=duration,
         ground_truth_out=ground_truth_out,
         seed=seed,
+        tls=_node_credentials(tls, [f"{prefix}{j}" for j in range(node_count)]) if tls is not None else None,
     )
+
+
+def _node_credentials(transport: TransportSettings, node_ids: list[str]) -> dict[str, TlsFiles]:
+    """Every node's TLS files, read now so that a missing one stops the run before it starts.
+
+    Raises:
+        ConfigError: naming the setting of a missing or unreadable file.
+    """
+    found: dict[str, TlsFiles] = {}
+    for node_id in node_ids:
+        files = credentials(
+            dataclasses.replace(
+                transport,
+                tls_cert=transport.tls_cert.replace("{node}", node_id),
+                tls_key=transport.tls_key.replace("{node}", node_id),
+            ),
+            "agent",
+        )
+        assert files is not None  # noqa: S101 - insecure is the caller's None
+        found[node_id] = files
+    return found
 
 
 class Simulation:
@@ -234,12 +262,21 @@ class Simulation:
     async def run(self, stop: asyncio.Event) -> GroundTruth:
         """Run until ``duration_s`` passes or ``stop`` is set; return the ground truth."""
         s = self.settings
-        channels = [
-            grpc.aio.insecure_channel(s.coordinator, options=CHANNEL_OPTIONS)
-            for _ in range(math.ceil(s.nodes / NODES_PER_CHANNEL))
-        ]
+        if s.tls is None:  # plaintext: many nodes share a channel
+            shared = [
+                grpc.aio.insecure_channel(s.coordinator, options=CHANNEL_OPTIONS)
+                for _ in range(math.ceil(s.nodes / NODES_PER_CHANNEL))
+            ]
+            channels = [shared[j // NODES_PER_CHANNEL] for j in range(s.nodes)]
+        else:  # a node is known by its certificate: a channel each
+            channels = [
+                grpc.aio.secure_channel(
+                    s.coordinator, s.tls[node_id].channel_credentials(), options=CHANNEL_OPTIONS
+                )
+                for node_id in s.node_ids
+            ]
         self.streams = [
-            SimAgentStream(channels[j // NODES_PER_CHANNEL], node_id, s.interval_s, self._answerer(j))
+            SimAgentStream(channels[j], node_id, s.interval_s, self._answerer(j))
             for j, node_id in enumerate(s.node_ids)
         ]
         stream_stop = asyncio.Event()
@@ -258,7 +295,7 @@ class Simulation:
             _, pending = await asyncio.wait(tasks, timeout=DRAIN_TIMEOUT_S) if tasks else (set(), set())
             for task in pending:
                 task.cancel()
-            for channel in channels:
+            for channel in {id(c): c for c in channels}.values():
                 await channel.close(grace=None)
         self._record_stats(time.process_time() - cpu0)
         self._write_truth()

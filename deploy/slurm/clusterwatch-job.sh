@@ -85,7 +85,7 @@ main() {
         log err "SLURM job ${job}: clusterwatch executable not found (set CLUSTERWATCH_BIN); nothing done"
         return 0
     fi
-    local -a command=("$bin" job "$action" --slurm --timeout "$timeout_s" --log-level warning)
+    local -a command=("$bin" job "$action" --slurm --timeout-s "$timeout_s" --log-level warning)
     if [[ $action == end ]]; then
         command+=(--reason "SLURM ${context:-epilog} on $(hostname -s 2>/dev/null || hostname)")
     fi

@@ -101,7 +101,7 @@ async def test_status_and_incidents_read_every_coordinator_of_the_group(
                 30,
                 "c9 listed",
             )
-            partial = await asyncio.to_thread(run_cli, "status", *ask_c1, "--timeout", "1")
+            partial = await asyncio.to_thread(run_cli, "status", *ask_c1, "--timeout-s", "1")
             await client.revoke(lease)
         assert partial.returncode == 0, partial.stderr
         assert "coordinator c9 (127.0.0.1:1): " in partial.stdout

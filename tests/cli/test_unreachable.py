@@ -20,7 +20,7 @@ from clusterwatch.runtime.reach import TlsPaths, why_unreachable
 pytestmark = pytest.mark.timeout(120)
 
 # Long enough that a command which waited for its deadline could not pass for one that probed.
-TIMEOUT = ("--timeout", "60")
+TIMEOUT = ("--timeout-s", "60")
 
 COMMANDS = {
     "status": ["status"],

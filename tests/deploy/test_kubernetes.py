@@ -856,8 +856,10 @@ def test_a_planned_stop_drains_the_coordinator_before_it_is_killed(
         running.etcd,
         running.etcd_prefix,
     )
-    drain_timeout_s = build_parser().parse_args([*command[1:3], "--drain-timeout", command[-1]]).drain_timeout
-    assert command[-2] == "--drain-timeout"
+    drain_timeout_s = (
+        build_parser().parse_args([*command[1:3], "--drain-timeout-s", command[-1]]).drain_timeout_s
+    )
+    assert command[-2] == "--drain-timeout-s"
     # The kubelet kills the container after the grace period, drained or not: the drain must fit in it.
     assert drain_timeout_s < pod["terminationGracePeriodSeconds"]
     budget = find_group("PodDisruptionBudget", "clusterwatch-coordinator")

@@ -281,7 +281,7 @@ def start_agent(cluster: Cluster, coordinator_address: str, env: dict[str, str])
         coordinator_address,
         "--node-id",
         NODE,
-        "--interval",
+        "--interval-s",
         "0.2",
         "--reconnect-max-s",
         "0.5",

@@ -87,11 +87,11 @@ def test_without_training_the_demo_runs_the_services_until_its_duration(
     tmpdir = tmp_path_factory.mktemp("idle")  # short: the agents' sockets go in a directory under it
     result = run_cli(
         "demo",
-        "--grpc-port",
-        "0",
-        "--metrics-port",
-        "0",
-        "--duration",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--duration-s",
         "2",
         "--no-train",
         timeout_s=60,

@@ -8,6 +8,7 @@ import pytest
 from helpers import run_cli
 
 from clusterwatch import config
+from clusterwatch.cli import build_parser
 from clusterwatch.config import AgentSettings, CoordinatorSettings, RecoverySettings
 from clusterwatch.coordinator.recovery import launchers
 from clusterwatch.errors import ConfigError
@@ -164,9 +165,44 @@ def _assert_exit_2_naming(result_stderr: str, returncode: int, key: str) -> None
 
 
 def test_cli_bad_flag_exits_2_with_one_line_naming_the_key() -> None:
-    result = run_cli("agent", "--interval", "soon")
+    result = run_cli("agent", "--interval-s", "soon")
     _assert_exit_2_naming(result.stderr, result.returncode, "agent.interval_s")
-    assert "--interval" in result.stderr
+    assert "(from --interval-s)" in result.stderr
+
+
+def test_a_flags_former_name_still_works_and_says_the_new_one() -> None:
+    """Flags are named as their settings are, units included; old spellings stay, with a note."""
+    result = run_cli("agent", "--interval", "soon")
+    assert result.returncode == 2
+    assert (
+        result.stderr.splitlines()[0]
+        == "clusterwatch: --interval is now --interval-s (the old name still works)"
+    )
+    assert "agent.interval_s: must be a number, got 'soon'" in result.stderr
+    parser = build_parser()
+    for old, new, dest in (
+        (["status", "--timeout", "3"], ["status", "--timeout-s", "3"], "setting__timeout_s"),
+        (["top", "--interval", "2"], ["top", "--interval-s", "2"], "interval_s"),
+        (["demo", "--duration", "5"], ["demo", "--duration-s", "5"], "duration_s"),
+        (["demo", "--grpc-port", "7"], ["demo", "--listen", "127.0.0.1:7"], "listen"),
+        (
+            ["coordinator", "drain", "--drain-timeout", "9"],
+            ["coordinator", "drain", "--drain-timeout-s", "9"],
+            "drain_timeout_s",
+        ),
+    ):
+        assert getattr(parser.parse_args(old), dest) == getattr(parser.parse_args(new), dest), old
+
+
+def test_help_lists_the_choices_of_every_enumerated_setting() -> None:
+    for cls in config.SECTIONS:
+        for field in config.fields_of(cls):
+            choices = field.metadata.get("choices")
+            if not choices:
+                continue
+            command = {"agent": "agent", "client": "status"}.get(config.SECTIONS[cls], "coordinator")
+            text = " ".join(run_cli(command, "--help").stdout.split())
+            assert f"{config.flag_name(field)} {{{','.join(choices)}}}" in text, field.name
 
 
 def test_cli_bad_env_exits_2(tmp_path: Path) -> None:

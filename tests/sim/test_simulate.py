@@ -10,10 +10,14 @@ import math
 import statistics
 from pathlib import Path
 
+import grpc
 import pytest
 from helpers import ROOT, Cluster, Coordinator, Process, clusterwatch_cmd, ranks_of, run_cli, wait_for
 
+from clusterwatch.cli import certs
+from clusterwatch.client import ClusterClient
 from clusterwatch.errors import ConfigError
+from clusterwatch.runtime.cert_terms import Role
 from clusterwatch.sim.noise import NoiseModel
 from clusterwatch.sim.ranks import JobModel, RankCondition
 from clusterwatch.sim.runner import Simulation, resolve_settings
@@ -571,3 +575,60 @@ def test_a_bad_scenario_file_exits_2_naming_the_key(tmp_path: Path) -> None:
     usage = run_cli("simulate", "--help")
     assert usage.returncode == 0
     assert "usage: clusterwatch simulate" in usage.stdout
+
+
+@pytest.mark.timeout(60)
+def test_simulated_nodes_report_over_mutual_tls_each_with_its_own_certificate(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    pki = tmp_path / "pki"
+    certs.create_ca(pki)
+    certs.issue(pki, "coordinator", role=Role.COORDINATOR, extra_sans=["127.0.0.1"])
+    for node in ("tls-0", "tls-1"):
+        certs.issue(pki, node, role=Role.NODE)
+    certs.issue(pki, "reader", role=Role.USER)
+    coordinator = cluster.coordinator(
+        "--no-insecure",
+        "--tls-cert", str(pki / "coordinator.crt"),
+        "--tls-key", str(pki / "coordinator.key"),
+        "--tls-ca", str(pki / "ca.crt"),
+    )  # fmt: skip
+    scenario = tmp_path / "quiet.toml"
+    scenario.write_text('name = "quiet"\n')
+    tls = ["--no-insecure", "--tls-cert", str(pki / "{node}.crt"), "--tls-key", str(pki / "{node}.key")]
+    tls += ["--tls-ca", str(pki / "ca.crt")]
+    _simulate(
+        cluster, coordinator, scenario, "--nodes", "2", "--gpus-per-node", "2", "--node-prefix", "tls-",
+        "--duration-s", "30", "--interval-s", "0.25", *tls,
+    )  # fmt: skip
+    reader = ClusterClient(
+        coordinator.address,
+        timeout_s=10,
+        credentials=grpc.ssl_channel_credentials(
+            (pki / "ca.crt").read_bytes(),
+            (pki / "reader.key").read_bytes(),
+            (pki / "reader.crt").read_bytes(),
+        ),
+    )
+    with reader:
+        wait_for(
+            lambda: (
+                {n.node_id for n in reader.snapshot(summary_only=True).nodes} == {"tls-0", "tls-1"} or None
+            ),
+            30,
+            "both simulated nodes reporting over TLS",
+        )
+    # A node whose certificate is missing stops the run before it starts, naming the file.
+    missing = run_cli(
+        "simulate", "--coordinator", coordinator.address, "--scenario", str(scenario), "--nodes", "3",
+        "--node-prefix", "tls-", *tls,
+    )  # fmt: skip
+    assert missing.returncode == 2
+    assert "tls-2.crt" in missing.stderr
+    # Neither TLS nor --insecure: refused, as every command is.
+    neither = run_cli(
+        "simulate", "--coordinator", coordinator.address, "--scenario", str(scenario), "--nodes", "1",
+        "--no-insecure",
+    )  # fmt: skip
+    assert neither.returncode == 2
+    assert "agent.tls_cert: TLS is required" in neither.stderr
