@@ -500,7 +500,7 @@ def _start_training(
 
 
 def _ettr(metrics_url: str) -> float | None:
-    prefix = f'clusterwatch_job_effective_training_time_ratio{{job="{JOB}"}} '
+    prefix = f'clusterwatch_job_effective_training_time_ratio{{training_job="{JOB}"}} '
     with urllib.request.urlopen(metrics_url, timeout=10) as response:  # noqa: S310 - our http:// URL
         for line in response.read().decode().splitlines():
             if line.startswith(prefix):

@@ -3,7 +3,8 @@
 The hook sends them in its RankIdentity, ``clusterwatch job begin`` in its
 BeginJobRequest; the coordinator keeps them on the job and exports each one as
 a label of ``clusterwatch_job_info``. So a key must be a Prometheus label name
-that cannot collide with the family's own ``job`` label, and both the count
+that cannot collide with the family's own ``training_job`` label, nor with the
+``job`` and ``instance`` labels Prometheus gives every target, and both the count
 and the sizes are bounded: labels are held per job and rendered every scrape.
 The agent and the coordinator check them with ``labels_problem``.
 """
@@ -17,8 +18,9 @@ MAX_LABELS = 32
 MAX_KEY_CHARS = 64
 # A SLURM node list of a large, fragmented allocation runs to a few hundred characters.
 MAX_VALUE_CHARS = 1024
-# The label clusterwatch_job_info already has.
-RESERVED_KEYS = frozenset({"job"})
+# The label clusterwatch_job_info already has, and the two Prometheus gives every scrape target.
+TRAINING_JOB_LABEL = "training_job"
+RESERVED_KEYS = frozenset({TRAINING_JOB_LABEL, "job", "instance"})
 
 _KEY = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
@@ -27,7 +29,7 @@ def labels_problem(labels: Mapping[str, str]) -> str:
     """What is wrong with ``labels``, naming the key; '' when nothing is.
 
     Rules: at most MAX_LABELS pairs; keys are Prometheus label names of at
-    most MAX_KEY_CHARS, not starting with ``__`` and not ``job``; values at
+    most MAX_KEY_CHARS, not starting with ``__`` and not reserved; values at
     most MAX_VALUE_CHARS characters.
     """
     if len(labels) > MAX_LABELS:
@@ -39,7 +41,7 @@ def labels_problem(labels: Mapping[str, str]) -> str:
                 "characters, not starting with __)"
             )
         if key in RESERVED_KEYS:
-            return f"key {key!r} is reserved (the job's name is its own label)"
+            return f"key {key!r} is reserved (the job's name is its training_job label; job and instance are Prometheus')"
         if len(value) > MAX_VALUE_CHARS:
             return f"value of {key!r} has {len(value)} characters; at most {MAX_VALUE_CHARS}"
     return ""

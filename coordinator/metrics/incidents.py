@@ -107,13 +107,13 @@ def write_incidents(exp: Exposition, view: IncidentView) -> None:
         exp.add(INCIDENT_INFO, _incident_labels(incident), 1)
     for job, ratios in sorted(view.slowdown_ratios.items()):
         for rank, ratio in sorted(ratios.items()):
-            exp.add(RANK_SLOWDOWN, f'job="{escape(job)}",rank="{rank}"', ratio)
+            exp.add(RANK_SLOWDOWN, f'training_job="{escape(job)}",rank="{rank}"', ratio)
     for (job, cause), count in sorted(view.counts.stragglers.items()):
-        exp.add(STRAGGLERS, f'job="{escape(job)}",cause="{escape(cause)}"', count)
+        exp.add(STRAGGLERS, f'training_job="{escape(job)}",cause="{escape(cause)}"', count)
     for job, count in sorted(view.counts.hangs.items()):
-        exp.add(HANGS, f'job="{escape(job)}"', count)
+        exp.add(HANGS, f'training_job="{escape(job)}"', count)
     for job, count in sorted(view.counts.rank_failures.items()):
-        exp.add(RANK_FAILURES, f'job="{escape(job)}"', count)
+        exp.add(RANK_FAILURES, f'training_job="{escape(job)}"', count)
     exp.add(ROUNDS, "", view.counts.rounds)
     exp.add(ROUND_DURATION, "", view.counts.last_round_s)
 
@@ -125,7 +125,7 @@ def _incident_labels(incident: Incident) -> str:
         "kind": incident.kind.value,
         "severity": incident.severity.value,
         "state": incident.state.value,
-        "job": incident.job,
+        "training_job": incident.job,
         "ranks": ",".join(map(str, incident.ranks)),
         "nodes": ",".join(incident.nodes),
         "gpus": ",".join(incident.gpus),

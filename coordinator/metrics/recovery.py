@@ -78,14 +78,14 @@ def write_recovery(exp: Exposition, view: RecoveryView) -> None:
     for family in RECOVERY_FAMILIES:
         exp.lines(family)
     for (job, reason), count in sorted(counts.restarts.items()):
-        exp.add(RESTARTS, f'job="{escape(job)}",reason="{escape(reason)}"', count)
+        exp.add(RESTARTS, f'training_job="{escape(job)}",reason="{escape(reason)}"', count)
     for (job, action, outcome), count in sorted(counts.actions.items()):
-        exp.add(ACTIONS, f'job="{escape(job)}",action="{action}",outcome="{outcome}"', count)
+        exp.add(ACTIONS, f'training_job="{escape(job)}",action="{action}",outcome="{outcome}"', count)
     for job, count in sorted(counts.rate_limited.items()):
-        exp.add(RATE_LIMITED, f'job="{escape(job)}"', count)
+        exp.add(RATE_LIMITED, f'training_job="{escape(job)}"', count)
     for job, count in sorted(counts.steps_lost.items()):
-        exp.add(STEPS_LOST, f'job="{escape(job)}"', count)
+        exp.add(STEPS_LOST, f'training_job="{escape(job)}"', count)
     for job, seconds in sorted(counts.last_recovery_s.items()):
-        exp.add(RECOVERY, f'job="{escape(job)}"', seconds)
+        exp.add(RECOVERY, f'training_job="{escape(job)}"', seconds)
     for job, ratio in sorted(view.effective_training_time_ratio.items()):
-        exp.add(ETTR, f'job="{escape(job)}"', ratio)
+        exp.add(ETTR, f'training_job="{escape(job)}"', ratio)

@@ -188,8 +188,8 @@ def write_training(exp: Exposition, view: TrainingView) -> None:
 
 
 def _write_job(exp: Exposition, job: JobView) -> None:
-    j = f'job="{escape(job.job)}"'
-    # Keys are label names other than "job" (the coordinator checked them: clusterwatch/wire/job_labels.py).
+    j = f'training_job="{escape(job.job)}"'
+    # Keys are label names other than the reserved ones (the coordinator checked them: clusterwatch/wire/job_labels.py).
     info = "".join(f',{key}="{escape(value)}"' for key, value in sorted(job.labels.items()))
     exp.add(JOB_INFO, j + info, 1)
     exp.add(JOB_WORLD_SIZE, j, job.world_size)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from grafana.panels import RED_FROM_ONE, Dashboard, Panel, Query, Row, Threshold, Variable
 
-JOB = Variable("job", "Job", "clusterwatch_job_world_size", "Training jobs the coordinator knows.")
-JOBS = 'job=~"$job"'
+JOB = Variable("training_job", "Job", "clusterwatch_job_world_size", "Training jobs the coordinator knows.")
+JOBS = 'training_job=~"$training_job"'
 
 
-def detections(metric: str, by: str = "job") -> str:
+def detections(metric: str, by: str = "training_job") -> str:
     return f"sum by ({by}) (increase({metric}{{{JOBS}}}[$__rate_interval]))"
 
 
@@ -58,11 +58,13 @@ DASHBOARD = Dashboard(
                     "Repeated for one job: it keeps failing; look at its restarts.",
                     (
                         Query(
-                            detections("clusterwatch_stragglers_detected_total", "job, cause"),
-                            "{{job}} straggler ({{cause}})",
+                            detections("clusterwatch_stragglers_detected_total", "training_job, cause"),
+                            "{{training_job}} straggler ({{cause}})",
                         ),
-                        Query(detections("clusterwatch_hangs_detected_total"), "{{job}} hang"),
-                        Query(detections("clusterwatch_rank_failures_total"), "{{job}} rank failure"),
+                        Query(detections("clusterwatch_hangs_detected_total"), "{{training_job}} hang"),
+                        Query(
+                            detections("clusterwatch_rank_failures_total"), "{{training_job}} rank failure"
+                        ),
                     ),
                     "none",
                     stack=True,
@@ -78,7 +80,12 @@ DASHBOARD = Dashboard(
                     "Worker-group restarts by the incident kind that caused them (rank_failure: torchrun "
                     "restarted after a rank died; requested: an operator). Many for one job: it keeps "
                     "failing; the rate limit will leave it to a person.",
-                    (Query(in_range("clusterwatch_restarts_total", "job, reason"), "{{job}} {{reason}}"),),
+                    (
+                        Query(
+                            in_range("clusterwatch_restarts_total", "training_job, reason"),
+                            "{{training_job}} {{reason}}",
+                        ),
+                    ),
                     "none",
                     kind="bargauge",
                     thresholds=(Threshold(None, "green"), Threshold(3, "orange")),
@@ -90,8 +97,8 @@ DASHBOARD = Dashboard(
                     "skipped: cooldown, rate limit or opt-out left it to a person.",
                     (
                         Query(
-                            in_range("clusterwatch_actions_total", "job, action, outcome"),
-                            "{{job}} {{action}} {{outcome}}",
+                            in_range("clusterwatch_actions_total", "training_job, action, outcome"),
+                            "{{training_job}} {{action}} {{outcome}}",
                         ),
                     ),
                     "none",
@@ -102,7 +109,7 @@ DASHBOARD = Dashboard(
                     "Time to recover",
                     "The job's latest recovery: from the incident opening to every rank past the resume "
                     "step. Minutes: the restart path (grace, rendezvous, start-up, loading) is slow.",
-                    (Query(f"clusterwatch_recovery_seconds{{{JOBS}}}", "{{job}}"),),
+                    (Query(f"clusterwatch_recovery_seconds{{{JOBS}}}", "{{training_job}}"),),
                     "s",
                     thresholds=(Threshold(None, "green"), Threshold(60, "orange"), Threshold(300, "red")),
                     width=8,
@@ -111,7 +118,7 @@ DASHBOARD = Dashboard(
                     "Steps lost in range",
                     "Steps done again after restarts (furthest step reached minus the step resumed from). "
                     "More than the checkpoint interval per restart: checkpoint more often.",
-                    (Query(in_range("clusterwatch_steps_lost_total", "job"), "{{job}}"),),
+                    (Query(in_range("clusterwatch_steps_lost_total", "training_job"), "{{training_job}}"),),
                     "none",
                     kind="bargauge",
                     width=8,
@@ -120,7 +127,7 @@ DASHBOARD = Dashboard(
                     "Effective training time ratio (ETTR)",
                     "Productive training time over wall time since the job started, the number Meta and "
                     "ByteDance report for large runs. Falling: failures and recovery eat the job.",
-                    (Query(f"clusterwatch_job_effective_training_time_ratio{{{JOBS}}}", "{{job}}"),),
+                    (Query(f"clusterwatch_job_effective_training_time_ratio{{{JOBS}}}", "{{training_job}}"),),
                     "percentunit",
                     thresholds=(Threshold(None, "red"), Threshold(0.8, "orange"), Threshold(0.95, "green")),
                     width=16,
@@ -138,7 +145,8 @@ DASHBOARD = Dashboard(
                     "incomplete or failed: a restart cannot resume from it.",
                     (
                         Query(
-                            in_range("clusterwatch_checkpoints_total", "job, outcome"), "{{job}} {{outcome}}"
+                            in_range("clusterwatch_checkpoints_total", "training_job, outcome"),
+                            "{{training_job}} {{outcome}}",
                         ),
                     ),
                     "none",
@@ -149,14 +157,14 @@ DASHBOARD = Dashboard(
                     "Checkpoint save time",
                     "The slowest rank's save time of the newest complete checkpoint. Rising, or near the "
                     "checkpoint interval: storage is slow and training stalls on saves.",
-                    (Query(f"clusterwatch_checkpoint_duration_seconds{{{JOBS}}}", "{{job}}"),),
+                    (Query(f"clusterwatch_checkpoint_duration_seconds{{{JOBS}}}", "{{training_job}}"),),
                     "s",
                     width=8,
                 ),
                 Panel(
                     "Last complete checkpoint step",
                     "Newest step every rank checkpointed; a restart resumes from here.",
-                    (Query(f"clusterwatch_last_complete_checkpoint_step{{{JOBS}}}", "{{job}}"),),
+                    (Query(f"clusterwatch_last_complete_checkpoint_step{{{JOBS}}}", "{{training_job}}"),),
                     "none",
                     kind="stat",
                     width=8,

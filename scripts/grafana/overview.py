@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from grafana.panels import RED_FROM_ONE, Annotation, Dashboard, Panel, Query, Row, Threshold, Variable
 
-JOB = Variable("job", "Job", "clusterwatch_job_world_size", "Training jobs the coordinator knows.")
+JOB = Variable("training_job", "Job", "clusterwatch_job_world_size", "Training jobs the coordinator knows.")
 RESTARTS = Annotation(
     "Restarts",
-    'changes(clusterwatch_restarts_total{job=~"$job"}[1m]) > 0',
-    "restart of {{job}} ({{reason}})",
+    'changes(clusterwatch_restarts_total{training_job=~"$training_job"}[1m]) > 0',
+    "restart of {{training_job}} ({{reason}})",
     "orange",
 )
 INCIDENTS = Annotation(
     "Incidents",
-    'clusterwatch_incident_info{job=~"$job"}',
-    "{{kind}} ({{severity}}): job {{job}} ranks {{ranks}} nodes {{nodes}}, cause {{cause}}",
+    'clusterwatch_incident_info{training_job=~"$training_job"}',
+    "{{kind}} ({{severity}}): job {{training_job}} ranks {{ranks}} nodes {{nodes}}, cause {{cause}}",
     "red",
 )
 
@@ -102,7 +102,7 @@ DASHBOARD = Dashboard(
                     "Step rate",
                     "Training steps per second, per job. A drop that other jobs do not share: a straggler, "
                     "a slow link or a hang in that job.",
-                    (Query('clusterwatch_job_step_rate{job=~"$job"}', "{{job}}"),),
+                    (Query('clusterwatch_job_step_rate{training_job=~"$training_job"}', "{{training_job}}"),),
                     "suffix: steps/s",
                     width=8,
                 ),
@@ -110,7 +110,12 @@ DASHBOARD = Dashboard(
                     "Effective training time ratio (ETTR)",
                     "Productive training time over wall time since the job started: time lost to restarts "
                     "and redone steps counts against it. Below 0.9: failures cost a tenth of the job.",
-                    (Query('clusterwatch_job_effective_training_time_ratio{job=~"$job"}', "{{job}}"),),
+                    (
+                        Query(
+                            'clusterwatch_job_effective_training_time_ratio{training_job=~"$training_job"}',
+                            "{{training_job}}",
+                        ),
+                    ),
                     "percentunit",
                     thresholds=(Threshold(None, "red"), Threshold(0.8, "orange"), Threshold(0.95, "green")),
                     width=8,
@@ -121,7 +126,12 @@ DASHBOARD = Dashboard(
                     "Slowest rank against the others",
                     "The highest per-rank slowdown ratio of each job (compute time over the other ranks' "
                     "median). Above 1.05 for long: one rank holds the whole job back.",
-                    (Query('max by (job) (clusterwatch_rank_slowdown_ratio{job=~"$job"})', "{{job}}"),),
+                    (
+                        Query(
+                            'max by (training_job) (clusterwatch_rank_slowdown_ratio{training_job=~"$training_job"})',
+                            "{{training_job}}",
+                        ),
+                    ),
                     "none",
                     thresholds=(Threshold(None, "green"), Threshold(1.05, "orange"), Threshold(1.1, "red")),
                     width=8,
@@ -133,7 +143,8 @@ DASHBOARD = Dashboard(
                     "is missing ranks and cannot make progress.",
                     (
                         Query(
-                            'sum by (job, state) (clusterwatch_job_ranks{job=~"$job"})', "{{job}} {{state}}"
+                            'sum by (training_job, state) (clusterwatch_job_ranks{training_job=~"$training_job"})',
+                            "{{training_job}} {{state}}",
                         ),
                     ),
                     "none",
@@ -143,7 +154,11 @@ DASHBOARD = Dashboard(
                 Panel(
                     "World size",
                     "Ranks each job was launched with; an elastic job that left a node out shows fewer.",
-                    (Query('clusterwatch_job_world_size{job=~"$job"}', "{{job}}"),),
+                    (
+                        Query(
+                            'clusterwatch_job_world_size{training_job=~"$training_job"}', "{{training_job}}"
+                        ),
+                    ),
                     "none",
                     kind="bargauge",
                     width=12,

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from grafana.panels import Dashboard, Panel, Query, Row, Threshold, Variable
 
-JOB = Variable("job", "Job", "clusterwatch_job_world_size", "Training jobs the coordinator knows.")
-RANK = Variable("rank", "Rank", 'clusterwatch_rank_step{job=~"$job"}', "Global ranks of the selected jobs.")
-SEL = 'job=~"$job",rank=~"$rank"'
-JOBS = 'job=~"$job"'
-LEGEND = "{{job}} rank {{rank}}"
+JOB = Variable("training_job", "Job", "clusterwatch_job_world_size", "Training jobs the coordinator knows.")
+RANK = Variable(
+    "rank",
+    "Rank",
+    'clusterwatch_rank_step{training_job=~"$training_job"}',
+    "Global ranks of the selected jobs.",
+)
+SEL = 'training_job=~"$training_job",rank=~"$rank"'
+JOBS = 'training_job=~"$training_job"'
+LEGEND = "{{training_job}} rank {{rank}}"
 COLLECTIVE_BUCKETS = f"rate(clusterwatch_collective_duration_seconds_bucket{{{JOBS}}}[$__rate_interval])"
 
 DASHBOARD = Dashboard(
@@ -46,7 +51,7 @@ DASHBOARD = Dashboard(
                     "rank: it is stuck (hang) or far slower than the others.",
                     (
                         Query(
-                            f"max by (job) (clusterwatch_rank_step{{{JOBS}}}) - on (job) group_right () "
+                            f"max by (training_job) (clusterwatch_rank_step{{{JOBS}}}) - on (training_job) group_right () "
                             f"clusterwatch_rank_step{{{SEL}}}",
                             LEGEND,
                         ),
@@ -66,11 +71,12 @@ DASHBOARD = Dashboard(
                     "while compute stays flat: the network or a slow peer is the bottleneck.",
                     (
                         Query(
-                            f"avg by (job) (clusterwatch_rank_compute_seconds{{{SEL}}})", "{{job}} compute"
+                            f"avg by (training_job) (clusterwatch_rank_compute_seconds{{{SEL}}})",
+                            "{{training_job}} compute",
                         ),
                         Query(
-                            f"avg by (job) (clusterwatch_rank_communication_seconds{{{SEL}}})",
-                            "{{job}} communication",
+                            f"avg by (training_job) (clusterwatch_rank_communication_seconds{{{SEL}}})",
+                            "{{training_job}} communication",
                         ),
                     ),
                     "s",
@@ -99,7 +105,12 @@ DASHBOARD = Dashboard(
                     "Ranks inside a collective",
                     "Ranks blocked in a collective at their last heartbeat. All but one for long: the "
                     "others wait for that one (the hang incident names it).",
-                    (Query(f"sum by (job) (clusterwatch_rank_in_collective{{{JOBS}}})", "{{job}}"),),
+                    (
+                        Query(
+                            f"sum by (training_job) (clusterwatch_rank_in_collective{{{JOBS}}})",
+                            "{{training_job}}",
+                        ),
+                    ),
                     "none",
                     width=12,
                 ),
@@ -109,8 +120,8 @@ DASHBOARD = Dashboard(
                     "ranks run: the job is hung.",
                     (
                         Query(
-                            f"sum by (job, op) (rate(clusterwatch_collectives_total{{{JOBS}}}[$__rate_interval]))",
-                            "{{job}} {{op}}",
+                            f"sum by (training_job, op) (rate(clusterwatch_collectives_total{{{JOBS}}}[$__rate_interval]))",
+                            "{{training_job}} {{op}}",
                         ),
                     ),
                     "ops",
@@ -127,8 +138,8 @@ DASHBOARD = Dashboard(
                     "ranks. Far below the fabric's rate: a slow link, congestion, or small messages.",
                     (
                         Query(
-                            f"avg by (job, op) (clusterwatch_collective_bus_bandwidth_bytes_per_second{{{SEL}}})",
-                            "{{job}} {{op}}",
+                            f"avg by (training_job, op) (clusterwatch_collective_bus_bandwidth_bytes_per_second{{{SEL}}})",
+                            "{{training_job}} {{op}}",
                         ),
                     ),
                     "Bps",
@@ -140,12 +151,12 @@ DASHBOARD = Dashboard(
                     "a rank arrives late now and then, or the network stalls.",
                     (
                         Query(
-                            f"histogram_quantile(0.5, sum by (job, op, le) ({COLLECTIVE_BUCKETS}))",
-                            "{{job}} {{op}} p50",
+                            f"histogram_quantile(0.5, sum by (training_job, op, le) ({COLLECTIVE_BUCKETS}))",
+                            "{{training_job}} {{op}} p50",
                         ),
                         Query(
-                            f"histogram_quantile(0.99, sum by (job, op, le) ({COLLECTIVE_BUCKETS}))",
-                            "{{job}} {{op}} p99",
+                            f"histogram_quantile(0.99, sum by (training_job, op, le) ({COLLECTIVE_BUCKETS}))",
+                            "{{training_job}} {{op}} p99",
                         ),
                     ),
                     "s",
@@ -170,10 +181,13 @@ DASHBOARD = Dashboard(
                     "The furthest step of each job and the newest step every rank checkpointed. The gap is "
                     "the work a failure now would lose.",
                     (
-                        Query(f"max by (job) (clusterwatch_rank_step{{{JOBS}}})", "{{job}} newest step"),
+                        Query(
+                            f"max by (training_job) (clusterwatch_rank_step{{{JOBS}}})",
+                            "{{training_job}} newest step",
+                        ),
                         Query(
                             f"clusterwatch_last_complete_checkpoint_step{{{JOBS}}}",
-                            "{{job}} last complete checkpoint",
+                            "{{training_job}} last complete checkpoint",
                         ),
                     ),
                     "none",
@@ -186,7 +200,7 @@ DASHBOARD = Dashboard(
                     (
                         Query(
                             f"time() - clusterwatch_job_latest_complete_checkpoint_timestamp_seconds{{{JOBS}}}",
-                            "{{job}}",
+                            "{{training_job}}",
                         ),
                     ),
                     "s",

@@ -61,13 +61,15 @@ async def test_incidents_are_listed_acknowledged_resolved_and_counted(cluster: C
         "kind": "rank_failure",
         "severity": "critical",
         "state": "open",
-        "job": "train",
+        "training_job": "train",
         "ranks": "1",
         "nodes": "node-a",
         "gpus": info.labels["gpus"],
         "cause": incident.cause,
     }
-    assert [s.value for s in samples_named(metrics, "clusterwatch_rank_failures_total", job="train")] == [1.0]
+    assert [
+        s.value for s in samples_named(metrics, "clusterwatch_rank_failures_total", training_job="train")
+    ] == [1.0]
 
     shown = run_cli("incidents", "--coordinator", coordinator.address).stdout
     assert incident.id in shown

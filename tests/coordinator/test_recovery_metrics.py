@@ -42,8 +42,8 @@ def test_the_view_renders_every_family_per_job() -> None:
         for family in text_string_to_metric_families(exp.render().decode())
         for s in family.samples
     }
-    job = (("job", "train"),)
-    assert samples[("clusterwatch_restarts_total", (("job", "train"), ("reason", "hang")))] == 2
+    job = (("training_job", "train"),)
+    assert samples[("clusterwatch_restarts_total", (("reason", "hang"), ("training_job", "train")))] == 2
     assert samples[("clusterwatch_steps_lost_total", job)] == 7
     assert samples[("clusterwatch_restarts_rate_limited_total", job)] == 1
     assert samples[("clusterwatch_recovery_seconds", job)] == 6.5

@@ -111,7 +111,7 @@ def test_the_ranks_labels_win_and_their_nodes_join(core: Coordinator, clock: Clo
         for s in f.samples
         if s.name == "clusterwatch_job_info"
     ]
-    assert info.labels == {"job": "4242", "slurm_job_id": "4242", "slurm_job_name": "llama"}
+    assert info.labels == {"training_job": "4242", "slurm_job_id": "4242", "slurm_job_name": "llama"}
     assert info.value == 1
 
 

@@ -111,9 +111,9 @@ def test_a_job_becomes_the_expected_samples() -> None:
     exp = Exposition()
     write_training(exp, training_view(two_rank_store(), tracker, now_mono=1.0))
     m = parse(exp.render())
-    j = {"job": "train"}
-    assert m["clusterwatch_job_world_size"] == [({"job": "old"}, 1.0), (j, 2.0)]
-    ranks = {(lbl["job"], lbl["state"]): v for lbl, v in m["clusterwatch_job_ranks"]}
+    j = {"training_job": "train"}
+    assert m["clusterwatch_job_world_size"] == [({"training_job": "old"}, 1.0), (j, 2.0)]
+    ranks = {(lbl["training_job"], lbl["state"]): v for lbl, v in m["clusterwatch_job_ranks"]}
     assert ranks[("train", "running")] == 2
     assert ranks[("old", "exited")] == 1
     assert m["clusterwatch_job_step_rate"] == [(j, pytest.approx(2.0))]
@@ -121,7 +121,7 @@ def test_a_job_becomes_the_expected_samples() -> None:
     assert m["clusterwatch_job_latest_complete_checkpoint_timestamp_seconds"] == [(j, T0 + 5)]
     assert "clusterwatch_checkpoint_duration_seconds" not in m  # its save time is unknown
     assert m["clusterwatch_job_checkpoint_results_total"] == [({**j, "result": "failed"}, 1.0)]
-    outcomes = {(lbl["job"], lbl["outcome"]): v for lbl, v in m["clusterwatch_checkpoints_total"]}
+    outcomes = {(lbl["training_job"], lbl["outcome"]): v for lbl, v in m["clusterwatch_checkpoints_total"]}
     assert outcomes == {
         ("old", "complete"): 0,
         ("old", "failed"): 0,
@@ -170,11 +170,13 @@ def test_a_completed_checkpoint_becomes_step_duration_and_outcomes() -> None:
     exp = Exposition()
     write_training(exp, training_view(two_rank_store(), tracker, now_mono=1.0))
     m = parse(exp.render())
-    j = {"job": "train"}
+    j = {"training_job": "train"}
     assert m["clusterwatch_last_complete_checkpoint_step"] == [(j, 8.0)]
     assert m["clusterwatch_job_latest_complete_checkpoint_timestamp_seconds"] == [(j, T0 + 1)]
     assert m["clusterwatch_checkpoint_duration_seconds"] == [(j, 3.5)]  # the slowest rank
-    outcomes = {lbl["outcome"]: v for lbl, v in m["clusterwatch_checkpoints_total"] if lbl["job"] == "train"}
+    outcomes = {
+        lbl["outcome"]: v for lbl, v in m["clusterwatch_checkpoints_total"] if lbl["training_job"] == "train"
+    }
     assert outcomes == {"complete": 1, "failed": 0, "incomplete": 1}
     assert m["clusterwatch_job_checkpoint_results_total"] == [({**j, "result": "ok"}, 3.0)]
 
@@ -243,7 +245,7 @@ async def test_ranks_reach_metrics_snapshot_and_status(cluster: Cluster) -> None
         await poll_until(ready, 20, "three ranks, rank 2 exited")
 
         samples = await poll_until(lambda: scrape(coordinator.metrics_url), 10, "a scrape")
-        j = {"job": "train"}
+        j = {"training_job": "train"}
         assert [s.value for s in samples_named(samples, "clusterwatch_job_world_size", **j)] == [3]
         assert samples_named(samples, "clusterwatch_job_ranks", **j, state="running")[0].value == 2
         assert samples_named(samples, "clusterwatch_job_ranks", **j, state="exited")[0].value == 1

@@ -47,14 +47,32 @@ def test_the_alert_rules_pass_their_unit_tests() -> None:
 
 
 def test_every_alert_has_a_unit_test_and_a_runbook() -> None:
-    rules = [r for group in yaml.safe_load(RULES.read_text())["groups"] for r in group["rules"]]
+    rules = [
+        r for group in yaml.safe_load(RULES.read_text())["groups"] for r in group["rules"] if "alert" in r
+    ]
     alerts = {r["alert"] for r in rules}
     tests = yaml.safe_load(RULE_TESTS.read_text())["tests"]
-    tested = {a["alertname"] for t in tests for a in t["alert_rule_test"] if a.get("exp_alerts")}
+    tested = {a["alertname"] for t in tests for a in t.get("alert_rule_test", []) if a.get("exp_alerts")}
     assert alerts == tested
+    runbooks = (ROOT / "docs" / "runbooks.md").read_text()
     for rule in rules:
         assert rule["labels"]["severity"] in ("critical", "warning"), rule["alert"]
-        assert {"summary", "description", "runbook"} <= rule["annotations"].keys(), rule["alert"]
+        notes = rule["annotations"]
+        assert {"summary", "description", "runbook", "runbook_url"} <= notes.keys(), rule["alert"]
+        # As kube-prometheus' alerts do: a link to the alert's own section of docs/runbooks.md.
+        page, _, section = notes["runbook_url"].partition("#")
+        assert page.endswith("/docs/runbooks.md"), rule["alert"]
+        assert f"\n## {rule['alert']}\n" in runbooks
+        assert section == rule["alert"].lower()  # GitHub's anchor of that heading
+
+
+def test_every_recording_rule_is_unit_tested() -> None:
+    rules = [r for group in yaml.safe_load(RULES.read_text())["groups"] for r in group["rules"]]
+    recorded = {r["record"] for r in rules if "record" in r}
+    assert recorded
+    tests = yaml.safe_load(RULE_TESTS.read_text())["tests"]
+    exercised = " ".join(e["expr"] for t in tests for e in t.get("promql_expr_test", []))
+    assert all(name in exercised for name in recorded)
 
 
 def test_a_broken_rule_fails_its_unit_test(tmp_path: Path) -> None:

@@ -160,8 +160,8 @@ def test_prolog_ranks_and_epilog_end_to_end(cluster: Cluster, tmp_path: Path) ->
     assert job["world_size"] == 2
     assert [r["rank"] for r in job["ranks"]] == [0, 1]  # from SLURM_PROCID
     assert job["labels"] == {**LABELS, "slurm_job_name": "llama"}  # the ranks add what the Prolog lacked
-    (info,) = samples_named(scrape(coordinator.metrics_url), "clusterwatch_job_info", job=JOB)
-    assert info.labels == {"job": JOB, **LABELS, "slurm_job_name": "llama"}
+    (info,) = samples_named(scrape(coordinator.metrics_url), "clusterwatch_job_info", training_job=JOB)
+    assert info.labels == {"training_job": JOB, **LABELS, "slurm_job_name": "llama"}
     assert info.value == 1
 
     # scancel: SLURM kills the tasks before the Epilog runs; the first death is a rank failure.
@@ -191,7 +191,7 @@ def test_prolog_ranks_and_epilog_end_to_end(cluster: Cluster, tmp_path: Path) ->
         "the teardown report refused",
     )
     assert job_json(coordinator, JOB) is None
-    assert [s for s in scrape(coordinator.metrics_url) if s.labels.get("job") == JOB] == []
+    assert [s for s in scrape(coordinator.metrics_url) if s.labels.get("training_job") == JOB] == []
     with coordinator.client() as client:
         assert [i for i in client.incidents() if i.job == JOB] == []
 

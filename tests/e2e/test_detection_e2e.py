@@ -111,7 +111,9 @@ def test_a_stopped_rank_is_a_hang_naming_it_with_a_healthy_ranks_stack(
     assert resolved.resolved_unix_seconds >= resolved.opened_unix_seconds
     until.touch()
     assert job.wait(120) == 0, job.log()
-    hangs = samples_named(scrape(coordinator.metrics_url), "clusterwatch_hangs_detected_total", job="stopped")
+    hangs = samples_named(
+        scrape(coordinator.metrics_url), "clusterwatch_hangs_detected_total", training_job="stopped"
+    )
     assert [s.value for s in hangs] == [1.0]
 
 
@@ -141,7 +143,7 @@ def test_a_slowed_rank_is_a_compute_straggler(cluster: Cluster, tmp_path: Path) 
     ratios = {
         s.labels["rank"]: s.value
         for s in samples_named(
-            scrape(coordinator.metrics_url), "clusterwatch_rank_slowdown_ratio", job="slow"
+            scrape(coordinator.metrics_url), "clusterwatch_rank_slowdown_ratio", training_job="slow"
         )
     }
     until.touch()
@@ -155,7 +157,9 @@ def test_a_slowed_rank_is_a_compute_straggler(cluster: Cluster, tmp_path: Path) 
     assert ratios["2"] > 1.15, ratios
     assert max(ratios["0"], ratios["1"]) < 1.1, ratios
     metrics = scrape(coordinator.metrics_url)
-    detected = samples_named(metrics, "clusterwatch_stragglers_detected_total", job="slow", cause="compute")
+    detected = samples_named(
+        metrics, "clusterwatch_stragglers_detected_total", training_job="slow", cause="compute"
+    )
     assert [s.value for s in detected] == [1.0]
 
 

@@ -92,27 +92,33 @@ def test_four_rank_job_reports_steps_and_all_reduces(cluster: Cluster, tmp_path:
     )
 
     samples = scrape(coordinator.metrics_url)
-    assert {s.labels["rank"] for s in samples_named(samples, "clusterwatch_rank_step", job="e2e")} == {
+    assert {
+        s.labels["rank"] for s in samples_named(samples, "clusterwatch_rank_step", training_job="e2e")
+    } == {
         "0",
         "1",
         "2",
         "3",
     }
-    info = samples_named(samples, "clusterwatch_rank_info", job="e2e", rank="2")
+    info = samples_named(samples, "clusterwatch_rank_info", training_job="e2e", rank="2")
     assert info
     assert info[0].labels["node"] == "node-a"
     assert info[0].labels["pid"] == str(later[2].identity.pid)
-    count = samples_named(samples, "clusterwatch_collectives_total", job="e2e", op="all_reduce")[0].value
-    size = samples_named(samples, "clusterwatch_collective_bytes_total", job="e2e", op="all_reduce")[0].value
+    count = samples_named(samples, "clusterwatch_collectives_total", training_job="e2e", op="all_reduce")[
+        0
+    ].value
+    size = samples_named(samples, "clusterwatch_collective_bytes_total", training_job="e2e", op="all_reduce")[
+        0
+    ].value
     assert count > 0
     assert size == count * ALLREDUCE_BYTES
     busbw = samples_named(
-        samples, "clusterwatch_collective_bus_bandwidth_bytes_per_second", job="e2e", op="all_reduce"
+        samples, "clusterwatch_collective_bus_bandwidth_bytes_per_second", training_job="e2e", op="all_reduce"
     )
     assert {s.labels["rank"] for s in busbw} == {"0", "1", "2", "3"}
     assert all(s.value > 0 for s in busbw)
     histogram = samples_named(
-        samples, "clusterwatch_collective_duration_seconds_count", job="e2e", op="all_reduce"
+        samples, "clusterwatch_collective_duration_seconds_count", training_job="e2e", op="all_reduce"
     )
     assert histogram
     assert histogram[0].value == count
@@ -122,8 +128,8 @@ def test_four_rank_job_reports_steps_and_all_reduces(cluster: Cluster, tmp_path:
         "clusterwatch_rank_communication_seconds",
         "clusterwatch_rank_last_progress_timestamp_seconds",
     ):
-        assert len(samples_named(samples, name, job="e2e")) == 4, name
-    assert samples_named(samples, "clusterwatch_job_step_rate", job="e2e")[0].value > 0
+        assert len(samples_named(samples, name, training_job="e2e")) == 4, name
+    assert samples_named(samples, "clusterwatch_job_step_rate", training_job="e2e")[0].value > 0
 
     status = run_cli("status", "--coordinator", coordinator.address, "--json")
     assert status.returncode == 0, status.stderr
@@ -229,7 +235,8 @@ def test_a_failure_inside_the_hook_is_counted_and_training_goes_on(cluster: Clus
     wait_for(errors_reported, 120, "both ranks to report their hook errors")
     samples = scrape(coordinator.metrics_url)
     assert all(
-        s.value > 0 for s in samples_named(samples, "clusterwatch_rank_hook_errors_total", job="broken")
+        s.value > 0
+        for s in samples_named(samples, "clusterwatch_rank_hook_errors_total", training_job="broken")
     )
     until.touch()
     assert job.wait(120) == 0, job.log()

@@ -114,11 +114,12 @@ def test_a_hang_is_restarted_from_the_last_complete_checkpoint(cluster: Cluster,
     assert not restart.dry_run
     metrics = scrape(coordinator.metrics_url)
     assert [
-        s.value for s in samples_named(metrics, "clusterwatch_restarts_total", job="hangs", reason="hang")
+        s.value
+        for s in samples_named(metrics, "clusterwatch_restarts_total", training_job="hangs", reason="hang")
     ] == [1]
-    (recovery,) = samples_named(metrics, "clusterwatch_recovery_seconds", job="hangs")
+    (recovery,) = samples_named(metrics, "clusterwatch_recovery_seconds", training_job="hangs")
     assert recovery.value > 0
-    (lost,) = samples_named(metrics, "clusterwatch_steps_lost_total", job="hangs")
+    (lost,) = samples_named(metrics, "clusterwatch_steps_lost_total", training_job="hangs")
     assert lost.value >= int(STALL_STEP) - saved - 1
     assert [i.summary for i in incidents(coordinator) if i.kind == "rank_failure"] == []  # stopped on purpose
     assert session_processes(job.pid) == []
@@ -177,16 +178,18 @@ def test_a_rank_crash_is_restarted_by_torchrun_and_its_recovery_measured(
     assert [i.summary for i in incidents(coordinator) if i.kind == "hang"] == []  # torchrun acted first
     assert [
         s.value
-        for s in samples_named(metrics, "clusterwatch_restarts_total", job="crashes", reason="rank_failure")
+        for s in samples_named(
+            metrics, "clusterwatch_restarts_total", training_job="crashes", reason="rank_failure"
+        )
     ] == [1]
-    (recovery,) = samples_named(metrics, "clusterwatch_recovery_seconds", job="crashes")
+    (recovery,) = samples_named(metrics, "clusterwatch_recovery_seconds", training_job="crashes")
     assert recovery.value > 0
-    (lost,) = samples_named(metrics, "clusterwatch_steps_lost_total", job="crashes")
+    (lost,) = samples_named(metrics, "clusterwatch_steps_lost_total", training_job="crashes")
     # The steps after the checkpoint up to the crash are done again; a rank that dies loses the reports it had not yet
     # flushed (every 0.25 s, about six 40 ms steps), so the coordinator may have seen a little less.
     assert int(CRASH_STEP) - saved - 1 - UNFLUSHED_STEPS <= lost.value <= int(CRASH_STEP) - saved
     assert lost.value == crash.evidence["steps_lost"]
-    (ettr,) = samples_named(metrics, "clusterwatch_job_effective_training_time_ratio", job="crashes")
+    (ettr,) = samples_named(metrics, "clusterwatch_job_effective_training_time_ratio", training_job="crashes")
     assert 0 < ettr.value < 1
     assert not first_pids & {p.pid for p in session_processes(job.pid)}  # nothing left of the crashed group
     until.touch()
@@ -212,7 +215,7 @@ def test_the_rate_limit_leaves_a_job_that_keeps_hanging_to_a_person(cluster: Clu
     assert "left to a person" in hang.summary
     assert hang.state == cluster_pb2.IncidentState.INCIDENT_STATE_OPEN
     limited = samples_named(
-        scrape(coordinator.metrics_url), "clusterwatch_restarts_rate_limited_total", job="limited"
+        scrape(coordinator.metrics_url), "clusterwatch_restarts_rate_limited_total", training_job="limited"
     )
     assert [s.value for s in limited] == [1.0]
     job.stop()

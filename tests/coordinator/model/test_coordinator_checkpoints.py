@@ -166,7 +166,7 @@ def latest_checkpoint_in_snapshot(coordinator: Coordinator, job: str) -> int | N
 
 def ok_results(coordinator: Coordinator, job: str) -> float:
     samples = samples_named(
-        scrape(coordinator.metrics_url), "clusterwatch_job_checkpoint_results_total", job=job
+        scrape(coordinator.metrics_url), "clusterwatch_job_checkpoint_results_total", training_job=job
     )
     return sum(s.value for s in samples if s.labels["result"] == "ok")
 
