@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import platform
 import time
 import urllib.error
 import urllib.request
@@ -13,6 +14,7 @@ from concurrent import futures
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import clusterwatch
 from clusterwatch.exposition.http_server import MetricsHttpServer
 
 pytestmark = pytest.mark.timeout(30)
@@ -68,3 +70,28 @@ def test_every_page_ends_with_the_processs_own_series() -> None:
     (rss,) = families["process_resident_memory_bytes"].samples
     assert rss.value > 1 << 20  # this test process, a megabyte and more
     assert families["process_start_time_seconds"].samples[0].value <= time.time()
+    (build,) = families["clusterwatch_build_info"].samples
+    assert build.name == "clusterwatch_build_info"
+    assert build.labels["version"] == clusterwatch.__version__
+    assert build.labels["python_version"] == platform.python_version()
+    assert build.value == 1
+
+
+def test_head_answers_what_get_would_without_the_body() -> None:
+    page = b"# HELP clusterwatch_up Up.\n# TYPE clusterwatch_up gauge\nclusterwatch_up 1\n"
+    with serving(lambda: page) as url:
+        _, body = status_of(url)
+        for path, expected in ((url, 200), (url.replace("/metrics", "/healthz"), 200), (url + "x", 404)):
+            request = urllib.request.Request(path, method="HEAD")
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    status, headers, got = response.status, response.headers, response.read()
+            except urllib.error.HTTPError as exc:
+                status, headers, got = exc.code, exc.headers, exc.read()
+            assert status == expected, path
+            assert got == b""
+            if path == url:
+                assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
+                assert int(headers["Content-Length"]) == len(body)
+        # The connection stays usable after a HEAD (HTTP/1.1 keep-alive: no stray body on the wire).
+        assert status_of(url)[0] == 200
