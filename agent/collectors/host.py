@@ -36,6 +36,9 @@ import psutil
 from clusterwatch.agent.collectors.roots import psutil_procfs
 from clusterwatch.v1 import node_pb2
 
+# node_exporter's modes of node_cpu_seconds_total (guest time is inside user and nice already).
+CPU_MODES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
 logger = logging.getLogger(__name__)
 
 
@@ -103,7 +106,11 @@ class HostCollector:
 
     def _fill_cpu(self, host: node_pb2.HostSample) -> None:
         host.cpu_count = len(psutil.cpu_times(percpu=True))
-        current = _cpu_ticks(psutil.cpu_times())
+        times = psutil.cpu_times()
+        for mode in CPU_MODES:
+            if hasattr(times, mode):  # psutil lists only what this kernel reports
+                host.cpu_seconds.add(mode=mode, seconds_total=float(getattr(times, mode)))
+        current = _cpu_ticks(times)
         previous, self._last_cpu = self._last_cpu, current
         if previous is None:
             return

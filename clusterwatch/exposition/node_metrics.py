@@ -142,6 +142,10 @@ HOST_FIELDS: tuple[tuple[Family, str], ...] = (
     (gauge("clusterwatch_node_boot_time_seconds", "Host boot time, Unix seconds."), "boot_time_seconds"),
 )
 NODE_CPUS = gauge("clusterwatch_node_cpus", "Logical CPUs.")
+NODE_CPU_SECONDS = counter(
+    "clusterwatch_node_cpu_seconds_total",
+    "CPU time spent in each mode, summed over the node's CPUs (rate(): CPUs busy in that mode).",
+)
 
 # --- network ---------------------------------------------------------------
 NIC_FIELDS: tuple[tuple[Family, str], ...] = (
@@ -251,6 +255,7 @@ NODE_FAMILIES: tuple[Family, ...] = (
     GPU_PROCESSES,
     GPU_QUERY_ERRORS,
     NODE_CPUS,
+    NODE_CPU_SECONDS,
     *(f for f, _ in HOST_FIELDS),
     *(f for f, _ in NIC_FIELDS),
     NIC_UP,
@@ -395,6 +400,8 @@ def _write_fields(
 def _write_host(exp: Exposition, node: str, host: node_pb2.HostSample) -> None:
     if host.cpu_count:
         exp.add(NODE_CPUS, node, host.cpu_count)
+    for mode in host.cpu_seconds:
+        exp.add(NODE_CPU_SECONDS, f'{node},mode="{escape(mode.mode)}"', mode.seconds_total)
     for family, attr in HOST_FIELDS:
         _write_fields(exp, family, attr, (host,), (node,))
 

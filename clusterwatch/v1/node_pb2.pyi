@@ -475,6 +475,7 @@ class HostSample(_message.Message):
     SWAP_TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     PROCESSES_FIELD_NUMBER: _builtins.int
     BOOT_TIME_SECONDS_FIELD_NUMBER: _builtins.int
+    CPU_SECONDS_FIELD_NUMBER: _builtins.int
     cpu_utilization_ratio: _builtins.float
     cpu_count: _builtins.int
     load1: _builtins.float
@@ -487,6 +488,12 @@ class HostSample(_message.Message):
     swap_total_bytes: _builtins.int
     processes: _builtins.int
     boot_time_seconds: _builtins.float
+    @_builtins.property
+    def cpu_seconds(self) -> _containers.RepeatedCompositeFieldContainer[Global___CpuModeSeconds]:
+        """CPU time spent in each mode since boot, summed over the node's CPUs (node_exporter's
+        node_cpu_seconds_total modes: user, nice, system, idle, iowait, irq, softirq, steal).
+        """
+
     def __init__(
         self,
         *,
@@ -502,10 +509,11 @@ class HostSample(_message.Message):
         swap_total_bytes: _builtins.int | None = ...,
         processes: _builtins.int | None = ...,
         boot_time_seconds: _builtins.float | None = ...,
+        cpu_seconds: _abc.Iterable[Global___CpuModeSeconds] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_boot_time_seconds", b"_boot_time_seconds", "_cpu_utilization_ratio", b"_cpu_utilization_ratio", "_load1", b"_load1", "_load15", b"_load15", "_load5", b"_load5", "_memory_available_bytes", b"_memory_available_bytes", "_memory_total_bytes", b"_memory_total_bytes", "_memory_used_bytes", b"_memory_used_bytes", "_processes", b"_processes", "_swap_total_bytes", b"_swap_total_bytes", "_swap_used_bytes", b"_swap_used_bytes", "boot_time_seconds", b"boot_time_seconds", "cpu_utilization_ratio", b"cpu_utilization_ratio", "load1", b"load1", "load15", b"load15", "load5", b"load5", "memory_available_bytes", b"memory_available_bytes", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "processes", b"processes", "swap_total_bytes", b"swap_total_bytes", "swap_used_bytes", b"swap_used_bytes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_boot_time_seconds", b"_boot_time_seconds", "_cpu_utilization_ratio", b"_cpu_utilization_ratio", "_load1", b"_load1", "_load15", b"_load15", "_load5", b"_load5", "_memory_available_bytes", b"_memory_available_bytes", "_memory_total_bytes", b"_memory_total_bytes", "_memory_used_bytes", b"_memory_used_bytes", "_processes", b"_processes", "_swap_total_bytes", b"_swap_total_bytes", "_swap_used_bytes", b"_swap_used_bytes", "boot_time_seconds", b"boot_time_seconds", "cpu_count", b"cpu_count", "cpu_utilization_ratio", b"cpu_utilization_ratio", "load1", b"load1", "load15", b"load15", "load5", b"load5", "memory_available_bytes", b"memory_available_bytes", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "processes", b"processes", "swap_total_bytes", b"swap_total_bytes", "swap_used_bytes", b"swap_used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_boot_time_seconds", b"_boot_time_seconds", "_cpu_utilization_ratio", b"_cpu_utilization_ratio", "_load1", b"_load1", "_load15", b"_load15", "_load5", b"_load5", "_memory_available_bytes", b"_memory_available_bytes", "_memory_total_bytes", b"_memory_total_bytes", "_memory_used_bytes", b"_memory_used_bytes", "_processes", b"_processes", "_swap_total_bytes", b"_swap_total_bytes", "_swap_used_bytes", b"_swap_used_bytes", "boot_time_seconds", b"boot_time_seconds", "cpu_count", b"cpu_count", "cpu_seconds", b"cpu_seconds", "cpu_utilization_ratio", b"cpu_utilization_ratio", "load1", b"load1", "load15", b"load15", "load5", b"load5", "memory_available_bytes", b"memory_available_bytes", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "processes", b"processes", "swap_total_bytes", b"swap_total_bytes", "swap_used_bytes", b"swap_used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__boot_time_seconds: _TypeAlias = _typing.Literal["boot_time_seconds"]  # noqa: Y015
     _WhichOneofArgType__boot_time_seconds: _TypeAlias = _typing.Literal["_boot_time_seconds", b"_boot_time_seconds"]  # noqa: Y015
@@ -553,6 +561,28 @@ class HostSample(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__swap_used_bytes) -> _WhichOneofReturnType__swap_used_bytes | None: ...
 
 Global___HostSample: _TypeAlias = HostSample  # noqa: Y015
+
+@_typing.final
+class CpuModeSeconds(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    SECONDS_TOTAL_FIELD_NUMBER: _builtins.int
+    mode: _builtins.str
+    seconds_total: _builtins.float
+    def __init__(
+        self,
+        *,
+        mode: _builtins.str = ...,
+        seconds_total: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "seconds_total", b"seconds_total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CpuModeSeconds: _TypeAlias = CpuModeSeconds  # noqa: Y015
 
 @_typing.final
 class NicSample(_message.Message):

@@ -104,7 +104,7 @@ DROPPED: Mapping[str, tuple[str, ...]] = {
         "container",
     ),
     "GpuInventory": ("query_errors",),
-    "HostSample": ("load5", "load15", "swap_total_bytes", "processes", "boot_time_seconds"),
+    "HostSample": ("load5", "load15", "swap_total_bytes", "processes", "boot_time_seconds", "cpu_seconds"),
     "NicSample": ("receive_packets_total", "transmit_packets_total"),
     "IbPortSample": ("receive_packets_total", "transmit_packets_total", "hw_counters"),
 }

@@ -14,6 +14,7 @@ What psutil does not take from ``PROCFS_PATH``, so these tests cannot redirect:
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -65,6 +66,24 @@ def test_node_a_golden_values() -> None:
     assert host.swap_used_bytes == 0
     assert host.processes == 5  # 1, 2, 812, 4242, 987654; "net" is not a process
     assert host.boot_time_seconds == 1700000000.0
+
+
+def test_cpu_seconds_by_mode_are_the_stat_files_totals(node_a: Path) -> None:
+    """node_exporter's modes, from the aggregate ``cpu`` line (in USER_HZ ticks)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    fields = (node_a / "proc" / "stat").read_text().splitlines()[0].split()[1:]
+    ticks = dict(
+        zip(("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"), fields, strict=False)
+    )
+    host = collect(HostCollector(proc_root=node_a / "proc"))
+    assert {m.mode: m.seconds_total for m in host.cpu_seconds} == pytest.approx(
+        {mode: int(value) / hz for mode, value in ticks.items()}
+    )
+    # A counter: it grows with the later file and never runs backwards.
+    shutil.copyfile(node_a / "later" / "proc" / "stat", node_a / "proc" / "stat")
+    later = {m.mode: m.seconds_total for m in collect(HostCollector(proc_root=node_a / "proc")).cpu_seconds}
+    assert later["user"] - int(ticks["user"]) / hz == pytest.approx(600 / hz)  # 600 ticks more
+    assert all(later[mode] >= int(ticks[mode]) / hz for mode in ticks)
 
 
 def test_node_b_golden_values() -> None:

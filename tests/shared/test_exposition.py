@@ -68,6 +68,8 @@ def sample_report() -> node_pb2.NodeReport:
     # power_watts deliberately unset: unsupported on this GPU.
     report.host.cpu_utilization_ratio = 0.25
     report.host.cpu_count = 8
+    report.host.cpu_seconds.add(mode="user", seconds_total=1234.5)
+    report.host.cpu_seconds.add(mode="idle", seconds_total=99999.0)
     report.nics.add(device="eth0", receive_bytes_total=1000, transmit_bytes_total=2000, up=True)
     port = report.ib_ports.add(
         device="mlx5_0",
@@ -119,6 +121,10 @@ def test_node_report_becomes_the_expected_samples() -> None:
         ({**n, "function": "nvmlDeviceGetPowerUsage", "error": "NotSupported"}, 1.0)
     ]
     assert m["clusterwatch_node_cpu_utilization_ratio"] == [(n, 0.25)]
+    assert m["clusterwatch_node_cpu_seconds_total"] == [
+        ({**n, "mode": "user"}, 1234.5),
+        ({**n, "mode": "idle"}, 99999.0),
+    ]
     assert m["clusterwatch_network_receive_bytes_total"] == [({**n, "device": "eth0"}, 1000.0)]
     assert m["clusterwatch_network_up"] == [({**n, "device": "eth0"}, 1.0)]
     ib = {**n, "device": "mlx5_0", "port": "1"}
