@@ -335,7 +335,7 @@ class Agent:
         exp.add(NODE_UP, node, 1)
         register_node_families(exp)
         if report is not None:
-            write_node(exp, self.node_id, report)
+            write_node(exp, self.node_id, report, nvlink_per_link=self.settings.nvlink_series == "link")
         wiring = self.topology.wiring
         if wiring is not None:
             write_topology(exp, self.node_id, wiring)

@@ -41,6 +41,7 @@ CONFIG_PATH_ENV = "CLUSTERWATCH_CONFIG"
 GPU_BACKENDS = ("auto", "nvml", "sim", "none")
 # Who exports the per-GPU and other per-node hardware series (see CoordinatorSettings.hardware_series).
 HARDWARE_SERIES = ("coordinator", "agents")
+NVLINK_SERIES = ("gpu", "link")
 COLLECTORS = ("gpu", "host", "network", "infiniband")
 
 
@@ -128,6 +129,12 @@ class AgentSettings(TransportSettings):
         "kubelet pod-resources socket: GPU series get pod, namespace and container labels from it "
         "while it exists (empty: off)",
     )
+    nvlink_series: str = setting(
+        "gpu",
+        "NVLink traffic on this agent's /metrics (agents mode): gpu (summed over each GPU's links, as dcgm-exporter: 2 series a "
+        "GPU) or link (one per link, labelled link: 36 a GPU with 18 links)",
+        choices=NVLINK_SERIES,
+    )
 
     @property
     def resolved_node_id(self) -> str:
@@ -194,6 +201,12 @@ class CoordinatorSettings(TransportSettings):
         "one scrape) or agents (Prometheus scrapes each agent's /metrics; agents send the coordinator "
         "only the digest detection, status and top read: for ~1,000 nodes and more)",
         choices=HARDWARE_SERIES,
+    )
+    nvlink_series: str = setting(
+        "gpu",
+        "NVLink traffic on the coordinator's /metrics: gpu (summed over each GPU's links, as dcgm-exporter: 2 series a "
+        "GPU) or link (one per link, labelled link: 36 a GPU with 18 links)",
+        choices=NVLINK_SERIES,
     )
 
 

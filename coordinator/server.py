@@ -364,6 +364,7 @@ class CoordinatorServer:
             state_db=page.state,
             load=page.load,
             hardware=self.settings.hardware_series == "coordinator",
+            nvlink_per_link=self.settings.nvlink_series == "link",
         )
 
     async def _page(self) -> MetricsPage:

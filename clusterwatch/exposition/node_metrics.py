@@ -36,9 +36,13 @@ GPU_CLOCKS_EVENT_ACTIVE = gauge(
     "clusterwatch_gpu_clocks_event_active",
     "1 when NVML reports this clock-event (throttle) reason as active on the GPU.",
 )
-GPU_NVLINK_TX = counter("clusterwatch_gpu_nvlink_transmit_bytes_total", "NVLink data bytes sent, per link.")
+GPU_NVLINK_TX = counter(
+    "clusterwatch_gpu_nvlink_transmit_bytes_total",
+    "NVLink data bytes sent, summed over the GPU's links (per link, labelled link, with nvlink_series = link).",
+)
 GPU_NVLINK_RX = counter(
-    "clusterwatch_gpu_nvlink_receive_bytes_total", "NVLink data bytes received, per link."
+    "clusterwatch_gpu_nvlink_receive_bytes_total",
+    "NVLink data bytes received, summed over the GPU's links (per link, labelled link, with nvlink_series = link).",
 )
 GPU_NVLINK_ERRORS = counter(
     "clusterwatch_gpu_nvlink_errors_total",
@@ -279,10 +283,14 @@ def register_node_families(exp: Exposition) -> None:
         exp.lines(family)
 
 
-def write_node(exp: Exposition, node_id: str, report: node_pb2.NodeReport) -> None:
-    """Add every sample of one node's latest report to ``exp``."""
+def write_node(
+    exp: Exposition, node_id: str, report: node_pb2.NodeReport, *, nvlink_per_link: bool = False
+) -> None:
+    """Add every sample of one node's latest report to ``exp``. NVLink traffic is one series per GPU
+    (as dcgm-exporter's), or per link with ``nvlink_per_link``: 36 series a GPU instead of 2 on an
+    18-link GPU, half of an 8-GPU node's series."""
     node = f'node="{escape(node_id)}"'
-    _write_gpus(exp, node, report)
+    _write_gpus(exp, node, report, nvlink_per_link)
     _write_host(exp, node, report.host)
     _write_nics(exp, node, report.nics)
     _write_ib(exp, node, report.ib_ports)
@@ -294,7 +302,7 @@ def write_node(exp: Exposition, node_id: str, report: node_pb2.NodeReport) -> No
     exp.add(REPORT_TIMESTAMP, node, report.timestamp_unix_seconds)
 
 
-def _write_gpus(exp: Exposition, node: str, report: node_pb2.NodeReport) -> None:
+def _write_gpus(exp: Exposition, node: str, report: node_pb2.NodeReport, nvlink_per_link: bool) -> None:
     inventory = report.gpu_inventory
     for err in inventory.query_errors:
         exp.add(
@@ -317,7 +325,7 @@ def _write_gpus(exp: Exposition, node: str, report: node_pb2.NodeReport) -> None
         )
     for family, attr in GPU_FIELDS:
         _write_fields(exp, family, attr, gpus, gpu_labels)
-    _write_gpu_links_and_reasons(exp, gpus, gpu_labels)
+    _write_gpu_links_and_reasons(exp, gpus, gpu_labels, nvlink_per_link)
     _write_gpu_health(exp, gpus, gpu_labels)
 
 
@@ -332,7 +340,7 @@ def _gpu_labels(node: str, gpu: node_pb2.GpuSample) -> str:
 
 
 def _write_gpu_links_and_reasons(
-    exp: Exposition, gpus: Sequence[node_pb2.GpuSample], gpu_labels: Sequence[str]
+    exp: Exposition, gpus: Sequence[node_pb2.GpuSample], gpu_labels: Sequence[str], nvlink_per_link: bool
 ) -> None:
     reason_lines = exp.lines(GPU_CLOCKS_EVENT_ACTIVE)
     nvl_tx, nvl_rx, nvl_err = exp.lines(GPU_NVLINK_TX), exp.lines(GPU_NVLINK_RX), exp.lines(GPU_NVLINK_ERRORS)
@@ -347,14 +355,30 @@ def _write_gpu_links_and_reasons(
         links = g.nvlinks
         if not links:
             continue
-        # One prefix per GPU; then per link only the link number and the value.
-        tx, rx = f'{tx_prefix}{lbl},link="', f'{rx_prefix}{lbl},link="'
-        nvl_tx.extend(
-            [f'{tx}{k.link}"}} {k.transmit_bytes_total}' for k in links if k.HasField("transmit_bytes_total")]
-        )
-        nvl_rx.extend(
-            [f'{rx}{k.link}"}} {k.receive_bytes_total}' for k in links if k.HasField("receive_bytes_total")]
-        )
+        if nvlink_per_link:
+            # One prefix per GPU; then per link only the link number and the value.
+            tx, rx = f'{tx_prefix}{lbl},link="', f'{rx_prefix}{lbl},link="'
+            nvl_tx.extend(
+                [
+                    f'{tx}{k.link}"}} {k.transmit_bytes_total}'
+                    for k in links
+                    if k.HasField("transmit_bytes_total")
+                ]
+            )
+            nvl_rx.extend(
+                [
+                    f'{rx}{k.link}"}} {k.receive_bytes_total}'
+                    for k in links
+                    if k.HasField("receive_bytes_total")
+                ]
+            )
+        else:
+            sent = [k.transmit_bytes_total for k in links if k.HasField("transmit_bytes_total")]
+            received = [k.receive_bytes_total for k in links if k.HasField("receive_bytes_total")]
+            if sent:
+                nvl_tx.append(f"{tx_prefix}{lbl}}} {sum(sent)}")
+            if received:
+                nvl_rx.append(f"{rx_prefix}{lbl}}} {sum(received)}")
         # Per-link error counters would be 18 links x 3 kinds per GPU; summed per
         # GPU they stay visible at a fraction of the series.
         for kind, attr in NVLINK_ERROR_KINDS:

@@ -70,6 +70,7 @@ def render(
     state_db: StateHealth | None = None,
     load: LoadView | None = None,
     hardware: bool = True,
+    nvlink_per_link: bool = False,
 ) -> bytes:
     """The whole page. Hardware series come only from nodes that are up, so a
     node that went silent does not keep exporting its last values; training
@@ -106,7 +107,7 @@ def render(
     for (node_id, reason), count in sorted((reports_rejected or {}).items()):
         exp.add(REPORTS_REJECTED, f'node="{escape(node_id)}",reason="{escape(reason)}"', count)
     if hardware:
-        _write_hardware(exp, views)
+        _write_hardware(exp, views, nvlink_per_link)
     if training is not None:
         write_training(exp, training)
     if incidents is not None:
@@ -121,10 +122,10 @@ def render(
     return exp.render()
 
 
-def _write_hardware(exp: Exposition, views: Sequence[NodeView]) -> None:
+def _write_hardware(exp: Exposition, views: Sequence[NodeView], nvlink_per_link: bool) -> None:
     register_node_families(exp)
     for v in views:
         if v.state == NodeState.NODE_STATE_UP and v.report is not None:
-            write_node(exp, v.node_id, v.report)
+            write_node(exp, v.node_id, v.report, nvlink_per_link=nvlink_per_link)
         if v.state == NodeState.NODE_STATE_UP and v.wiring is not None:
             write_topology(exp, v.node_id, v.wiring)

@@ -27,11 +27,12 @@ PER_GPU = (
     "clusterwatch_gpu_memory_clock_hertz",
     "clusterwatch_gpu_pcie_transmit_bytes_per_second",
     "clusterwatch_gpu_pcie_receive_bytes_per_second",
+    # Summed over the GPU's links by default (nvlink_series = "gpu", as dcgm-exporter).
+    "clusterwatch_gpu_nvlink_transmit_bytes_total",
+    "clusterwatch_gpu_nvlink_receive_bytes_total",
 )
 PER_GPU_LABELLED = {
     "clusterwatch_gpu_clocks_event_active": "reason",
-    "clusterwatch_gpu_nvlink_transmit_bytes_total": "link",
-    "clusterwatch_gpu_nvlink_receive_bytes_total": "link",
     "clusterwatch_gpu_ecc_errors_total": "kind",
 }
 PER_NODE = (

@@ -84,6 +84,20 @@ def sample_report() -> node_pb2.NodeReport:
     return report
 
 
+def test_nvlink_traffic_per_link_when_asked() -> None:
+    exp = Exposition()
+    register_node_families(exp)
+    write_node(exp, "node-1", sample_report(), nvlink_per_link=True)
+    m = parse(exp.render())
+    g = {"node": "node-1", "gpu": "0"}
+    assert m["clusterwatch_gpu_nvlink_transmit_bytes_total"] == [
+        ({**g, "link": "3"}, 100.0),
+        ({**g, "link": "4"}, 5.0),
+    ]
+    assert m["clusterwatch_gpu_nvlink_receive_bytes_total"] == [({**g, "link": "3"}, 200.0)]
+    assert m["clusterwatch_gpu_nvlink_errors_total"] == [({**g, "kind": "crc"}, 1.0)]  # per GPU either way
+
+
 def test_node_report_becomes_the_expected_samples() -> None:
     exp = Exposition()
     register_node_families(exp)
@@ -110,10 +124,9 @@ def test_node_report_becomes_the_expected_samples() -> None:
     assert reasons["sw_power_cap"] == 1
     assert reasons["hw_thermal_slowdown"] == 1
     assert reasons["gpu_idle"] == 0
-    assert m["clusterwatch_gpu_nvlink_transmit_bytes_total"] == [
-        ({**g, "link": "3"}, 100.0),
-        ({**g, "link": "4"}, 5.0),
-    ]
+    # Summed over the GPU's links by default, as dcgm-exporter does (18 links: 2 series, not 36).
+    assert m["clusterwatch_gpu_nvlink_transmit_bytes_total"] == [(g, 105.0)]
+    assert m["clusterwatch_gpu_nvlink_receive_bytes_total"] == [(g, 200.0)]
     assert m["clusterwatch_gpu_nvlink_errors_total"] == [({**g, "kind": "crc"}, 1.0)]
     assert m["clusterwatch_gpu_ecc_errors_total"] == [({**g, "kind": "uncorrected"}, 2.0)]
     assert m["clusterwatch_gpu_xid_errors_total"] == [({**g, "xid": "79"}, 1.0)]
