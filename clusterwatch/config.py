@@ -157,6 +157,12 @@ class CoordinatorSettings(TransportSettings):
         optional=True,
     )
     state_dir: Path = setting(Path("/var/lib/clusterwatch"), "directory for the SQLite event database")
+    history_retention_days: float = setting(
+        30.0,
+        "days of history the SQLite database keeps: older events, resolved incidents, actions and "
+        "superseded checkpoints are deleted hourly (0: keep everything)",
+        minimum=0,
+    )
     unreachable_after_intervals: float = setting(
         3.0, "a node that misses this many report intervals is unreachable", positive=True
     )

@@ -39,6 +39,7 @@ from clusterwatch.coordinator.metrics.load import GroupView, LoadView
 from clusterwatch.coordinator.metrics.page import render
 from clusterwatch.coordinator.metrics.recovery import RecoveryView, recovery_view
 from clusterwatch.coordinator.model.event_log import EventLog, StateHealth
+from clusterwatch.coordinator.model.retention import SECONDS_PER_DAY, keep_pruned
 from clusterwatch.coordinator.recovery.actions import Actions
 from clusterwatch.coordinator.recovery.executor import Recovery
 from clusterwatch.coordinator.recovery.launchers import (
@@ -318,6 +319,11 @@ class CoordinatorServer:
             asyncio.create_task(self._watch_incidents(), name="detection"),
             asyncio.create_task(self.recovery.run(), name="recovery"),
         ]
+        if self.settings.history_retention_days > 0:
+            retention_s = self.settings.history_retention_days * SECONDS_PER_DAY
+            self._tasks.append(
+                asyncio.create_task(keep_pruned(self.core.event_log, retention_s), name="retention")
+            )
         if self.membership is not None:
             await self._join_group(self.membership)
             self._tasks.append(asyncio.create_task(self.membership.stay(), name="group"))

@@ -55,6 +55,13 @@ STATE_DROPPED_WRITES = counter(
     "clusterwatch_state_dropped_writes_total",
     "Queued writes dropped because the queue was full: history lost.",
 )
+STATE_SIZE = gauge(
+    "clusterwatch_state_database_size_bytes", "The state database's files on disk, with its write-ahead log."
+)
+STATE_PRUNED = counter(
+    "clusterwatch_state_pruned_rows_total",
+    "History rows deleted for being older than coordinator.history_retention_days.",
+)
 LAST_SEEN = gauge(
     "clusterwatch_node_last_seen_timestamp_seconds", "When the node last reported, Unix seconds."
 )
@@ -119,6 +126,8 @@ def render(
         exp.add(STATE_WRITE_FAILURES, "", state_db.write_failures_total)
         exp.add(STATE_PENDING_WRITES, "", state_db.pending_writes)
         exp.add(STATE_DROPPED_WRITES, "", state_db.dropped_writes_total)
+        exp.add(STATE_SIZE, "", state_db.size_bytes)
+        exp.add(STATE_PRUNED, "", state_db.pruned_rows_total)
     return exp.render()
 
 

@@ -98,6 +98,8 @@ CREATE INDEX IF NOT EXISTS actions_job ON actions (job, decided_unix_s);
 # Writes kept in memory while the database cannot be written (see the module docstring).
 MAX_PENDING_WRITES = 10_000
 RETRY_INTERVAL_S = 2.0
+# Rows per table deleted in one transaction by prune_batch: a few milliseconds each.
+PRUNE_BATCH_ROWS = 5_000
 
 INSERT_EVENTS = "INSERT INTO events (timestamp_unix_s, kind, node_id, detail) VALUES (?, ?, ?, ?)"
 UPSERT_NODE = (
@@ -129,6 +131,8 @@ class StateHealth:
         pending_writes: writes waiting in memory for the database.
         dropped_writes_total: queued writes dropped because the queue was full, since start.
         last_error: why the newest write failed ("" while writable).
+        size_bytes: the database's files on disk (with its WAL).
+        pruned_rows_total: rows deleted for being older than the retention, since start.
     """
 
     writable: bool
@@ -136,6 +140,8 @@ class StateHealth:
     pending_writes: int
     dropped_writes_total: int
     last_error: str
+    size_bytes: int = 0
+    pruned_rows_total: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +203,7 @@ class EventLog:
         self._write_failures_total = 0
         self._dropped_total = 0
         self._dropped_in_outage = 0
+        self._pruned_total = 0
         self._last_error = ""
         self._outage_started_s = 0.0
         self._next_retry_s = 0.0
@@ -226,7 +233,54 @@ class EventLog:
             pending_writes=len(self._pending),
             dropped_writes_total=self._dropped_total,
             last_error=self._last_error,
+            size_bytes=self.size_bytes(),
+            pruned_rows_total=self._pruned_total,
         )
+
+    def size_bytes(self) -> int:
+        """The database's files on disk: the database, its WAL and its shared-memory index."""
+        total = 0
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(OSError):
+                total += (self.path.parent / (self.path.name + suffix)).stat().st_size
+        return total
+
+    def prune_batch(self, before_unix_s: float, limit: int = PRUNE_BATCH_ROWS) -> int:
+        """Delete up to ``limit`` rows of each table from before ``before_unix_s``; the rows deleted
+        (call again while it returns any: small batches keep the caller's loop responsive).
+
+        What goes: events; incidents resolved, and opened before it; actions decided before it;
+        checkpoints completed before it, except each job's newest (a restart may need it). What
+        stays: open incidents however old, the node registry. A database that cannot be written
+        now is left for the next call.
+        """
+        if self._closed or self._pending:
+            return 0
+        resolved = IncidentState.RESOLVED.value
+        statements = (
+            "DELETE FROM events WHERE id IN (SELECT id FROM events WHERE timestamp_unix_s < ? LIMIT ?)",
+            "DELETE FROM incidents WHERE id IN (SELECT id FROM incidents WHERE state = ? AND "
+            "opened_unix_s < ? LIMIT ?)",
+            "DELETE FROM actions WHERE id IN (SELECT id FROM actions WHERE decided_unix_s < ? LIMIT ?)",
+            "DELETE FROM checkpoints WHERE rowid IN (SELECT c.rowid FROM checkpoints c JOIN (SELECT job, "
+            "MAX(step) AS step FROM checkpoints GROUP BY job) newest ON c.job = newest.job "
+            "WHERE c.step < newest.step AND c.completed_unix_s < ? LIMIT ?)",
+        )
+        deleted = 0
+        try:
+            with self._transaction():
+                for sql in statements:
+                    params = (
+                        (resolved, before_unix_s, limit) if "state = ?" in sql else (before_unix_s, limit)
+                    )
+                    deleted += self._db.execute(sql, params).rowcount
+        except sqlite3.ProgrammingError:
+            raise
+        except sqlite3.DatabaseError as exc:  # the next writes will say how the disk is; try later
+            logger.warning("state database %s: pruning old rows failed: %s", self.path, exc)
+            return 0
+        self._pruned_total += deleted
+        return deleted
 
     def retry_pending(self) -> bool:
         """Write the queued writes if a retry is due; True when none is left queued."""

@@ -239,6 +239,8 @@ def test_a_coordinator_that_cannot_write_its_database_serves_from_memory_and_cat
         caught_up["clusterwatch_state_writable"],
         caught_up["clusterwatch_state_dropped_writes_total"],
     ) == (1, 0)
+    assert caught_up["clusterwatch_state_database_size_bytes"] >= database.stat().st_size > 0
+    assert caught_up["clusterwatch_state_pruned_rows_total"] == 0  # nothing is 30 days old here
     assert events_of("node-a") == ["node_joined", "node_unreachable", "node_back"]
     assert stored(database, "SELECT node_id FROM nodes ORDER BY node_id") == [("node-a",), ("node-b",)]
     # Written from the queue (still open: a new coordinator resolves nothing in its first 15 s).
