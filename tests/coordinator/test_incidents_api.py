@@ -93,8 +93,9 @@ async def test_incidents_are_listed_acknowledged_resolved_and_counted(cluster: C
         with pytest.raises(grpc.RpcError) as twice:
             client.update_incident(incident.id, ACKNOWLEDGED)
         assert twice.value.code() == grpc.StatusCode.NOT_FOUND
-        assert client.incidents() == []
-        assert [i.state for i in client.incidents(include_resolved=True)] == [RESOLVED]
+        # (node-a's stream has ended: on a slow machine its node_unreachable incident may be open by now.)
+        assert [i for i in client.incidents() if i.kind == "rank_failure"] == []
+        assert [i.state for i in client.incidents(include_resolved=True) if i.id == incident.id] == [RESOLVED]
     failed = run_cli("incidents", "--resolve", incident.id, "--coordinator", coordinator.address)
     assert failed.returncode == 1
     assert "NOT_FOUND" in failed.stderr
