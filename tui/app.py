@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 import grpc
@@ -21,6 +21,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
 from textual.css.query import NoMatches
+from textual.theme import Theme
 from textual.widgets import ContentSwitcher, Footer, Input, Static
 
 from clusterwatch.client import ClusterClient
@@ -29,30 +30,36 @@ from clusterwatch.tui.screens import HELP, ConfirmScreen, TextScreen
 from clusterwatch.tui.state import TopState
 from clusterwatch.tui.views import gpus, incidents, network, nodes, ranks, summary
 from clusterwatch.tui.views.details import TopologyFetch, node_detail, rank_detail
-from clusterwatch.tui.views.rows import Cell, Tone
+from clusterwatch.tui.views.rows import TONE_STYLES, Cell, Tone
 from clusterwatch.tui.widgets.heatmap import GpuHeatmap
 from clusterwatch.tui.widgets.table import RowTable
 from clusterwatch.v1 import cluster_pb2
 
 VIEWS = ("nodes", "gpus", "ranks", "network", "incidents")
 ACTIONS = frozenset({"checkpoint", "restart", "exclude"})
-TONE_STYLES = {
-    Tone.MUTED: "dim",
-    Tone.GOOD: "green",
-    Tone.WARNING: "yellow",
-    Tone.ERROR: "bold red",
-    Tone.ACCENT: "cyan",
-    Tone.PLAIN: "",
-}
 
 
-def line(cells: list[Cell]) -> Text:
+def tone_styles(theme: Theme | None) -> dict[Tone, str]:
+    """Each tone as the theme colours it (the table's CSS uses the same theme colours)."""
+    if theme is None:
+        return dict(TONE_STYLES)
+    return {
+        Tone.MUTED: "dim",
+        Tone.GOOD: theme.success or TONE_STYLES[Tone.GOOD],
+        Tone.WARNING: theme.warning or TONE_STYLES[Tone.WARNING],
+        Tone.ERROR: f"bold {theme.error or 'red'}",
+        Tone.ACCENT: theme.accent or TONE_STYLES[Tone.ACCENT],
+        Tone.PLAIN: "",
+    }
+
+
+def line(cells: list[Cell], styles: Mapping[Tone, str] = TONE_STYLES) -> Text:
     """Cells joined by two spaces, each in its tone's colour."""
     text = Text(no_wrap=True, overflow="ellipsis")
     for i, cell in enumerate(cells):
         if i:
             text.append("  ")
-        text.append(cell.text, style=TONE_STYLES[cell.tone])
+        text.append(cell.text, style=styles[cell.tone])
     return text
 
 
@@ -178,9 +185,21 @@ class TopApp(App[None]):
         self._refresh_header()
         self._refresh_view()
 
+    @property
+    def tone_styles(self) -> dict[Tone, str]:
+        """The tones in the current theme's colours: header, job lines and details follow the theme
+        as the tables do."""
+        return tone_styles(self.current_theme)
+
+    def watch_theme(self) -> None:
+        """A new theme: redraw what is coloured outside the tables now."""
+        with contextlib.suppress(NoMatches):
+            self._refresh_header()
+            self._refresh_view()
+
     def _refresh_header(self) -> None:
         self.query_one("#header", Static).update(
-            line(summary.header_cells(self.state, self.address, self._clock()))
+            line(summary.header_cells(self.state, self.address, self._clock()), self.tone_styles)
         )
 
     def _refresh_view(self) -> None:
@@ -192,13 +211,15 @@ class TopApp(App[None]):
             needle = self._filter_text()
             if needle:
                 grid = [n for n in grid if needle in n.node_id.lower()]
-            self.query_one("#gpu-summary", Static).update(line(gpus.gpu_summary(grid)))
+            self.query_one("#gpu-summary", Static).update(line(gpus.gpu_summary(grid), self.tone_styles))
             self.query_one(GpuHeatmap).show(grid)
         elif self.view == "ranks":
             lines = ranks.job_lines(self.state) or [
                 [Cell("no training job reports to this coordinator", Tone.MUTED)]
             ]
-            self.query_one("#job-lines", Static).update(Text("\n").join(line(cells) for cells in lines))
+            self.query_one("#job-lines", Static).update(
+                Text("\n").join(line(cells, self.tone_styles) for cells in lines)
+            )
             self.query_one("#rank-table", RowTable).show(ranks.rank_rows(self.state))
         elif self.view == "network":
             self.query_one("#network", RowTable).show(network.network_rows(self.state))
@@ -274,7 +295,7 @@ class TopApp(App[None]):
         if event.table.id == "nodes":
             node = self.state.node(event.key)
             if node is not None:
-                screen = TextScreen(f"node {node.node_id}", node_detail(node))
+                screen = TextScreen(f"node {node.node_id}", node_detail(node, styles=self.tone_styles))
                 self.push_screen(screen)
                 self._fetch_topology(node.node_id, screen)
         elif event.table.id == "rank-table":
@@ -323,7 +344,7 @@ class TopApp(App[None]):
     def _show_topology(self, node_id: str, screen: TextScreen, topology: TopologyFetch) -> None:
         node = self.state.node(node_id)
         if node is not None and screen in self.screen_stack:  # still open
-            screen.show(node_detail(node, topology))
+            screen.show(node_detail(node, topology, styles=self.tone_styles))
 
     def action_help(self) -> None:
         self.push_screen(TextScreen("clusterwatch top: keys", Text.from_markup(HELP)))

@@ -36,9 +36,10 @@ class SyntheticCluster:
     seed: int = 1
     step_s: float = 0.9
     with_faults: bool = True
+    node_prefix: str = "gpu-node-"
 
     def node_id(self, index: int) -> str:
-        return f"gpu-node-{index:04d}"
+        return f"{self.node_prefix}{index:04d}"
 
 
 def synthetic_snapshot(cluster: SyntheticCluster, tick: int = 0) -> cluster_pb2.ClusterSnapshot:

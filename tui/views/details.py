@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TypeAlias
 
 from rich.text import Text
 
 from clusterwatch.text.humanize import bandwidth, duration, percent, rank_state, size_bytes
 from clusterwatch.text.topology_render import NOT_REPORTED, node_lines
+from clusterwatch.tui.views.rows import TONE_STYLES, Tone
 from clusterwatch.v1 import cluster_pb2
 from clusterwatch.wire.gpu_reasons import active_reasons
 
@@ -15,7 +17,9 @@ TopologyFetch: TypeAlias = cluster_pb2.ClusterTopology | str | None
 """A node's topology as the detail has it: the coordinator's answer, why it is missing, or None while fetching."""
 
 
-def node_detail(node: cluster_pb2.NodeStatus, topology: TopologyFetch = None) -> Text:
+def node_detail(
+    node: cluster_pb2.NodeStatus, topology: TopologyFetch = None, *, styles: Mapping[Tone, str] = TONE_STYLES
+) -> Text:
     """The node's report (host, GPUs, NICs, ports, failed collectors), then its topology section."""
     report = node.report
     text = Text()
@@ -43,9 +47,11 @@ def node_detail(node: cluster_pb2.NodeStatus, topology: TopologyFetch = None) ->
             f"SM {gpu.sm_clock_hertz / 1e6:.0f}/{gpu.sm_clock_max_hertz / 1e6:.0f}MHz"
         )
         if reasons:
-            text.append(f" clocks held: {', '.join(reasons)}", style="yellow")
+            text.append(f" clocks held: {', '.join(reasons)}", style=styles[Tone.WARNING])
         if xids or gpu.ecc_uncorrected_errors_total:
-            text.append(f" {xids} ecc uncorrected {gpu.ecc_uncorrected_errors_total}", style="red")
+            text.append(
+                f" {xids} ecc uncorrected {gpu.ecc_uncorrected_errors_total}", style=styles[Tone.ERROR]
+            )
         text.append(f"  {gpu.uuid}\n", style="dim")
     for nic in report.nics:
         text.append(
@@ -60,13 +66,13 @@ def node_detail(node: cluster_pb2.NodeStatus, topology: TopologyFetch = None) ->
         )
     failed = [c for c in report.collectors if not c.success]
     for collector in failed:
-        text.append(f"  collector {collector.name} failed: {collector.error}\n", style="red")
+        text.append(f"  collector {collector.name} failed: {collector.error}\n", style=styles[Tone.ERROR])
     text.append("\n")
-    text.append_text(topology_section(node.node_id, topology))
+    text.append_text(topology_section(node.node_id, topology, styles))
     return text
 
 
-def topology_section(node_id: str, topology: TopologyFetch) -> Text:
+def topology_section(node_id: str, topology: TopologyFetch, styles: Mapping[Tone, str] = TONE_STYLES) -> Text:
     """``topology``, then the node's matrix, NICs and ranks as ``clusterwatch topology --node`` prints them."""
     text = Text()
     text.append("topology\n", style="bold")
@@ -74,7 +80,7 @@ def topology_section(node_id: str, topology: TopologyFetch) -> Text:
         text.append("fetching…\n", style="dim")
         return text
     if isinstance(topology, str):
-        text.append(f"unavailable: {topology}\n", style="yellow")
+        text.append(f"unavailable: {topology}\n", style=styles[Tone.WARNING])
         return text
     status = next((s for s in topology.nodes if s.node_id == node_id), None)
     if status is None or not status.HasField("topology"):

@@ -17,7 +17,7 @@ COLUMNS = (
     Column("SEVERITY", 8),
     Column("STATE", 8),
     Column("KIND", 13),
-    Column("JOB", 10),
+    Column("JOB", 10, names=True),
     Column("OPENED", 8, right=True),
     Column("SUMMARY", 20, flexible=True),
 )

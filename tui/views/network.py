@@ -12,7 +12,7 @@ from clusterwatch.tui.views.rows import Cell, Column, Row, SortValue, Tone, numb
 from clusterwatch.v1 import node_pb2
 
 COLUMNS = (
-    Column("NODE", 14),
+    Column("NODE", 14, names=True),
     Column("PORT", 12),
     Column("LINK", 7),
     Column("SPEED", 8, right=True),

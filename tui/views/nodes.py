@@ -16,7 +16,7 @@ from clusterwatch.wire.gpu_reasons import slowdown_reasons
 
 HISTORY_WIDTH = 12
 COLUMNS = (
-    Column("NODE", 14),
+    Column("NODE", 14, names=True),
     Column("STATE", 7),
     Column("GPUS", 4, right=True),
     Column("UTIL", 5, right=True),

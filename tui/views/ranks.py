@@ -15,7 +15,7 @@ COLLECTIVE_MISMATCH = "collective_mismatch"
 """A hang's cause when the rank is in another collective than its peers (coordinator/detection/mismatch.py)."""
 COLUMNS = (
     Column("RANK", 5, right=True),
-    Column("NODE", 13),
+    Column("NODE", 13, names=True),
     Column("STEP", 6, right=True),
     Column("TIME", 6, right=True),
     Column("COMP", 6, right=True),
@@ -23,7 +23,7 @@ COLUMNS = (
     Column("SLOW", 5, right=True),
     Column("BUSBW", 8, right=True),
     Column("STATE", 16, flexible=True),
-    Column("JOB", 10),
+    Column("JOB", 10, names=True),
 )
 
 

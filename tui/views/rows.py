@@ -34,6 +34,34 @@ class Column:
     """Right-aligned (numbers)."""
     flexible: bool = False
     """Takes the width the other columns leave (at least ``width``)."""
+    names: bool = False
+    """Names that differ at their ends (``llama-eco-node-017``): too long, they lose their middle,
+    not their end, so the nodes of one job stay told apart."""
+
+
+# Rich styles of the tones outside the tables, without a theme (TopApp uses its theme's).
+TONE_STYLES = {
+    Tone.MUTED: "dim",
+    Tone.GOOD: "green",
+    Tone.WARNING: "yellow",
+    Tone.ERROR: "bold red",
+    Tone.ACCENT: "cyan",
+    Tone.PLAIN: "",
+}
+
+
+def fit(text: str, width: int, *, middle: bool = False) -> str:
+    """``text`` in at most ``width`` characters: cut at the end with "…", or with ``middle`` in the
+    middle, keeping a third of the room for the start and the rest for the distinguishing end."""
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return "…"[:width]
+    if not middle:
+        return text[: width - 1] + "…"
+    head = (width - 1) // 3
+    tail = width - 1 - head
+    return text[:head] + "…" + text[len(text) - tail :]
 
 
 class Row:

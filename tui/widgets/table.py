@@ -22,7 +22,7 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from clusterwatch.tui.views.rows import Column, Row, SortValue, Tone
+from clusterwatch.tui.views.rows import Column, Row, SortValue, Tone, fit
 
 _GAP = 1
 _HEADER_LINES = 1
@@ -291,7 +291,7 @@ class RowTable(ScrollView, can_focus=True):
     ) -> list[Segment]:
         segments = []
         for i, (text, tone, width, column) in enumerate(zip(texts, tones, widths, self.columns, strict=True)):
-            shown = text if len(text) <= width else text[: max(0, width - 1)] + "…"
+            shown = fit(text, width, middle=column.names)
             padded = shown.rjust(width) if column.right else shown.ljust(width)
             cell_style = style if tone is Tone.PLAIN else style + self._style(tone.value)
             if overlay is not None:
