@@ -41,8 +41,8 @@ METRIC = re.compile(r"\bclusterwatch_[a-z0-9_]+")
 # Grafana's interval variables, as it would expand them for a short range at a 1 s scrape interval.
 RATE_INTERVAL_S = 4 * SCRAPE_INTERVAL_S
 MIN_SAMPLES = 6
-# Values some variables must offer; none may offer Prometheus' own scrape job name (honor_labels).
-EXPECTED_VALUES = {"job": {"demo-train", FABRIC_JOB}, "node": {"demo-node-1", FABRIC_NODE}}
+# Values some variables must offer; none may offer Prometheus' own scrape job name.
+EXPECTED_VALUES = {"training_job": {"demo-train", FABRIC_JOB}, "node": {"demo-node-1", FABRIC_NODE}}
 SCRAPE_JOBS = {"clusterwatch-coordinator", "clusterwatch-agent"}
 
 
@@ -237,6 +237,8 @@ def check_every_query(
         if not result:
             failures.append(f"{where}: {expr}: no data")
 
+    named = {v["name"] for d in dashboards.values() for v in d["templating"]["list"]}
+    assert EXPECTED_VALUES.keys() <= named  # each expectation is about a variable that exists
     for name, dashboard in dashboards.items():
         variables = [v["name"] for v in dashboard["templating"]["list"]]
         for variable in query_variables(dashboard):

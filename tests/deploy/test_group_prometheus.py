@@ -78,7 +78,7 @@ async def test_prometheus_over_two_coordinators_counts_each_node_once_and_every_
         rules = [r for group in yaml.safe_load(RULES.read_text())["groups"] for r in group["rules"]]
         firing = {}
         for rule in rules:  # raises with Prometheus' error if an expression fails over two coordinators
-            firing[rule["alert"]] = prometheus.query(rule["expr"], now)
+            firing[rule.get("alert") or rule["record"]] = prometheus.query(rule["expr"], now)
         assert not firing["ClusterwatchCoordinatorLeaseLost"]
         assert len(firing) == len(rules)
     finally:

@@ -34,11 +34,19 @@ def _packages_on_disk() -> dict[str, Path]:
     return found
 
 
+# Folders of data, not code, shipped as packages (clusterwatch/bundled.py reads them).
+DATA_PACKAGES = {"clusterwatch.dashboards": "dashboards", "clusterwatch.rules": "deploy/prometheus/rules"}
+
+
 def test_pyproject_lists_every_package_so_a_new_folder_cannot_be_left_out_of_the_wheel() -> None:
     listed = _setuptools()["packages"]
     assert isinstance(listed, list)
     assert sorted(set(_packages_on_disk()) - set(listed)) == []
-    assert sorted(set(listed) - set(_packages_on_disk())) == []
+    assert sorted(set(listed) - set(_packages_on_disk()) - DATA_PACKAGES.keys()) == []
+    for package, folder in DATA_PACKAGES.items():
+        assert package in listed
+        assert _setuptools()["package-dir"][package] == folder
+        assert not (ROOT / folder / "__init__.py").exists()  # data only: nothing to import
 
 
 def test_package_dir_maps_every_package_to_its_folder() -> None:
