@@ -35,6 +35,7 @@ from clusterwatch.exposition.node_metrics import (
     write_topology,
 )
 from clusterwatch.exposition.promtext import Exposition, counter, escape, gauge, labels
+from clusterwatch.exposition.web_config import load_web_config
 from clusterwatch.runtime import sd_notify
 from clusterwatch.runtime.tls import TlsFiles
 from clusterwatch.v1 import agent_pb2, node_pb2
@@ -288,7 +289,11 @@ class Agent:
     async def _report_until(self, stop: asyncio.Event) -> None:
         if self.settings.metrics_listen:
             self._http = MetricsHttpServer(
-                self.settings.metrics_listen, self.render_metrics, lambda: True, key="agent.metrics_listen"
+                self.settings.metrics_listen,
+                self.render_metrics,
+                lambda: True,
+                key="agent.metrics_listen",
+                web=load_web_config(self.settings.web_config_file, "agent.web_config_file"),
             )
             self._http.start()
             logger.info("serving /metrics on port %d", self._http.port)

@@ -27,6 +27,8 @@ class PrometheusServer:
     Args:
         agent_job: settings of a second scrape job, ``clusterwatch-agent``, whose targets
             ``scrape_agents`` names (coordinator.hardware_series = "agents"); None: no such job.
+        coordinator_job: more settings of the ``clusterwatch-coordinator`` job (scheme,
+            tls_config, basic_auth...).
 
     Raises:
         FileNotFoundError: prometheus is not installed.
@@ -39,6 +41,7 @@ class PrometheusServer:
         scrape_interval_s: int = 1,
         binary: str | None = None,
         agent_job: Mapping[str, Any] | None = None,
+        coordinator_job: Mapping[str, Any] | None = None,
     ) -> None:
         binary = binary or shutil.which("prometheus")
         if binary is None:
@@ -50,8 +53,9 @@ class PrometheusServer:
         self.agent_targets_path.write_text("[]")
         jobs: list[dict[str, Any]] = [
             {
+                **(coordinator_job or {}),
+                # As deploy/prometheus/prometheus.yml: no honor_labels (training series say training_job).
                 "job_name": "clusterwatch-coordinator",
-                "honor_labels": True,  # as deploy/prometheus/prometheus.yml: keep training jobs' job label
                 "file_sd_configs": [{"files": [str(self.targets_path)]}],
             }
         ]

@@ -131,9 +131,15 @@ class AgentSettings(TransportSettings):
     )
     nvlink_series: str = setting(
         "gpu",
-        "NVLink traffic on this agent's /metrics (agents mode): gpu (summed over each GPU's links, as dcgm-exporter: 2 series a "
-        "GPU) or link (one per link, labelled link: 36 a GPU with 18 links)",
+        "NVLink traffic on this agent's /metrics (agents mode): gpu (summed over each GPU's links, "
+        "as dcgm-exporter: 2 series a GPU) or link (one per link, labelled link: 36 a GPU with 18 links)",
         choices=NVLINK_SERIES,
+    )
+    web_config_file: str = setting(
+        "",
+        "this agent's /metrics over TLS and with basic auth, as a Prometheus exporter-toolkit web "
+        "config file says (tls_server_config, basic_auth_users: the file node_exporter's "
+        "--web.config.file reads); empty: plain HTTP",
     )
 
     @property
@@ -210,9 +216,15 @@ class CoordinatorSettings(TransportSettings):
     )
     nvlink_series: str = setting(
         "gpu",
-        "NVLink traffic on the coordinator's /metrics: gpu (summed over each GPU's links, as dcgm-exporter: 2 series a "
-        "GPU) or link (one per link, labelled link: 36 a GPU with 18 links)",
+        "NVLink traffic on the coordinator's /metrics: gpu (summed over each GPU's links, as "
+        "dcgm-exporter: 2 series a GPU) or link (one per link, labelled link: 36 a GPU with 18 links)",
         choices=NVLINK_SERIES,
+    )
+    web_config_file: str = setting(
+        "",
+        "the coordinator's /metrics over TLS and with basic auth, as a Prometheus exporter-toolkit "
+        "web config file says (tls_server_config, basic_auth_users: the file node_exporter's "
+        "--web.config.file reads); empty: plain HTTP",
     )
 
 

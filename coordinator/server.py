@@ -54,6 +54,7 @@ from clusterwatch.coordinator.views.nodes import NodeView, node_views
 from clusterwatch.coordinator.wiring import build_core
 from clusterwatch.errors import ClusterwatchError
 from clusterwatch.exposition.http_server import MetricsHttpServer
+from clusterwatch.exposition.web_config import load_web_config
 from clusterwatch.runtime import sd_notify
 from clusterwatch.runtime.etcd import Etcd
 from clusterwatch.runtime.grpc_options import SERVER_OPTIONS
@@ -302,6 +303,7 @@ class CoordinatorServer:
                 self.render_metrics,
                 lambda: True,
                 key="coordinator.metrics_listen",
+                web=load_web_config(self.settings.web_config_file, "coordinator.web_config_file"),
             )
             self._http.start()
             self.metrics_port = self._http.port

@@ -34,8 +34,16 @@ def require(tool: str, package: str = "prometheus") -> str:
     return path
 
 
-def start_prometheus(workdir: Path, agent_job: dict[str, Any] | None = None) -> PrometheusServer:
-    return PrometheusServer(workdir, SCRAPE_INTERVAL_S, binary=require("prometheus"), agent_job=agent_job)
+def start_prometheus(
+    workdir: Path, agent_job: dict[str, Any] | None = None, coordinator_job: dict[str, Any] | None = None
+) -> PrometheusServer:
+    return PrometheusServer(
+        workdir,
+        SCRAPE_INTERVAL_S,
+        binary=require("prometheus"),
+        agent_job=agent_job,
+        coordinator_job=coordinator_job,
+    )
 
 
 def deployed_agent_job() -> dict[str, Any]:

@@ -34,7 +34,17 @@ EXIT_UNREACHABLE = 1
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 
 OPTIONAL_MODULES = frozenset(
-    {"cryptography", "grpc_health", "grpc_reflection", "prometheus_client", "psutil", "pynvml", "textual"}
+    {
+        "bcrypt",
+        "cryptography",
+        "grpc_health",
+        "grpc_reflection",
+        "prometheus_client",
+        "psutil",
+        "pynvml",
+        "textual",
+        "yaml",
+    }
 )
 """What only the daemons and ``top`` import. ``pip install clusterwatch`` alone is the training
 hook's install (grpcio and protobuf); pyproject.toml's extras add these: ``agent``,

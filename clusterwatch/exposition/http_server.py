@@ -17,11 +17,14 @@ from __future__ import annotations
 import gzip
 import logging
 import platform
+import ssl
+import sys
 import threading
 from collections.abc import Callable
 from concurrent import futures
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Info, PlatformCollector, ProcessCollector, generate_latest
@@ -30,10 +33,13 @@ from clusterwatch import __version__
 from clusterwatch.config import split_host_port
 from clusterwatch.errors import ListenError
 from clusterwatch.exposition.promtext import CONTENT_TYPE
+from clusterwatch.exposition.web_config import WebConfig
 from clusterwatch.runtime.listen import describe_bind_error
 
 logger = logging.getLogger(__name__)
 
+# A client gets this long to finish its TLS handshake.
+HANDSHAKE_TIMEOUT_S = 10.0
 # Level 1: a 40 MB page compresses ~8x in a fraction of the time level 6 takes.
 GZIP_LEVEL = 1
 
@@ -63,16 +69,19 @@ class MetricsHttpServer:
         healthy: Callable[[], bool],
         *,
         key: str = "metrics_listen",
+        web: WebConfig | None = None,
     ) -> None:
-        """Bind ``address`` (the setting ``key``), not serving until start().
+        """Bind ``address`` (the setting ``key``), not serving until start(); with TLS and basic
+        auth where ``web`` (the web config file) says.
 
         Raises:
             ListenError: naming ``key``, the address and why it cannot be bound.
         """
         host, port = split_host_port(address)
-        handler = _make_handler(render, healthy)
+        handler = _make_handler(render, healthy, web or WebConfig(tls=None, users={}))
+        server_class = ThreadingHTTPServer if web is None or web.tls is None else _tls_server(web.tls)
         try:
-            self._server = ThreadingHTTPServer((host, port), handler)
+            self._server = server_class((host, port), handler)
         except OSError as exc:
             raise ListenError(
                 f"{key}: cannot serve /metrics on {address}: {describe_bind_error(exc, port)}"
@@ -93,10 +102,42 @@ class MetricsHttpServer:
         self._server.server_close()
 
 
-def _make_handler(render: Callable[[], bytes], healthy: Callable[[], bool]) -> type[BaseHTTPRequestHandler]:
+def _tls_server(context: ssl.SSLContext) -> type[ThreadingHTTPServer]:
+    """A ThreadingHTTPServer whose connections speak TLS; each handshake runs in its connection's
+    thread (never in the accept loop, where a slow client would hold up every other)."""
+
+    class TlsServer(ThreadingHTTPServer):
+        def get_request(self) -> tuple[Any, Any]:
+            sock, address = self.socket.accept()
+            return context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            """A handshake that failed (plain HTTP, an unknown client certificate): the client's
+            problem, logged at debug, not a traceback on stderr."""
+            logger.debug("https %s: %s", client_address[0], sys.exc_info()[1])
+
+    return TlsServer
+
+
+def _make_handler(
+    render: Callable[[], bytes], healthy: Callable[[], bool], web: WebConfig
+) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         head_only = False
+
+        def setup(self) -> None:
+            if isinstance(self.request, ssl.SSLSocket):
+                self.request.settimeout(HANDSHAKE_TIMEOUT_S)
+                self.request.do_handshake()  # a failure ends this connection only (handle_error)
+                self.request.settimeout(None)
+            super().setup()
+
+        def handle(self) -> None:
+            try:
+                super().handle()
+            except (ssl.SSLError, OSError) as exc:  # a client that broke off its handshake or connection
+                logger.debug("http %s: %s", self.client_address[0], exc)
 
         def do_HEAD(self) -> None:
             """What GET would answer, headers only (load balancers and uptime checks ask so)."""
@@ -116,6 +157,12 @@ def _make_handler(render: Callable[[], bytes], healthy: Callable[[], bool]) -> t
                 self._send(HTTPStatus.NOT_FOUND, b"not found; try /metrics or /healthz\n")
 
         def _metrics(self) -> None:
+            if not web.authorized(self.headers.get("Authorization")):
+                self.send_response(HTTPStatus.UNAUTHORIZED)
+                self.send_header("WWW-Authenticate", 'Basic realm="clusterwatch"')
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             try:
                 body = render() + self_metrics()
             except futures.CancelledError:  # the process is stopping: its loop cancelled the copy
