@@ -27,6 +27,7 @@ from typing import Any, Final
 
 from clusterwatch.agent.gpu.backend import GpuTopology
 from clusterwatch.agent.gpu.nvml_fields import FieldReader, GpuFields
+from clusterwatch.agent.gpu.nvml_gpm import GpmReader, GpmState
 from clusterwatch.agent.gpu.nvml_queries import SYSTEM_SCOPE, NvmlQueries, as_text
 from clusterwatch.agent.gpu.nvml_topology import NvmlGpu, read_gpu_topology
 from clusterwatch.agent.gpu.nvml_xid import XidWatcher
@@ -77,6 +78,7 @@ class _Gpu:
     index: int
     handle: Any
     fields: GpuFields
+    gpm: GpmState | None = None
     uuid: str = ""
     name: str = ""
     pci_bus_id: str = ""
@@ -130,6 +132,7 @@ class NvmlBackend:
         gpu_count = int(self._nvml.nvmlDeviceGetCount())
         self._queries = NvmlQueries(self._nvml)
         self._fields = FieldReader(self._nvml, self._queries)
+        self._gpm = GpmReader(self._nvml, self._queries)
         self._driver_version = as_text(self._queries.call(SYSTEM_SCOPE, "nvmlSystemGetDriverVersion") or "")
         self._gpus: list[_Gpu] = []
         for index in range(gpu_count):
@@ -137,7 +140,14 @@ class NvmlBackend:
             if handle is None:
                 logger.warning("GPU %d: NVML gave no handle; it is left out of samples", index)
                 continue
-            self._gpus.append(_Gpu(index=index, handle=handle, fields=self._fields.prepare(index, handle)))
+            self._gpus.append(
+                _Gpu(
+                    index=index,
+                    handle=handle,
+                    fields=self._fields.prepare(index, handle),
+                    gpm=self._gpm.prepare(index, handle),
+                )
+            )
         self._xid = XidWatcher(
             self._nvml,
             self._queries,
@@ -192,6 +202,8 @@ class NvmlBackend:
         if self._closed:
             return
         self._closed = True
+        for gpu in self._gpus:
+            self._gpm.close(gpu.index, gpu.gpm)
         if self._xid.close():
             self._shutdown()
 
@@ -211,6 +223,7 @@ class NvmlBackend:
         self._fill_pcie(gpu, sample, timestamps)
         self._fill_health(gpu, sample)
         self._fill_processes(gpu, sample)
+        self._gpm.fill(gpu.index, gpu.handle, gpu.gpm, sample)
         for xid, count in self._xid.counts(gpu.index):
             sample.xid_errors.add(xid=xid, count=count)
         return sample

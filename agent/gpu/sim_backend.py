@@ -66,6 +66,7 @@ class _SimGpu:
     nvlink_receive_bytes_total: float
     pcie_transmit_bytes_total: float = 0.0  # set from the NVLink totals, see _make_gpu()
     pcie_receive_bytes_total: float = 0.0
+    thermal_violation_s: float = 0.0
     template: bytes = b""  # serialised static fields, see _template()
 
 
@@ -190,6 +191,16 @@ class SimulatedBackend:
         sample.pcie_receive_bytes_per_second = pcie_rate * 1.3
         sample.pcie_transmit_bytes_total = int(gpu.pcie_transmit_bytes_total)
         sample.pcie_receive_bytes_total = int(gpu.pcie_receive_bytes_total)
+        # GPM profiling: the simulated H100 does real work in proportion to its load.
+        sample.graphics_active_ratio = utilization
+        sample.sm_active_ratio = utilization * 0.92
+        sample.sm_occupancy_ratio = utilization * 0.45
+        sample.tensor_active_ratio = utilization * 0.6
+        sample.dram_active_ratio = utilization * 0.4
+        if reasons & _REASON_SW_THERMAL_SLOWDOWN:
+            gpu.thermal_violation_s += elapsed_s
+        sample.throttle_violations.add(reason="power", seconds_total=0.0)
+        sample.throttle_violations.add(reason="thermal", seconds_total=gpu.thermal_violation_s)
         for link in sample.nvlinks:
             # Links differ by a fixed skew so per-link views are not all identical.
             link.transmit_bytes_total = transmit_bytes + link.link * 1_000_003

@@ -59,6 +59,10 @@ GPU_ECC = counter(
 )
 GPU_REMAPPED_ROWS = gauge("clusterwatch_gpu_remapped_rows", "Memory rows remapped, by kind.")
 GPU_XID = counter("clusterwatch_gpu_xid_errors_total", "XID errors seen by this agent, by XID code.")
+GPU_VIOLATIONS = counter(
+    "clusterwatch_gpu_throttle_violation_seconds_total",
+    "Time the GPU's clocks were held down since the driver loaded, by reason (NVML violation status).",
+)
 GPU_QUERY_ERRORS = counter(
     "clusterwatch_gpu_query_errors_total",
     "NVML calls that failed, by function and error (e.g. NotSupported).",
@@ -70,6 +74,43 @@ GPU_FIELDS: tuple[tuple[Family, str], ...] = (
     (
         gauge("clusterwatch_gpu_utilization_ratio", "Fraction of time a kernel ran (NVML GPU utilisation)."),
         "utilization_ratio",
+    ),
+    # NVML GPM (Hopper and newer), as dcgm-exporter's DCGM_FI_PROF_* defaults: real work, not
+    # "a kernel ran" (a stalled NCCL kernel is 100 % utilised and near 0 here).
+    (
+        gauge(
+            "clusterwatch_gpu_graphics_active_ratio",
+            "Fraction of the last interval the graphics engine was busy (GPM; DCGM_FI_PROF_GR_ENGINE_ACTIVE).",
+        ),
+        "graphics_active_ratio",
+    ),
+    (
+        gauge(
+            "clusterwatch_gpu_sm_active_ratio",
+            "Fraction of the last interval the SMs had a warp resident (GPM; DCGM_FI_PROF_SM_ACTIVE).",
+        ),
+        "sm_active_ratio",
+    ),
+    (
+        gauge(
+            "clusterwatch_gpu_sm_occupancy_ratio",
+            "Resident warps over the SMs' maximum, averaged over the last interval (GPM; DCGM_FI_PROF_SM_OCCUPANCY).",
+        ),
+        "sm_occupancy_ratio",
+    ),
+    (
+        gauge(
+            "clusterwatch_gpu_tensor_active_ratio",
+            "Fraction of the last interval a tensor pipe was busy (GPM; DCGM_FI_PROF_PIPE_TENSOR_ACTIVE).",
+        ),
+        "tensor_active_ratio",
+    ),
+    (
+        gauge(
+            "clusterwatch_gpu_dram_active_ratio",
+            "Fraction of the last interval the DRAM interface was busy (GPM; DCGM_FI_PROF_DRAM_ACTIVE).",
+        ),
+        "dram_active_ratio",
     ),
     (
         gauge(
@@ -256,6 +297,7 @@ NODE_FAMILIES: tuple[Family, ...] = (
     GPU_REMAPPED_PENDING,
     GPU_REMAPPED_FAILURE,
     GPU_XID,
+    GPU_VIOLATIONS,
     GPU_PROCESSES,
     GPU_QUERY_ERRORS,
     NODE_CPUS,
@@ -403,6 +445,8 @@ def _write_gpu_health(exp: Exposition, gpus: Sequence[node_pb2.GpuSample], gpu_l
             exp.add(GPU_REMAPPED_FAILURE, lbl, int(g.remapped_rows_failure))
         for xid in g.xid_errors:
             exp.add(GPU_XID, f'{lbl},xid="{xid.xid}"', xid.count)
+        for violation in g.throttle_violations:
+            exp.add(GPU_VIOLATIONS, f'{lbl},reason="{escape(violation.reason)}"', violation.seconds_total)
         exp.add(GPU_PROCESSES, lbl, len(g.processes))
 
 

@@ -216,6 +216,10 @@ class NodeModel:
                 remapped_rows_uncorrectable=0,
                 remapped_rows_pending=False,
                 remapped_rows_failure=False,
+                # GPM: a rank stopped in a collective keeps "utilisation" high and does no work.
+                sm_active_ratio=util * 0.9,
+                tensor_active_ratio=util * 0.6,
+                dram_active_ratio=util * 0.35,
             )
 
     def _host(self, report: node_pb2.NodeReport, now_s: float, dt_s: float) -> None:

@@ -211,6 +211,12 @@ class GpuSample(_message.Message):
     POD_FIELD_NUMBER: _builtins.int
     NAMESPACE_FIELD_NUMBER: _builtins.int
     CONTAINER_FIELD_NUMBER: _builtins.int
+    GRAPHICS_ACTIVE_RATIO_FIELD_NUMBER: _builtins.int
+    SM_ACTIVE_RATIO_FIELD_NUMBER: _builtins.int
+    SM_OCCUPANCY_RATIO_FIELD_NUMBER: _builtins.int
+    TENSOR_ACTIVE_RATIO_FIELD_NUMBER: _builtins.int
+    DRAM_ACTIVE_RATIO_FIELD_NUMBER: _builtins.int
+    THROTTLE_VIOLATIONS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     uuid: _builtins.str
     name: _builtins.str
@@ -254,12 +260,32 @@ class GpuSample(_message.Message):
     """
     namespace: _builtins.str
     container: _builtins.str
+    graphics_active_ratio: _builtins.float
+    """Profiling metrics over the last report interval, from NVML's GPU Performance
+    Monitoring (nvmlGpmMetricsGet; Hopper and newer), as dcgm-exporter's
+    DCGM_FI_PROF_* report them: the share of time the graphics engine, the SMs
+    (and their warp slots), the tensor pipes and the DRAM interface were busy.
+    utilization_ratio says only that "a kernel ran": a stalled NCCL kernel is
+    100 % busy there and near 0 here. Unset where GPM is not supported, and on
+    the first sample.
+    """
+    sm_active_ratio: _builtins.float
+    sm_occupancy_ratio: _builtins.float
+    tensor_active_ratio: _builtins.float
+    dram_active_ratio: _builtins.float
     @_builtins.property
     def nvlinks(self) -> _containers.RepeatedCompositeFieldContainer[Global___NvLinkSample]: ...
     @_builtins.property
     def xid_errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___XidCount]: ...
     @_builtins.property
     def processes(self) -> _containers.RepeatedCompositeFieldContainer[Global___GpuProcess]: ...
+    @_builtins.property
+    def throttle_violations(self) -> _containers.RepeatedCompositeFieldContainer[Global___ThrottleViolation]:
+        """Time the GPU's clocks were held down, by reason, since the driver loaded
+        (nvmlDeviceGetViolationStatus): power, thermal, sync_boost, board_limit,
+        low_utilization, reliability, app_clocks, base_clocks.
+        """
+
     def __init__(
         self,
         *,
@@ -297,19 +323,29 @@ class GpuSample(_message.Message):
         pod: _builtins.str = ...,
         namespace: _builtins.str = ...,
         container: _builtins.str = ...,
+        graphics_active_ratio: _builtins.float | None = ...,
+        sm_active_ratio: _builtins.float | None = ...,
+        sm_occupancy_ratio: _builtins.float | None = ...,
+        tensor_active_ratio: _builtins.float | None = ...,
+        dram_active_ratio: _builtins.float | None = ...,
+        throttle_violations: _abc.Iterable[Global___ThrottleViolation] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_clocks_event_reasons", b"_clocks_event_reasons", "_ecc_corrected_errors_total", b"_ecc_corrected_errors_total", "_ecc_uncorrected_errors_total", b"_ecc_uncorrected_errors_total", "_energy_joules_total", b"_energy_joules_total", "_memory_bandwidth_utilization_ratio", b"_memory_bandwidth_utilization_ratio", "_memory_clock_hertz", b"_memory_clock_hertz", "_memory_temperature_celsius", b"_memory_temperature_celsius", "_memory_total_bytes", b"_memory_total_bytes", "_memory_used_bytes", b"_memory_used_bytes", "_pcie_receive_bytes_per_second", b"_pcie_receive_bytes_per_second", "_pcie_receive_bytes_total", b"_pcie_receive_bytes_total", "_pcie_replay_errors_total", b"_pcie_replay_errors_total", "_pcie_transmit_bytes_per_second", b"_pcie_transmit_bytes_per_second", "_pcie_transmit_bytes_total", b"_pcie_transmit_bytes_total", "_power_limit_watts", b"_power_limit_watts", "_power_watts", b"_power_watts", "_remapped_rows_correctable", b"_remapped_rows_correctable", "_remapped_rows_failure", b"_remapped_rows_failure", "_remapped_rows_pending", b"_remapped_rows_pending", "_remapped_rows_uncorrectable", b"_remapped_rows_uncorrectable", "_sm_clock_hertz", b"_sm_clock_hertz", "_sm_clock_max_hertz", b"_sm_clock_max_hertz", "_temperature_celsius", b"_temperature_celsius", "_utilization_ratio", b"_utilization_ratio", "clocks_event_reasons", b"clocks_event_reasons", "ecc_corrected_errors_total", b"ecc_corrected_errors_total", "ecc_uncorrected_errors_total", b"ecc_uncorrected_errors_total", "energy_joules_total", b"energy_joules_total", "memory_bandwidth_utilization_ratio", b"memory_bandwidth_utilization_ratio", "memory_clock_hertz", b"memory_clock_hertz", "memory_temperature_celsius", b"memory_temperature_celsius", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "pcie_receive_bytes_per_second", b"pcie_receive_bytes_per_second", "pcie_receive_bytes_total", b"pcie_receive_bytes_total", "pcie_replay_errors_total", b"pcie_replay_errors_total", "pcie_transmit_bytes_per_second", b"pcie_transmit_bytes_per_second", "pcie_transmit_bytes_total", b"pcie_transmit_bytes_total", "power_limit_watts", b"power_limit_watts", "power_watts", b"power_watts", "remapped_rows_correctable", b"remapped_rows_correctable", "remapped_rows_failure", b"remapped_rows_failure", "remapped_rows_pending", b"remapped_rows_pending", "remapped_rows_uncorrectable", b"remapped_rows_uncorrectable", "sm_clock_hertz", b"sm_clock_hertz", "sm_clock_max_hertz", b"sm_clock_max_hertz", "temperature_celsius", b"temperature_celsius", "utilization_ratio", b"utilization_ratio"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_clocks_event_reasons", b"_clocks_event_reasons", "_dram_active_ratio", b"_dram_active_ratio", "_ecc_corrected_errors_total", b"_ecc_corrected_errors_total", "_ecc_uncorrected_errors_total", b"_ecc_uncorrected_errors_total", "_energy_joules_total", b"_energy_joules_total", "_graphics_active_ratio", b"_graphics_active_ratio", "_memory_bandwidth_utilization_ratio", b"_memory_bandwidth_utilization_ratio", "_memory_clock_hertz", b"_memory_clock_hertz", "_memory_temperature_celsius", b"_memory_temperature_celsius", "_memory_total_bytes", b"_memory_total_bytes", "_memory_used_bytes", b"_memory_used_bytes", "_pcie_receive_bytes_per_second", b"_pcie_receive_bytes_per_second", "_pcie_receive_bytes_total", b"_pcie_receive_bytes_total", "_pcie_replay_errors_total", b"_pcie_replay_errors_total", "_pcie_transmit_bytes_per_second", b"_pcie_transmit_bytes_per_second", "_pcie_transmit_bytes_total", b"_pcie_transmit_bytes_total", "_power_limit_watts", b"_power_limit_watts", "_power_watts", b"_power_watts", "_remapped_rows_correctable", b"_remapped_rows_correctable", "_remapped_rows_failure", b"_remapped_rows_failure", "_remapped_rows_pending", b"_remapped_rows_pending", "_remapped_rows_uncorrectable", b"_remapped_rows_uncorrectable", "_sm_active_ratio", b"_sm_active_ratio", "_sm_clock_hertz", b"_sm_clock_hertz", "_sm_clock_max_hertz", b"_sm_clock_max_hertz", "_sm_occupancy_ratio", b"_sm_occupancy_ratio", "_temperature_celsius", b"_temperature_celsius", "_tensor_active_ratio", b"_tensor_active_ratio", "_utilization_ratio", b"_utilization_ratio", "clocks_event_reasons", b"clocks_event_reasons", "dram_active_ratio", b"dram_active_ratio", "ecc_corrected_errors_total", b"ecc_corrected_errors_total", "ecc_uncorrected_errors_total", b"ecc_uncorrected_errors_total", "energy_joules_total", b"energy_joules_total", "graphics_active_ratio", b"graphics_active_ratio", "memory_bandwidth_utilization_ratio", b"memory_bandwidth_utilization_ratio", "memory_clock_hertz", b"memory_clock_hertz", "memory_temperature_celsius", b"memory_temperature_celsius", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "pcie_receive_bytes_per_second", b"pcie_receive_bytes_per_second", "pcie_receive_bytes_total", b"pcie_receive_bytes_total", "pcie_replay_errors_total", b"pcie_replay_errors_total", "pcie_transmit_bytes_per_second", b"pcie_transmit_bytes_per_second", "pcie_transmit_bytes_total", b"pcie_transmit_bytes_total", "power_limit_watts", b"power_limit_watts", "power_watts", b"power_watts", "remapped_rows_correctable", b"remapped_rows_correctable", "remapped_rows_failure", b"remapped_rows_failure", "remapped_rows_pending", b"remapped_rows_pending", "remapped_rows_uncorrectable", b"remapped_rows_uncorrectable", "sm_active_ratio", b"sm_active_ratio", "sm_clock_hertz", b"sm_clock_hertz", "sm_clock_max_hertz", b"sm_clock_max_hertz", "sm_occupancy_ratio", b"sm_occupancy_ratio", "temperature_celsius", b"temperature_celsius", "tensor_active_ratio", b"tensor_active_ratio", "utilization_ratio", b"utilization_ratio"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clocks_event_reasons", b"_clocks_event_reasons", "_ecc_corrected_errors_total", b"_ecc_corrected_errors_total", "_ecc_uncorrected_errors_total", b"_ecc_uncorrected_errors_total", "_energy_joules_total", b"_energy_joules_total", "_memory_bandwidth_utilization_ratio", b"_memory_bandwidth_utilization_ratio", "_memory_clock_hertz", b"_memory_clock_hertz", "_memory_temperature_celsius", b"_memory_temperature_celsius", "_memory_total_bytes", b"_memory_total_bytes", "_memory_used_bytes", b"_memory_used_bytes", "_pcie_receive_bytes_per_second", b"_pcie_receive_bytes_per_second", "_pcie_receive_bytes_total", b"_pcie_receive_bytes_total", "_pcie_replay_errors_total", b"_pcie_replay_errors_total", "_pcie_transmit_bytes_per_second", b"_pcie_transmit_bytes_per_second", "_pcie_transmit_bytes_total", b"_pcie_transmit_bytes_total", "_power_limit_watts", b"_power_limit_watts", "_power_watts", b"_power_watts", "_remapped_rows_correctable", b"_remapped_rows_correctable", "_remapped_rows_failure", b"_remapped_rows_failure", "_remapped_rows_pending", b"_remapped_rows_pending", "_remapped_rows_uncorrectable", b"_remapped_rows_uncorrectable", "_sm_clock_hertz", b"_sm_clock_hertz", "_sm_clock_max_hertz", b"_sm_clock_max_hertz", "_temperature_celsius", b"_temperature_celsius", "_utilization_ratio", b"_utilization_ratio", "clocks_event_reasons", b"clocks_event_reasons", "container", b"container", "ecc_corrected_errors_total", b"ecc_corrected_errors_total", "ecc_uncorrected_errors_total", b"ecc_uncorrected_errors_total", "energy_joules_total", b"energy_joules_total", "index", b"index", "memory_bandwidth_utilization_ratio", b"memory_bandwidth_utilization_ratio", "memory_clock_hertz", b"memory_clock_hertz", "memory_temperature_celsius", b"memory_temperature_celsius", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "name", b"name", "namespace", b"namespace", "nvlinks", b"nvlinks", "pci_bus_id", b"pci_bus_id", "pcie_receive_bytes_per_second", b"pcie_receive_bytes_per_second", "pcie_receive_bytes_total", b"pcie_receive_bytes_total", "pcie_replay_errors_total", b"pcie_replay_errors_total", "pcie_transmit_bytes_per_second", b"pcie_transmit_bytes_per_second", "pcie_transmit_bytes_total", b"pcie_transmit_bytes_total", "pod", b"pod", "power_limit_watts", b"power_limit_watts", "power_watts", b"power_watts", "processes", b"processes", "remapped_rows_correctable", b"remapped_rows_correctable", "remapped_rows_failure", b"remapped_rows_failure", "remapped_rows_pending", b"remapped_rows_pending", "remapped_rows_uncorrectable", b"remapped_rows_uncorrectable", "sm_clock_hertz", b"sm_clock_hertz", "sm_clock_max_hertz", b"sm_clock_max_hertz", "temperature_celsius", b"temperature_celsius", "utilization_ratio", b"utilization_ratio", "uuid", b"uuid", "xid_errors", b"xid_errors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clocks_event_reasons", b"_clocks_event_reasons", "_dram_active_ratio", b"_dram_active_ratio", "_ecc_corrected_errors_total", b"_ecc_corrected_errors_total", "_ecc_uncorrected_errors_total", b"_ecc_uncorrected_errors_total", "_energy_joules_total", b"_energy_joules_total", "_graphics_active_ratio", b"_graphics_active_ratio", "_memory_bandwidth_utilization_ratio", b"_memory_bandwidth_utilization_ratio", "_memory_clock_hertz", b"_memory_clock_hertz", "_memory_temperature_celsius", b"_memory_temperature_celsius", "_memory_total_bytes", b"_memory_total_bytes", "_memory_used_bytes", b"_memory_used_bytes", "_pcie_receive_bytes_per_second", b"_pcie_receive_bytes_per_second", "_pcie_receive_bytes_total", b"_pcie_receive_bytes_total", "_pcie_replay_errors_total", b"_pcie_replay_errors_total", "_pcie_transmit_bytes_per_second", b"_pcie_transmit_bytes_per_second", "_pcie_transmit_bytes_total", b"_pcie_transmit_bytes_total", "_power_limit_watts", b"_power_limit_watts", "_power_watts", b"_power_watts", "_remapped_rows_correctable", b"_remapped_rows_correctable", "_remapped_rows_failure", b"_remapped_rows_failure", "_remapped_rows_pending", b"_remapped_rows_pending", "_remapped_rows_uncorrectable", b"_remapped_rows_uncorrectable", "_sm_active_ratio", b"_sm_active_ratio", "_sm_clock_hertz", b"_sm_clock_hertz", "_sm_clock_max_hertz", b"_sm_clock_max_hertz", "_sm_occupancy_ratio", b"_sm_occupancy_ratio", "_temperature_celsius", b"_temperature_celsius", "_tensor_active_ratio", b"_tensor_active_ratio", "_utilization_ratio", b"_utilization_ratio", "clocks_event_reasons", b"clocks_event_reasons", "container", b"container", "dram_active_ratio", b"dram_active_ratio", "ecc_corrected_errors_total", b"ecc_corrected_errors_total", "ecc_uncorrected_errors_total", b"ecc_uncorrected_errors_total", "energy_joules_total", b"energy_joules_total", "graphics_active_ratio", b"graphics_active_ratio", "index", b"index", "memory_bandwidth_utilization_ratio", b"memory_bandwidth_utilization_ratio", "memory_clock_hertz", b"memory_clock_hertz", "memory_temperature_celsius", b"memory_temperature_celsius", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "name", b"name", "namespace", b"namespace", "nvlinks", b"nvlinks", "pci_bus_id", b"pci_bus_id", "pcie_receive_bytes_per_second", b"pcie_receive_bytes_per_second", "pcie_receive_bytes_total", b"pcie_receive_bytes_total", "pcie_replay_errors_total", b"pcie_replay_errors_total", "pcie_transmit_bytes_per_second", b"pcie_transmit_bytes_per_second", "pcie_transmit_bytes_total", b"pcie_transmit_bytes_total", "pod", b"pod", "power_limit_watts", b"power_limit_watts", "power_watts", b"power_watts", "processes", b"processes", "remapped_rows_correctable", b"remapped_rows_correctable", "remapped_rows_failure", b"remapped_rows_failure", "remapped_rows_pending", b"remapped_rows_pending", "remapped_rows_uncorrectable", b"remapped_rows_uncorrectable", "sm_active_ratio", b"sm_active_ratio", "sm_clock_hertz", b"sm_clock_hertz", "sm_clock_max_hertz", b"sm_clock_max_hertz", "sm_occupancy_ratio", b"sm_occupancy_ratio", "temperature_celsius", b"temperature_celsius", "tensor_active_ratio", b"tensor_active_ratio", "throttle_violations", b"throttle_violations", "utilization_ratio", b"utilization_ratio", "uuid", b"uuid", "xid_errors", b"xid_errors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__clocks_event_reasons: _TypeAlias = _typing.Literal["clocks_event_reasons"]  # noqa: Y015
     _WhichOneofArgType__clocks_event_reasons: _TypeAlias = _typing.Literal["_clocks_event_reasons", b"_clocks_event_reasons"]  # noqa: Y015
+    _WhichOneofReturnType__dram_active_ratio: _TypeAlias = _typing.Literal["dram_active_ratio"]  # noqa: Y015
+    _WhichOneofArgType__dram_active_ratio: _TypeAlias = _typing.Literal["_dram_active_ratio", b"_dram_active_ratio"]  # noqa: Y015
     _WhichOneofReturnType__ecc_corrected_errors_total: _TypeAlias = _typing.Literal["ecc_corrected_errors_total"]  # noqa: Y015
     _WhichOneofArgType__ecc_corrected_errors_total: _TypeAlias = _typing.Literal["_ecc_corrected_errors_total", b"_ecc_corrected_errors_total"]  # noqa: Y015
     _WhichOneofReturnType__ecc_uncorrected_errors_total: _TypeAlias = _typing.Literal["ecc_uncorrected_errors_total"]  # noqa: Y015
     _WhichOneofArgType__ecc_uncorrected_errors_total: _TypeAlias = _typing.Literal["_ecc_uncorrected_errors_total", b"_ecc_uncorrected_errors_total"]  # noqa: Y015
     _WhichOneofReturnType__energy_joules_total: _TypeAlias = _typing.Literal["energy_joules_total"]  # noqa: Y015
     _WhichOneofArgType__energy_joules_total: _TypeAlias = _typing.Literal["_energy_joules_total", b"_energy_joules_total"]  # noqa: Y015
+    _WhichOneofReturnType__graphics_active_ratio: _TypeAlias = _typing.Literal["graphics_active_ratio"]  # noqa: Y015
+    _WhichOneofArgType__graphics_active_ratio: _TypeAlias = _typing.Literal["_graphics_active_ratio", b"_graphics_active_ratio"]  # noqa: Y015
     _WhichOneofReturnType__memory_bandwidth_utilization_ratio: _TypeAlias = _typing.Literal["memory_bandwidth_utilization_ratio"]  # noqa: Y015
     _WhichOneofArgType__memory_bandwidth_utilization_ratio: _TypeAlias = _typing.Literal["_memory_bandwidth_utilization_ratio", b"_memory_bandwidth_utilization_ratio"]  # noqa: Y015
     _WhichOneofReturnType__memory_clock_hertz: _TypeAlias = _typing.Literal["memory_clock_hertz"]  # noqa: Y015
@@ -342,22 +378,32 @@ class GpuSample(_message.Message):
     _WhichOneofArgType__remapped_rows_pending: _TypeAlias = _typing.Literal["_remapped_rows_pending", b"_remapped_rows_pending"]  # noqa: Y015
     _WhichOneofReturnType__remapped_rows_uncorrectable: _TypeAlias = _typing.Literal["remapped_rows_uncorrectable"]  # noqa: Y015
     _WhichOneofArgType__remapped_rows_uncorrectable: _TypeAlias = _typing.Literal["_remapped_rows_uncorrectable", b"_remapped_rows_uncorrectable"]  # noqa: Y015
+    _WhichOneofReturnType__sm_active_ratio: _TypeAlias = _typing.Literal["sm_active_ratio"]  # noqa: Y015
+    _WhichOneofArgType__sm_active_ratio: _TypeAlias = _typing.Literal["_sm_active_ratio", b"_sm_active_ratio"]  # noqa: Y015
     _WhichOneofReturnType__sm_clock_hertz: _TypeAlias = _typing.Literal["sm_clock_hertz"]  # noqa: Y015
     _WhichOneofArgType__sm_clock_hertz: _TypeAlias = _typing.Literal["_sm_clock_hertz", b"_sm_clock_hertz"]  # noqa: Y015
     _WhichOneofReturnType__sm_clock_max_hertz: _TypeAlias = _typing.Literal["sm_clock_max_hertz"]  # noqa: Y015
     _WhichOneofArgType__sm_clock_max_hertz: _TypeAlias = _typing.Literal["_sm_clock_max_hertz", b"_sm_clock_max_hertz"]  # noqa: Y015
+    _WhichOneofReturnType__sm_occupancy_ratio: _TypeAlias = _typing.Literal["sm_occupancy_ratio"]  # noqa: Y015
+    _WhichOneofArgType__sm_occupancy_ratio: _TypeAlias = _typing.Literal["_sm_occupancy_ratio", b"_sm_occupancy_ratio"]  # noqa: Y015
     _WhichOneofReturnType__temperature_celsius: _TypeAlias = _typing.Literal["temperature_celsius"]  # noqa: Y015
     _WhichOneofArgType__temperature_celsius: _TypeAlias = _typing.Literal["_temperature_celsius", b"_temperature_celsius"]  # noqa: Y015
+    _WhichOneofReturnType__tensor_active_ratio: _TypeAlias = _typing.Literal["tensor_active_ratio"]  # noqa: Y015
+    _WhichOneofArgType__tensor_active_ratio: _TypeAlias = _typing.Literal["_tensor_active_ratio", b"_tensor_active_ratio"]  # noqa: Y015
     _WhichOneofReturnType__utilization_ratio: _TypeAlias = _typing.Literal["utilization_ratio"]  # noqa: Y015
     _WhichOneofArgType__utilization_ratio: _TypeAlias = _typing.Literal["_utilization_ratio", b"_utilization_ratio"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__clocks_event_reasons) -> _WhichOneofReturnType__clocks_event_reasons | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__dram_active_ratio) -> _WhichOneofReturnType__dram_active_ratio | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ecc_corrected_errors_total) -> _WhichOneofReturnType__ecc_corrected_errors_total | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ecc_uncorrected_errors_total) -> _WhichOneofReturnType__ecc_uncorrected_errors_total | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__energy_joules_total) -> _WhichOneofReturnType__energy_joules_total | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__graphics_active_ratio) -> _WhichOneofReturnType__graphics_active_ratio | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__memory_bandwidth_utilization_ratio) -> _WhichOneofReturnType__memory_bandwidth_utilization_ratio | None: ...
     @_typing.overload
@@ -391,15 +437,43 @@ class GpuSample(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__remapped_rows_uncorrectable) -> _WhichOneofReturnType__remapped_rows_uncorrectable | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sm_active_ratio) -> _WhichOneofReturnType__sm_active_ratio | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sm_clock_hertz) -> _WhichOneofReturnType__sm_clock_hertz | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sm_clock_max_hertz) -> _WhichOneofReturnType__sm_clock_max_hertz | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sm_occupancy_ratio) -> _WhichOneofReturnType__sm_occupancy_ratio | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature_celsius) -> _WhichOneofReturnType__temperature_celsius | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tensor_active_ratio) -> _WhichOneofReturnType__tensor_active_ratio | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__utilization_ratio) -> _WhichOneofReturnType__utilization_ratio | None: ...
 
 Global___GpuSample: _TypeAlias = GpuSample  # noqa: Y015
+
+@_typing.final
+class ThrottleViolation(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    SECONDS_TOTAL_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    seconds_total: _builtins.float
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+        seconds_total: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "seconds_total", b"seconds_total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ThrottleViolation: _TypeAlias = ThrottleViolation  # noqa: Y015
 
 @_typing.final
 class GpuQueryErrorCount(_message.Message):

@@ -42,6 +42,8 @@ KEPT: Mapping[str, tuple[str, ...]] = {
         "ecc_corrected_errors_total",  # the digest: ECC counts (cheap; top may show them)
         "ecc_uncorrected_errors_total",  # top
         "xid_errors",  # XID failures, top
+        "sm_active_ratio",  # compute cause (real work, not "a kernel ran"), top
+        "tensor_active_ratio",  # compute cause, top
     ),
     "GpuInventory": ("backend", "simulated", "driver_version"),  # status, top
     "HostSample": (
@@ -102,6 +104,12 @@ DROPPED: Mapping[str, tuple[str, ...]] = {
         "pod",
         "namespace",
         "container",
+        # Detection reads sm_active and tensor_active (a straggler that does less real work than
+        # its peers); the rest is for dashboards.
+        "graphics_active_ratio",
+        "sm_occupancy_ratio",
+        "dram_active_ratio",
+        "throttle_violations",
     ),
     "GpuInventory": ("query_errors",),
     "HostSample": ("load5", "load15", "swap_total_bytes", "processes", "boot_time_seconds", "cpu_seconds"),

@@ -76,6 +76,58 @@ DASHBOARD = Dashboard(
             ),
         ),
         Row(
+            "Real work (NVML GPM, Hopper and newer)",
+            (
+                Panel(
+                    "SM active",
+                    "Share of the interval the SMs had work resident (dcgm-exporter's SM_ACTIVE). Unlike "
+                    "utilisation, a stalled NCCL kernel does not count: utilisation near 1 with SM active "
+                    "near 0 is a rank waiting in a collective. Empty before Hopper.",
+                    (Query(per_gpu("clusterwatch_gpu_sm_active_ratio"), LEGEND),),
+                    "percentunit",
+                    width=8,
+                    min_value=0,
+                    max_value=1,
+                ),
+                Panel(
+                    "Tensor pipes active",
+                    "Share of the interval a tensor pipe was busy (PIPE_TENSOR_ACTIVE): the matrix math "
+                    "training is made of. One GPU far below its job's others does less real work: "
+                    "clusterwatch names it as a straggler's cause.",
+                    (Query(per_gpu("clusterwatch_gpu_tensor_active_ratio"), LEGEND),),
+                    "percentunit",
+                    width=8,
+                    min_value=0,
+                    max_value=1,
+                ),
+                Panel(
+                    "DRAM active",
+                    "Share of the interval the memory interface was busy (DRAM_ACTIVE). High with low "
+                    "tensor activity: memory-bound kernels.",
+                    (Query(per_gpu("clusterwatch_gpu_dram_active_ratio"), LEGEND),),
+                    "percentunit",
+                    width=8,
+                    min_value=0,
+                    max_value=1,
+                ),
+                Panel(
+                    "Clocks held down, by reason",
+                    "Share of time the clocks were held below their target, from NVML's violation "
+                    "counters: power or thermal limits cost this much of the GPU's speed.",
+                    (
+                        Query(
+                            "sum by (node, gpu, reason) (rate(clusterwatch_gpu_throttle_violation_seconds_total"
+                            f'{{{SEL},reason=~"power|thermal|board_limit|reliability|sync_boost"}}[$__rate_interval]))',
+                            "{{node}} GPU {{gpu}} {{reason}}",
+                        ),
+                    ),
+                    "percentunit",
+                    width=24,
+                    min_value=0,
+                ),
+            ),
+        ),
+        Row(
             "Power and heat",
             (
                 Panel(

@@ -26,6 +26,14 @@ GIB = 1024**3
 
 # Every function sample() calls, and the GpuSample fields it feeds. Not in it:
 # nvmlDeviceGetPcieThroughput, called only where the PCIe counters are unsupported.
+# GPM profiling ratios: from two samples, absent on the first one.
+GPM_FIELDS = (
+    "graphics_active_ratio",
+    "sm_active_ratio",
+    "sm_occupancy_ratio",
+    "tensor_active_ratio",
+    "dram_active_ratio",
+)
 FIELDS_BY_FUNCTION: dict[str, tuple[str, ...]] = {
     "nvmlDeviceGetUUID": ("uuid",),
     "nvmlDeviceGetName": ("name",),
@@ -54,12 +62,14 @@ FIELDS_BY_FUNCTION: dict[str, tuple[str, ...]] = {
         "pcie_transmit_bytes_total",
         "pcie_receive_bytes_total",
     ),
+    "nvmlDeviceGetViolationStatus": ("throttle_violations",),
+    "nvmlGpmSampleGet": GPM_FIELDS,
 }
 # Made from two readings of the PCIe counters: absent on the first sample.
 RATE_FIELDS = ("pcie_transmit_bytes_per_second", "pcie_receive_bytes_per_second")
 ALL_FIELDS = (*(name for names in FIELDS_BY_FUNCTION.values() for name in names), *RATE_FIELDS)
 # Functions called once per GPU per meaning (SM vs memory clock...), each switched off on its own.
-VARIANTS = {"nvmlDeviceGetClockInfo": 2, "nvmlDeviceGetTotalEccErrors": 2}
+VARIANTS = {"nvmlDeviceGetClockInfo": 2, "nvmlDeviceGetTotalEccErrors": 2, "nvmlDeviceGetViolationStatus": 8}
 PCIE_KB = 1024  # nvmlDeviceGetPcieThroughput's "KB"
 TX_FIELD = pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES
 RX_FIELD = pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES
@@ -70,7 +80,7 @@ def has(sample: node_pb2.GpuSample, field: str) -> bool:
     value = getattr(sample, field)
     if isinstance(value, str):
         return value != ""
-    if field in {"processes", "nvlinks"}:
+    if field in {"processes", "nvlinks", "throttle_violations"}:
         return len(value) > 0
     return sample.HasField(field)
 
@@ -79,8 +89,9 @@ def present_fields(unsupported: str | None, first: bool) -> set[str]:
     """The fields every sample carries while ``unsupported`` (a function, or None) fails for good."""
     present = set(ALL_FIELDS) - set(FIELDS_BY_FUNCTION[unsupported] if unsupported else ())
     if unsupported == "nvmlDeviceGetFieldValues":
-        return present  # no counters: the rates come from the throughput call, from the start
-    return present - set(RATE_FIELDS) if first else present
+        # No counters: the rates come from the throughput call, from the start.
+        return present - set(GPM_FIELDS) if first else present
+    return present - set(RATE_FIELDS) - set(GPM_FIELDS) if first else present
 
 
 def rates(samples: list[node_pb2.GpuSample]) -> list[tuple[float | None, float | None]]:
@@ -241,6 +252,58 @@ def test_full_sample_in_base_units(fake: FakeNvml, open_backend: Callable[..., N
 
     assert backend.driver_version() == "550.54.15"
     assert backend.query_errors() == []
+
+
+def test_gpm_ratios_from_the_second_sample_and_violation_counters(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend]
+) -> None:
+    del fake.devices[1].gpm_percent[pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL]  # this GPU cannot compute it
+    backend = open_backend()
+    first = backend.sample()
+    assert not any(s.HasField(name) for s in first for name in GPM_FIELDS)  # no interval yet
+    assert {v.reason: v.seconds_total for v in first[0].throttle_violations} == {
+        "power": 1.0, "thermal": 2.0, "sync_boost": 3.0, "board_limit": 4.0,
+        "low_utilization": 5.0, "reliability": 6.0, "app_clocks": 7.0, "base_clocks": 8.0,
+    }  # fmt: skip
+    gpu, other = backend.sample()
+    assert gpu.graphics_active_ratio == pytest.approx(0.96)
+    assert gpu.sm_active_ratio == pytest.approx(0.885)
+    assert gpu.sm_occupancy_ratio == pytest.approx(0.41)
+    assert gpu.tensor_active_ratio == pytest.approx(0.62)
+    assert gpu.dram_active_ratio == pytest.approx(0.35)
+    assert other.tensor_active_ratio == pytest.approx(0.52)
+    assert not other.HasField("dram_active_ratio")  # its own metric's error, the others still read
+    assert backend.query_errors() == []
+    backend.close()
+    assert fake.gpm_samples == {}  # every sample buffer freed
+
+
+def test_a_gpu_without_gpm_leaves_the_ratios_unset_and_counts_it(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend]
+) -> None:
+    fake.devices[0].gpm_percent = None  # an A100: no GPM
+    fake.devices[0].violation_ns = {}
+    backend = open_backend()
+    for _ in range(3):
+        samples = backend.sample()
+    assert not any(samples[0].HasField(name) for name in GPM_FIELDS)
+    assert list(samples[0].throttle_violations) == []
+    assert samples[1].HasField("sm_active_ratio")
+    errors = errors_of(backend)
+    assert errors[("nvmlGpmQueryDeviceSupport", "NotSupported")] == 1
+    assert errors[("nvmlDeviceGetViolationStatus", "NotSupported")] == 8  # once per reason, then off
+    assert fake.calls["nvmlGpmSampleGet"] == 3  # only GPU 1's
+
+
+def test_a_failed_gpm_sample_skips_one_interval_only(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend]
+) -> None:
+    backend = open_backend()
+    backend.sample()
+    fake.fail("nvmlGpmSampleGet", pynvml.NVMLError_Unknown, times=2)  # one round, both GPUs
+    assert not any(s.HasField("sm_active_ratio") for s in backend.sample())
+    assert all(s.HasField("sm_active_ratio") for s in backend.sample())
+    assert errors_of(backend)[("nvmlGpmSampleGet", "Unknown")] == 2
 
 
 def test_field_values_are_one_batched_call_per_gpu_per_interval(

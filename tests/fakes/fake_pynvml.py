@@ -28,6 +28,15 @@ NotSupported). A link number past the table raises InvalidArgument, as NVML
 does past a GPU's last link. :func:`switch_links` and :func:`links_to_gpu`
 build tables.
 
+GPM: ``FakeDevice.gpm_percent`` maps NVML_GPM_METRIC_* ids to the percent
+``nvmlGpmMetricsGet`` reports between two samples of the device (a metric not
+in it comes back with NVML_ERROR_NOT_SUPPORTED in its own ``nvmlReturn``, as
+the real call does); None is a GPU before Hopper (``isSupportedDevice`` 0).
+Samples are ctypes ``c_nvmlGpmSample_t`` as the real module's; ``gpm_samples``
+counts those allocated and not freed. ``FakeDevice.violation_ns`` maps
+NVML_PERF_POLICY_* to ``nvmlDeviceGetViolationStatus``'s violation time;
+missing ones raise NotSupported.
+
 PCIe byte counters: every ``nvmlDeviceGetFieldValues`` call on a device moves
 that device's clock on by ``FakeDevice.field_tick_us`` and its PCIe counters by
 ``pcie_*_kb_per_s`` over that time, as if the agent read it once per interval;
@@ -50,6 +59,17 @@ import pynvml
 _GIB = 1024**3
 _PCIE_KB = 1024  # what NvmlBackend takes nvmlDeviceGetPcieThroughput's KB to be
 _HANDLE_BASE = 0x7F00_0000_1000
+_GPM_SAMPLE_BASE = 0x7F00_0010_0000
+_VIOLATION_POLICIES = (
+    pynvml.NVML_PERF_POLICY_POWER,
+    pynvml.NVML_PERF_POLICY_THERMAL,
+    pynvml.NVML_PERF_POLICY_SYNC_BOOST,
+    pynvml.NVML_PERF_POLICY_BOARD_LIMIT,
+    pynvml.NVML_PERF_POLICY_LOW_UTILIZATION,
+    pynvml.NVML_PERF_POLICY_RELIABILITY,
+    pynvml.NVML_PERF_POLICY_TOTAL_APP_CLOCKS,
+    pynvml.NVML_PERF_POLICY_TOTAL_BASE_CLOCKS,
+)
 _EVENT_SET_ADDRESS = 0x7F00_0000_F000
 
 
@@ -127,6 +147,10 @@ class FakeDevice:
     field_errors: dict[tuple[int, int], int] = field(default_factory=dict)
     # The GPU's NVLinks in link order; None: no NVLink at all (NotSupported).
     nvlink_table: list[FakeNvLink] | None = None
+    # NVML_GPM_METRIC_* -> percent between two samples; None: no GPM (before Hopper).
+    gpm_percent: dict[int, float] | None = None
+    # NVML_PERF_POLICY_* -> ns the clocks were held down; missing: NotSupported.
+    violation_ns: dict[int, int] = field(default_factory=dict)
 
     def set_field(
         self,
@@ -145,6 +169,14 @@ def h100(index: int, nvlinks: int = 18) -> FakeDevice:
         uuid=f"GPU-{index:08x}-1111-2222-3333-444444444444",
         pci_bus_id=f"00000000:{0x18 + 0x10 * index:02X}:00.0",
         memory_used_bytes=(50 + index) * _GIB,
+        gpm_percent={
+            pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL: 96.0,
+            pynvml.NVML_GPM_METRIC_SM_UTIL: 88.5,
+            pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: 41.0,
+            pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 62.0 - 10 * index,
+            pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: 35.0,
+        },
+        violation_ns={policy: (i + 1) * 1_000_000_000 for i, policy in enumerate(_VIOLATION_POLICIES)},
     )
     device.set_field(
         pynvml.NVML_FI_DEV_MEMORY_TEMP, 80 + index, value_type=pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
@@ -193,6 +225,9 @@ class FakeNvml(types.ModuleType):
         self._failures: list[_Failure] = []
         self._events: collections.deque[Any] = collections.deque()
         self._cond = threading.Condition()
+        # GPM sample address -> (device index or None before nvmlGpmSampleGet, when it was taken).
+        self.gpm_samples: dict[int, tuple[int | None, int]] = {}
+        self._gpm_clock = 0
 
     # ----- test controls ---------------------------------------------------
 
@@ -499,6 +534,65 @@ class FakeNvml(types.ModuleType):
         info.busIdLegacy = remote.remote_bus_id.encode()[-12:]
         return info
 
+    def nvmlDeviceGetViolationStatus(self, device: Any, perfPolicyType: int) -> Any:
+        fake = self._device("nvmlDeviceGetViolationStatus", device)
+        if perfPolicyType not in fake.violation_ns:
+            raise pynvml.NVMLError_NotSupported()
+        return pynvml.c_nvmlViolationTime_t(referenceTime=0, violationTime=fake.violation_ns[perfPolicyType])
+
+    def nvmlGpmQueryDeviceSupport(self, device: Any) -> Any:
+        fake = self._device("nvmlGpmQueryDeviceSupport", device)
+        support = pynvml.c_nvmlGpmSupport_t()
+        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.isSupportedDevice = int(fake.gpm_percent is not None)
+        return support
+
+    def nvmlGpmSampleAlloc(self) -> Any:
+        self._enter("nvmlGpmSampleAlloc")
+        with self._cond:
+            address = _GPM_SAMPLE_BASE + 0x10 * self.calls["nvmlGpmSampleAlloc"]
+            self.gpm_samples[address] = (None, 0)
+        return ctypes.cast(ctypes.c_void_p(address), pynvml.c_nvmlGpmSample_t)
+
+    def nvmlGpmSampleFree(self, gpmSample: Any) -> None:
+        self._enter("nvmlGpmSampleFree")
+        with self._cond:
+            if self.gpm_samples.pop(_address(gpmSample), None) is None:
+                raise pynvml.NVMLError_InvalidArgument()
+
+    def nvmlGpmSampleGet(self, device: Any, gpmSample: Any) -> Any:
+        index = self._index(device)
+        fake = self._enter("nvmlGpmSampleGet", index)
+        assert fake is not None
+        if fake.gpm_percent is None:
+            raise pynvml.NVMLError_NotSupported()
+        with self._cond:
+            if _address(gpmSample) not in self.gpm_samples:
+                raise pynvml.NVMLError_InvalidArgument()
+            self._gpm_clock += 1
+            self.gpm_samples[_address(gpmSample)] = (index, self._gpm_clock)
+        return gpmSample
+
+    def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:
+        self._enter("nvmlGpmMetricsGet")
+        if metricsGet.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+            raise pynvml.NVMLError_ArgumentVersionMismatch()
+        with self._cond:
+            first = self.gpm_samples.get(_address(metricsGet.sample1), (None, 0))
+            second = self.gpm_samples.get(_address(metricsGet.sample2), (None, 0))
+        # Two samples of one device, the second taken after the first, as NVML requires.
+        if first[0] is None or first[0] != second[0] or first[1] >= second[1]:
+            raise pynvml.NVMLError_InvalidArgument()
+        percent = self.devices[first[0]].gpm_percent or {}
+        for i in range(metricsGet.numMetrics):
+            metric = metricsGet.metrics[i]
+            if metric.metricId in percent:
+                metric.value = percent[metric.metricId]
+                metric.nvmlReturn = pynvml.NVML_SUCCESS
+            else:
+                metric.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+        return metricsGet
+
     def nvmlEventSetCreate(self) -> Any:
         self._enter("nvmlEventSetCreate")
         return ctypes.cast(ctypes.c_void_p(_EVENT_SET_ADDRESS), pynvml.c_nvmlEventSet_t)
@@ -522,6 +616,10 @@ class FakeNvml(types.ModuleType):
         self._enter("nvmlEventSetFree")
         with self._cond:
             self.event_sets_freed += 1
+
+
+def _address(pointer: Any) -> int:
+    return ctypes.cast(pointer, ctypes.c_void_p).value or 0
 
 
 _VALUE_MEMBERS = {

@@ -65,6 +65,8 @@ def sample_report() -> node_pb2.NodeReport:
     gpu.nvlinks.add(link=4, transmit_bytes_total=5)
     gpu.ecc_uncorrected_errors_total = 2
     gpu.xid_errors.add(xid=79, count=1)
+    gpu.sm_active_ratio, gpu.tensor_active_ratio = 0.8, 0.05  # busy SMs, idle tensor pipes
+    gpu.throttle_violations.add(reason="power", seconds_total=12.5)
     # power_watts deliberately unset: unsupported on this GPU.
     report.host.cpu_utilization_ratio = 0.25
     report.host.cpu_count = 8
@@ -120,6 +122,10 @@ def test_node_report_becomes_the_expected_samples() -> None:
     ]
     assert m["clusterwatch_gpu_utilization_ratio"] == [(g, 0.75)]
     assert "clusterwatch_gpu_power_watts" not in m  # unset stays absent, not zero
+    assert m["clusterwatch_gpu_sm_active_ratio"] == [(g, 0.8)]
+    assert m["clusterwatch_gpu_tensor_active_ratio"] == [(g, 0.05)]
+    assert "clusterwatch_gpu_dram_active_ratio" not in m  # no GPM reading of it
+    assert m["clusterwatch_gpu_throttle_violation_seconds_total"] == [({**g, "reason": "power"}, 12.5)]
     reasons = {lbl["reason"]: v for lbl, v in m["clusterwatch_gpu_clocks_event_active"]}
     assert reasons["sw_power_cap"] == 1
     assert reasons["hw_thermal_slowdown"] == 1

@@ -14,6 +14,7 @@ from clusterwatch.tui.feed import Disconnected, Update
 from clusterwatch.tui.history import sparkline
 from clusterwatch.tui.state import TopState
 from clusterwatch.tui.views import gpus, incidents, network, nodes, ranks, summary
+from clusterwatch.tui.views.gpus import GpuCell, NodeGpus, gpu_summary
 from clusterwatch.tui.views.rows import Tone
 from clusterwatch.v1 import cluster_pb2, training_pb2
 
@@ -203,3 +204,11 @@ def test_tops_slowdown_is_the_straggler_detectors_own() -> None:
     assert {rank: rows[f"train/{rank}"].cells[6].text for rank in ratios} == {
         rank: f"{ratio:.2f}x" for rank, ratio in ratios.items()
     }
+
+
+def test_the_gpu_summary_says_how_much_was_real_work_where_gpm_reports_it() -> None:
+    hopper = NodeGpus("h100-node", (GpuCell(0, 1.0, (), 0.9, 0.7), GpuCell(1, 1.0, (), 0.1, 0.0)))
+    older = NodeGpus("a100-node", (GpuCell(0, 0.8, ()),))
+    texts = [cell.text for cell in gpu_summary([hopper, older])]
+    assert texts[:3] == ["3 GPUs on 2 nodes", "mean 93%", "SM active 50%, tensor 35%"]
+    assert "SM active" not in " ".join(cell.text for cell in gpu_summary([older]))

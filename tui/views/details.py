@@ -46,6 +46,9 @@ def node_detail(
             f"{gpu.temperature_celsius:.0f}°C {gpu.power_watts:.0f}/{gpu.power_limit_watts:.0f}W "
             f"SM {gpu.sm_clock_hertz / 1e6:.0f}/{gpu.sm_clock_max_hertz / 1e6:.0f}MHz"
         )
+        if gpu.HasField("sm_active_ratio"):
+            tensor = f" tensor {gpu.tensor_active_ratio:.0%}" if gpu.HasField("tensor_active_ratio") else ""
+            text.append(f" active {gpu.sm_active_ratio:.0%}{tensor}")
         if reasons:
             text.append(f" clocks held: {', '.join(reasons)}", style=styles[Tone.WARNING])
         if xids or gpu.ecc_uncorrected_errors_total:

@@ -18,6 +18,9 @@ class GpuCell:
     utilization_ratio: float | None
     slowdown: tuple[str, ...]
     """Why its clocks are held down (empty: they are not)."""
+    sm_active_ratio: float | None = None
+    tensor_active_ratio: float | None = None
+    """NVML GPM (Hopper and newer): real work, where utilisation says only that a kernel ran."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -36,6 +39,8 @@ def gpu_grid(state: TopState) -> list[NodeGpus]:
                 tuple(slowdown_reasons(gpu.clocks_event_reasons))
                 if gpu.HasField("clocks_event_reasons")
                 else (),
+                gpu.sm_active_ratio if gpu.HasField("sm_active_ratio") else None,
+                gpu.tensor_active_ratio if gpu.HasField("tensor_active_ratio") else None,
             )
             for gpu in node.report.gpus
         )
@@ -50,6 +55,11 @@ def gpu_summary(grid: list[NodeGpus]) -> list[Cell]:
         Cell(f"{sum(len(n.gpus) for n in grid)} GPUs on {len(grid)} nodes"),
         Cell(f"mean {sum(utilizations) / len(utilizations):.0%}" if utilizations else "mean -"),
     ]
+    sm_active = [g.sm_active_ratio for n in grid for g in n.gpus if g.sm_active_ratio is not None]
+    tensor_active = [g.tensor_active_ratio for n in grid for g in n.gpus if g.tensor_active_ratio is not None]
+    if sm_active:  # GPM: what share of that was real work
+        tensor = f", tensor {sum(tensor_active) / len(tensor_active):.0%}" if tensor_active else ""
+        cells.append(Cell(f"SM active {sum(sm_active) / len(sm_active):.0%}{tensor}", Tone.ACCENT))
     if not throttled:
         return [*cells, Cell("none throttled", Tone.GOOD)]
     named = ", ".join(

@@ -18,6 +18,9 @@ from clusterwatch.coordinator.detection.causes.shared import (
 )
 from clusterwatch.coordinator.model.jobs import RankRecord
 
+# A straggler's GPU busy with tensor math less than this share of its peers' is starved by its rank.
+TENSOR_STARVED_FRACTION = 0.5
+
 
 class ComputePeers:
     """The peers' median compute time, worked out once for all of a job's stragglers."""
@@ -39,9 +42,21 @@ def compute_cause(record: RankRecord, peers: ComputePeers, gpus: GpuPeers, setti
     put(evidence, "compute_seconds", compute_s)
     put(evidence, "peer_compute_seconds", peer_compute_s)
     gpu = gpus.gpu(record)
+    starved = ""
     if gpu is not None and gpu.HasField("sm_clock_hertz"):
         evidence["sm_clock_hertz"] = gpu.sm_clock_hertz
         put(evidence, "peer_sm_clock_hertz", gpus.without(gpu.uuid).sm_clock_hz)
+    if gpu is not None and gpu.HasField("tensor_active_ratio"):
+        peer_tensor = gpus.without(gpu.uuid).tensor_active_ratio
+        evidence["tensor_active_ratio"] = gpu.tensor_active_ratio
+        put(evidence, "peer_tensor_active_ratio", peer_tensor)
+        # GPM's tensor activity tells a GPU that waits for its rank from one that is slow itself:
+        # a throttled GPU is busy longer, a starved one is idle more.
+        if peer_tensor is not None and gpu.tensor_active_ratio < TENSOR_STARVED_FRACTION * peer_tensor:
+            starved = (
+                f"; its GPU's tensor pipes were busy {gpu.tensor_active_ratio:.0%} of the time vs "
+                f"{peer_tensor:.0%} on its peers': the GPU waits for the rank (input pipeline, host code)"
+            )
     if compute_s is not None and peer_compute_s is not None and peer_compute_s > 0:
         numbers = (
             f"computes {compute_s:.3f} s per step vs {peer_compute_s:.3f} s on its peers "
@@ -52,7 +67,8 @@ def compute_cause(record: RankRecord, peers: ComputePeers, gpus: GpuPeers, setti
     return Cause(
         CauseName.COMPUTE,
         f"rank {record.rank} on {record.node_id} {numbers}nothing on its node sets it apart from its "
-        "peers' (GPU clocks, host, network): the rank itself is slower (data loading, code path or input)",
+        "peers' (GPU clocks, host, network): the rank itself is slower (data loading, code path or input)"
+        + starved,
         evidence,
     )
 

@@ -44,7 +44,8 @@ class PeerGpuFigures:
     """What the rules read of the peers' GPUs.
 
     Attributes:
-        sm_clock_hz / temperature_celsius: medians of the GPUs that report them.
+        sm_clock_hz / temperature_celsius / tensor_active_ratio: medians of the GPUs that report them
+            (tensor activity only where NVML has GPM: Hopper and newer).
         reasons_reported: GPUs that report clock-event reasons...
         with_reasons: ...and how many of them have each reason group set.
     """
@@ -53,6 +54,7 @@ class PeerGpuFigures:
     temperature_celsius: float | None
     reasons_reported: int
     with_reasons: dict[CauseName, int]
+    tensor_active_ratio: float | None = None
 
     @classmethod
     def of(cls, gpus: list[node_pb2.GpuSample]) -> PeerGpuFigures:
@@ -62,6 +64,7 @@ class PeerGpuFigures:
             median(optional_value(g, "temperature_celsius") for g in gpus),
             len(masks),
             {name: sum(1 for m in masks if m & bits) for name, bits in _GPU_REASON_GROUPS},
+            median(optional_value(g, "tensor_active_ratio") for g in gpus),
         )
 
 

@@ -116,7 +116,12 @@ class CauseSettings:
 DEFAULT_SETTINGS = CauseSettings()
 
 GpuField = Literal[
-    "sm_clock_hertz", "sm_clock_max_hertz", "temperature_celsius", "power_watts", "power_limit_watts"
+    "sm_clock_hertz",
+    "sm_clock_max_hertz",
+    "temperature_celsius",
+    "power_watts",
+    "power_limit_watts",
+    "tensor_active_ratio",
 ]
 
 

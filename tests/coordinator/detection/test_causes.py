@@ -429,6 +429,29 @@ def test_nothing_on_the_node_explains_it_so_the_rank_computes_slower() -> None:
     )
 
 
+def test_a_straggler_whose_gpu_does_little_tensor_work_is_starved_by_its_rank() -> None:
+    """GPM's tensor activity (Hopper and newer): a GPU that waits for its rank is idle more, not slower."""
+    busy = {"tensor_active_ratio": 0.6}
+    specs = {
+        n: {"gpus": dict.fromkeys(range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE), busy)}
+        for n in range(NODES)
+    }
+    specs[1]["gpus"] = {**specs[1]["gpus"], STRAGGLER: {"tensor_active_ratio": 0.12}}
+    cause = cause_of(cluster(specs))
+    assert cause.name == CauseName.COMPUTE  # nothing else on the node sets it apart
+    assert cause.evidence["tensor_active_ratio"] == pytest.approx(0.12)
+    assert cause.evidence["peer_tensor_active_ratio"] == pytest.approx(0.6)
+    assert cause.detail.endswith(
+        "; its GPU's tensor pipes were busy 12% of the time vs 60% on its peers': the GPU waits for the rank "
+        "(input pipeline, host code)"
+    )
+    # As busy as its peers: the evidence is there, the sentence is not.
+    specs[1]["gpus"] = {**specs[1]["gpus"], STRAGGLER: {"tensor_active_ratio": 0.55}}
+    unstarved = cause_of(cluster(specs))
+    assert unstarved.evidence["tensor_active_ratio"] == pytest.approx(0.55)
+    assert "tensor pipes" not in unstarved.detail
+
+
 def test_missing_data_skips_rules_and_never_crashes() -> None:
     job = build_job()
     # No node known at all.
