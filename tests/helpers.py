@@ -111,6 +111,23 @@ def clusterwatch_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "clusterwatch", *args]
 
 
+def tls_flags(pki: Path, name: str = "coordinator", ca_dir: Path | None = None) -> list[str]:
+    """Flags for mutual TLS with ``name``'s certificate in ``pki`` (a ``clusterwatch certs`` folder)."""
+    return [
+        "--no-insecure",
+        "--tls-cert", str(pki / f"{name}.crt"),
+        "--tls-key", str(pki / f"{name}.key"),
+        "--tls-ca", str((ca_dir or pki) / "ca.crt"),
+    ]  # fmt: skip
+
+
+def tls_credentials(pki: Path, name: str) -> grpc.ChannelCredentials:
+    """A gRPC client's mutual-TLS credentials: ``name``'s certificate in ``pki``, trusting its CA."""
+    return grpc.ssl_channel_credentials(
+        (pki / "ca.crt").read_bytes(), (pki / f"{name}.key").read_bytes(), (pki / f"{name}.crt").read_bytes()
+    )
+
+
 def unused_port() -> int:
     """A loopback port nothing listens on now (something binds it later)."""
     with socket.socket() as probe:

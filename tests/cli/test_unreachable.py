@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import Cluster, Coordinator, clusterwatch_cmd, unused_port
+from helpers import Cluster, Coordinator, clusterwatch_cmd, tls_flags, unused_port
 
 from clusterwatch.cli import certs
 from clusterwatch.runtime.cert_terms import Role
@@ -48,12 +48,7 @@ class Pki:
         )
 
     def server_flags(self, directory: Path) -> list[str]:
-        return [
-            "--no-insecure",
-            "--tls-cert", str(directory / "coordinator.crt"),
-            "--tls-key", str(directory / "coordinator.key"),
-            "--tls-ca", str(self.ours / "ca.crt"),
-        ]  # fmt: skip
+        return tls_flags(directory, ca_dir=self.ours)
 
 
 def client_flags(tls: TlsPaths | None) -> list[str]:

@@ -47,7 +47,7 @@ import kustomize
 import psutil
 import pytest
 import yaml
-from helpers import ROOT, Cluster, wait_for
+from helpers import ROOT, Cluster, tls_credentials, tls_flags, wait_for
 from prometheus_server import require
 
 from clusterwatch import config
@@ -925,15 +925,8 @@ def test_the_coordinator_certificate_of_the_readme_is_valid_for_every_coordinato
     certs.create_ca(pki)
     certs.issue(pki, "coordinator", role=Role.COORDINATOR, extra_sans=[*sans, "127.0.0.1"])
     certs.issue(pki, "reader", role=Role.USER)
-    coordinator = cluster.coordinator(
-        "--no-insecure",
-        "--tls-cert", str(pki / "coordinator.crt"),
-        "--tls-key", str(pki / "coordinator.key"),
-        "--tls-ca", str(pki / "ca.crt"),
-    )  # fmt: skip
-    reader = grpc.ssl_channel_credentials(
-        (pki / "ca.crt").read_bytes(), (pki / "reader.key").read_bytes(), (pki / "reader.crt").read_bytes()
-    )
+    coordinator = cluster.coordinator(*tls_flags(pki))
+    reader = tls_credentials(pki, "reader")
 
     def answers_as(name: str) -> grpc.StatusCode:
         options = [("grpc.ssl_target_name_override", name)]

@@ -10,9 +10,19 @@ import math
 import statistics
 from pathlib import Path
 
-import grpc
 import pytest
-from helpers import ROOT, Cluster, Coordinator, Process, clusterwatch_cmd, ranks_of, run_cli, wait_for
+from helpers import (
+    ROOT,
+    Cluster,
+    Coordinator,
+    Process,
+    clusterwatch_cmd,
+    ranks_of,
+    run_cli,
+    tls_credentials,
+    tls_flags,
+    wait_for,
+)
 
 from clusterwatch.cli import certs
 from clusterwatch.client import ClusterClient
@@ -587,12 +597,7 @@ def test_simulated_nodes_report_over_mutual_tls_each_with_its_own_certificate(
     for node in ("tls-0", "tls-1"):
         certs.issue(pki, node, role=Role.NODE)
     certs.issue(pki, "reader", role=Role.USER)
-    coordinator = cluster.coordinator(
-        "--no-insecure",
-        "--tls-cert", str(pki / "coordinator.crt"),
-        "--tls-key", str(pki / "coordinator.key"),
-        "--tls-ca", str(pki / "ca.crt"),
-    )  # fmt: skip
+    coordinator = cluster.coordinator(*tls_flags(pki))
     scenario = tmp_path / "quiet.toml"
     scenario.write_text('name = "quiet"\n')
     tls = ["--no-insecure", "--tls-cert", str(pki / "{node}.crt"), "--tls-key", str(pki / "{node}.key")]
@@ -604,11 +609,7 @@ def test_simulated_nodes_report_over_mutual_tls_each_with_its_own_certificate(
     reader = ClusterClient(
         coordinator.address,
         timeout_s=10,
-        credentials=grpc.ssl_channel_credentials(
-            (pki / "ca.crt").read_bytes(),
-            (pki / "reader.key").read_bytes(),
-            (pki / "reader.crt").read_bytes(),
-        ),
+        credentials=tls_credentials(pki, "reader"),
     )
     with reader:
         wait_for(
