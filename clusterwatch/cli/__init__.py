@@ -20,6 +20,7 @@ from clusterwatch.cli import (
     incidents,
     job_cmd,
     restart_cmd,
+    run_cmd,
     sd_file_cmd,
     simulate,
     status,
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         certs_cmd,
         export_cmd,
         completion,
+        run_cmd,
         demo,
         simulate,
     ):
@@ -81,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:  # torchrun's options follow: not ours to parse
+        from clusterwatch.cli.run_cmd import main as run_main
+
+        return run_main(argv[1:])
     args = build_parser().parse_args(argv)
     common.setup_logging(args.log_level)
     try:

@@ -174,6 +174,10 @@ class TrainingMonitor:
                 tracker.install()
                 self._tracker = tracker
                 self._ddp_timing = ddp_timing_mode(environ)
+            with self.health.guard("watch"):
+                from clusterwatch.hook.auto_watch import watch_new_ddp_models
+
+                watch_new_ddp_models(self)  # DDP models built from now on: watch() is optional
         self._link.start()
         atexit.register(self.close)
 
@@ -299,6 +303,10 @@ class TrainingMonitor:
         """The first step to run: one past the newest complete checkpoint, or 0 if none."""
         latest = self.latest_checkpoint_step(timeout_s)
         return 0 if latest is None else latest + 1
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         """Flush, say goodbye to the agent and restore torch.distributed (also runs at exit)."""

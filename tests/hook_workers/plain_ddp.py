@@ -1,0 +1,52 @@
+"""A DDP training script that knows nothing of clusterwatch: what `clusterwatch run` must watch as is.
+
+Each optimizer step: ``--accumulate`` micro-batches (gradients synchronised on
+the last one only, as DDP's ``no_sync`` is meant to be used), ``--compute-ms``
+of work per micro-batch (30 % more on ``--slow-rank``), then ``optimizer.step()``
+and one explicit all-reduce. Exits with ``--exit-code``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--compute-ms", type=float, default=5.0)
+    parser.add_argument("--slow-rank", type=int, default=-1)
+    parser.add_argument("--exit-code", type=int, default=0)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(64, 64))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    compute_s = args.compute_ms / 1000 * (1.3 if rank == args.slow_rank else 1.0)
+    for _ in range(args.steps):
+        for micro in range(args.accumulate):
+            last = micro == args.accumulate - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                model(torch.randn(8, 64)).sum().backward()
+            time.sleep(compute_s)
+        optimizer.step()
+        optimizer.zero_grad()
+        dist.all_reduce(torch.ones(1024))
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank} pid {os.getpid()} done", flush=True)
+    sys.exit(args.exit_code)
+
+
+if __name__ == "__main__":
+    main()
