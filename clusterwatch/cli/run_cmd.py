@@ -15,16 +15,19 @@ import os
 import sys
 
 BOOTSTRAP = "clusterwatch.hook.bootstrap"
+DESCRIPTION = (
+    "Start torchrun with the given options and script; every worker creates the training hook's "
+    "monitor before the script runs (steps end at optimizer steps, DDP models are watched, the Flight "
+    "Recorder is on). Same options as torchrun, listed below. The job's name: CLUSTERWATCH_JOB, else "
+    "SLURM's job id, else torchrun's run id. Also: python -m clusterwatch.run."
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "run",
         help="torchrun a training script under the training hook, without changing the script",
-        description="Start torchrun with the given options and script; every worker creates the "
-        "training hook's monitor before the script runs (steps end at optimizer steps, DDP models are "
-        "watched, the Flight Recorder is on). Same options as torchrun. The job's name: "
-        "CLUSTERWATCH_JOB, else SLURM's job id, else torchrun's run id. Also: python -m clusterwatch.run.",
+        description=DESCRIPTION,
         add_help=False,  # --help is torchrun's too: it is passed through
     )
     parser.add_argument(
@@ -36,6 +39,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def main(args: list[str]) -> int:
     """``clusterwatch run ARGS``, taken before clusterwatch's own parser sees ARGS (they are torchrun's)."""
+    if not args or args[0] in ("-h", "--help"):
+        from torch.distributed.run import get_args_parser
+
+        parser = get_args_parser()
+        parser.prog = "clusterwatch run"
+        parser.description = DESCRIPTION
+        parser.print_help()
+        return 0 if args else 2
     return run(argparse.Namespace(torchrun_args=args))
 
 
@@ -55,7 +66,8 @@ def torchrun_argv(args: list[str]) -> list[str]:
         )
         return args
     script_at = len(args) - len(parsed.training_script_args) - 1
-    options = [a for a in args[:script_at] if a not in ("-m", "--module")]
+    # The worker command is ours now: torchrun's own ways of running the target would bypass it.
+    options = [a for a in args[:script_at] if a not in ("-m", "--module", "--run-path", "--run_path")]
     worker = ["-m", BOOTSTRAP, *(["--module"] if parsed.module else []), parsed.training_script]
     return [*options, *worker, *parsed.training_script_args]
 

@@ -26,6 +26,7 @@ def test_torchruns_options_stay_and_only_the_worker_command_changes() -> None:
         "--nnodes=1:2", "-m", BOOTSTRAP, "--module", "pkg.train", "-m", "x",
     ]  # fmt: skip
     assert torchrun_argv(["--no-python", "echo", "hi"]) == ["--no-python", "echo", "hi"]
+    assert torchrun_argv(["--run-path", "/abs/train.py"]) == ["-m", BOOTSTRAP, "/abs/train.py"]
 
 
 def launch(socket: Path, job: str, *args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
