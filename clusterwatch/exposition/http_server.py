@@ -142,9 +142,15 @@ def _make_handler(
         def do_HEAD(self) -> None:
             """What GET would answer, headers only (load balancers and uptime checks ask so)."""
             self.head_only = True
-            self.do_GET()
+            try:
+                self._answer()
+            finally:  # the next request on this kept-alive connection may be a GET
+                self.head_only = False
 
         def do_GET(self) -> None:
+            self._answer()
+
+        def _answer(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
                 self._metrics()
