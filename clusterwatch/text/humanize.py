@@ -37,6 +37,15 @@ def duration(seconds: float | None) -> str:
     return f"{seconds:.2f}s" if seconds < 100 else f"{seconds:.0f}s"
 
 
+def step_time(seconds: float) -> str:
+    """A step or compute time in a sentence, with the digits a comparison needs: ``0.500 s`` from a
+    tenth of a second up, ``1.23 ms`` (three significant digits) below, so that millisecond steps of
+    different lengths do not print alike."""
+    if seconds >= 0.1:
+        return f"{seconds:.3f} s"
+    return f"{seconds * 1000:.3g} ms"
+
+
 def bandwidth(bytes_per_s: float | None) -> str:
     """Decimal units, as nccl-tests and link speeds are quoted: ``12.5GB/s``; ``-`` when unknown."""
     if bytes_per_s is None:

@@ -17,6 +17,7 @@ from clusterwatch.coordinator.detection.causes.shared import (
     put,
 )
 from clusterwatch.coordinator.model.jobs import RankRecord
+from clusterwatch.text.humanize import step_time
 
 # A straggler's GPU busy with tensor math less than this share of its peers' is starved by its rank.
 TENSOR_STARVED_FRACTION = 0.5
@@ -59,7 +60,7 @@ def compute_cause(record: RankRecord, peers: ComputePeers, gpus: GpuPeers, setti
             )
     if compute_s is not None and peer_compute_s is not None and peer_compute_s > 0:
         numbers = (
-            f"computes {compute_s:.3f} s per step vs {peer_compute_s:.3f} s on its peers "
+            f"computes {step_time(compute_s)} per step vs {step_time(peer_compute_s)} on its peers "
             f"({compute_s / peer_compute_s:.2f}x) and "
         )
     else:
