@@ -248,16 +248,19 @@ def client_factory(settings: ClientSettings) -> Callable[..., ClusterClient]:
     return make
 
 
-def connect(settings: ClientSettings, within_s: float = 1.0) -> ClusterClient:
+def connect(
+    settings: ClientSettings, make: Callable[..., ClusterClient] | None = None, within_s: float = 1.0
+) -> ClusterClient:
     """A client of ``settings.coordinator`` whose channel is ready, or, when it is not ready within
     ``within_s``, the reason in one line. A server that answers gRPC but slowly is waited for as
-    every call waits (``timeout_s``).
+    every call waits (``timeout_s``). ``make``: the command's client_factory(settings), if it has
+    one already (its files are read once).
 
     Raises:
         ConfigError: naming the key of an unusable TLS or token setting.
         UnreachableError: refused, not resolved, TLS refused or missing, not a gRPC port.
     """
-    client = client_factory(settings)()
+    client = (make or client_factory(settings))()
     try:
         grpc.channel_ready_future(client.channel).result(timeout=within_s)
     except grpc.FutureTimeoutError:

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, ClientSettings)
     client_for = client_factory(settings)
     try:
-        with connect(settings) as client:
+        with connect(settings, client_for) as client:
             if args.acknowledge or args.resolve:
                 state = (
                     IncidentState.INCIDENT_STATE_ACKNOWLEDGED

@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, ClientSettings)
     client_for = client_factory(settings)
     try:
-        with connect(settings) as client:
+        with connect(settings, client_for) as client:
             answers = group_client.snapshots(
                 client,
                 client_for,
