@@ -323,12 +323,14 @@ class Cluster:
         max_restarts: int = 0,
         elastic: tuple[str, str] | None = None,
         nodes: tuple[int, int, str] | None = None,
+        launcher: str = "torch.distributed.run",
     ) -> Process:
         """A real torchrun job of ``nproc`` gloo workers, hooked to ``socket`` (in a session of
         its own: see ``session_processes``): ``--standalone``; with ``elastic=(rendezvous
         endpoint, run id)`` one node of an elastic ``--nnodes 1:2`` job (see ``rendezvous_store``);
         with ``nodes=(nnodes, node rank, master HOST:PORT)`` one node of a fixed-size job (a
-        static rendezvous on that port)."""
+        static rendezvous on that port). ``launcher``: the module run as torchrun
+        (``clusterwatch.run`` for ``clusterwatch run``)."""
         if nodes is not None:
             nnodes, node_rank, master = nodes
             host, port = master.rsplit(":", 1)
@@ -354,7 +356,7 @@ class Cluster:
         argv = [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            launcher,
             *launch,
             f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}",
@@ -377,9 +379,10 @@ class Cluster:
         return "\n".join(f"--- {p.log_path.name}\n{p.log()[-4000:]}" for p in self.processes)
 
 
-def start_node(cluster: Cluster, node_id: str = "node-a") -> tuple[Coordinator, Path]:
-    """A coordinator and one agent; returns the coordinator and the agent's hook socket."""
-    coordinator = cluster.coordinator()
+def start_node(cluster: Cluster, *coordinator_args: str, node_id: str = "node-a") -> tuple[Coordinator, Path]:
+    """A coordinator (with ``coordinator_args``) and one agent; returns the coordinator and the
+    agent's hook socket."""
+    coordinator = cluster.coordinator(*coordinator_args)
     cluster.agent(coordinator, node_id)
     socket = cluster.socket_path(node_id)
     wait_for(socket.exists, 30, "the agent's hook socket")
@@ -391,6 +394,15 @@ def job_status(coordinator: Coordinator, job: str) -> cluster_pb2.JobStatus | No
         if status.job == job:
             return status
     return None
+
+
+def incidents(coordinator: Coordinator, include_resolved: bool = True) -> list[cluster_pb2.Incident]:
+    with coordinator.client() as client:
+        return client.incidents(include_resolved=include_resolved)
+
+
+def incident_of(coordinator: Coordinator, kind: str, rank: int) -> cluster_pb2.Incident | None:
+    return next((i for i in incidents(coordinator) if i.kind == kind and rank in i.ranks), None)
 
 
 def ranks_of(coordinator: Coordinator, job: str) -> dict[int, cluster_pb2.RankStatus]:

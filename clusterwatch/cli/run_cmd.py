@@ -3,15 +3,20 @@ training hook and no change to the script (clusterwatch/hook/bootstrap.py).
 
 The torchrun options are the user's, unchanged; only the worker command
 becomes ``python -m clusterwatch.hook.bootstrap SCRIPT ARGS`` (``--module``
-for ``torchrun -m MODULE``). This process becomes torchrun (exec), so its exit
-code and signals are torchrun's own. ``--no-python`` runs a program that is
-not Python: it is run as asked, unmonitored, with a warning.
+for ``torchrun -m MODULE``). torchrun runs in this process, and its result
+becomes the script's: exit 0 when every worker succeeded, else the exit code of
+the first worker to fail (128 + N when signal N killed it, as a shell reports
+it), after torchrun's own failure report. A signal that stops torchrun itself
+(SIGTERM from a scheduler) is passed to the workers by torchrun, and then ends
+this process the same way. ``--no-python`` runs a program that is not Python:
+it is run as asked, unmonitored, with a warning.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 BOOTSTRAP = "clusterwatch.hook.bootstrap"
@@ -73,6 +78,23 @@ def torchrun_argv(args: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    argv = torchrun_argv(list(args.torchrun_args))
-    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *argv])  # noqa: S606 - torchrun
-    return 0  # not reached
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
+
+    try:
+        torchrun(parse_args(torchrun_argv(list(args.torchrun_args))))  # type: ignore[no-untyped-call]
+    except ChildFailedError as failed:
+        print(failed.format_msg(), file=sys.stderr)  # type: ignore[no-untyped-call]
+        return shell_exit_code(failed.get_first_failure()[1].exitcode)
+    except SignalException as stopped:
+        signal.signal(stopped.sigval, signal.SIG_DFL)
+        os.kill(os.getpid(), stopped.sigval)  # end as the signal would have ended torchrun
+        return 128 + int(stopped.sigval)  # not reached for a signal that ends a process
+    return 0
+
+
+def shell_exit_code(worker_exit_code: int) -> int:
+    """A worker's exit code as a shell reports it: a signal's death (negative) is 128 + the signal."""
+    return 128 - worker_exit_code if worker_exit_code < 0 else worker_exit_code

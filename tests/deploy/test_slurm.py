@@ -130,7 +130,7 @@ def srun_task(cluster: Cluster, socket_path: Path, rank: int, stop_file: Path) -
 
 
 def test_prolog_ranks_and_epilog_end_to_end(cluster: Cluster, tmp_path: Path) -> None:
-    coordinator, socket_path = start_node(cluster, "gpu01")
+    coordinator, socket_path = start_node(cluster, node_id="gpu01")
     env = script_env(tmp_path, coordinator.address)
 
     begun, _ = run_script(PROLOG, {**env, "SLURM_SCRIPT_CONTEXT": "prolog_slurmd"})

@@ -19,6 +19,8 @@ from helpers import (
     HOOK_WORKERS,
     Cluster,
     Coordinator,
+    incident_of,
+    incidents,
     ranks_of,
     run_cli,
     samples_named,
@@ -43,15 +45,6 @@ def start(cluster: Cluster, *detection: str) -> tuple[Coordinator, Path]:
     socket = cluster.socket_path("node-a")
     wait_for(socket.exists, 30, "the agent's hook socket")
     return coordinator, socket
-
-
-def incidents(coordinator: Coordinator, include_resolved: bool = True) -> list[cluster_pb2.Incident]:
-    with coordinator.client() as client:
-        return client.incidents(include_resolved=include_resolved)
-
-
-def incident_of(coordinator: Coordinator, kind: str, rank: int) -> cluster_pb2.Incident | None:
-    return next((i for i in incidents(coordinator) if i.kind == kind and rank in i.ranks), None)
 
 
 def test_a_stopped_rank_is_a_hang_naming_it_with_a_healthy_ranks_stack(

@@ -4,14 +4,26 @@ optimizer step) and its DDP buckets, without one line of clusterwatch in it."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+import signal
 from pathlib import Path
 
 import pytest
-from helpers import HOOK_WORKERS, Cluster, ranks_of, samples_named, scrape, start_node, wait_for
+from helpers import (
+    HOOK_WORKERS,
+    Cluster,
+    Process,
+    incident_of,
+    incidents,
+    ranks_of,
+    samples_named,
+    scrape,
+    start_node,
+    wait_for,
+    wait_for_ranks_past,
+)
 
 from clusterwatch.cli.run_cmd import BOOTSTRAP, torchrun_argv
+from clusterwatch.v1 import cluster_pb2
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -29,30 +41,22 @@ def test_torchruns_options_stay_and_only_the_worker_command_changes() -> None:
     assert torchrun_argv(["--run-path", "/abs/train.py"]) == ["-m", BOOTSTRAP, "/abs/train.py"]
 
 
-def launch(socket: Path, job: str, *args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "CLUSTERWATCH_AGENT_SOCKET": str(socket),
-        "CLUSTERWATCH_JOB": job,
-        "OMP_NUM_THREADS": "1",
-    }
-    env.pop("PYTHONPATH", None)
-    return subprocess.run(
-        [sys.executable, "-m", "clusterwatch", "run", "--standalone", "--nproc-per-node", "2", str(SCRIPT), *args],
-        capture_output=True, text=True, check=False, timeout=180, env=env, cwd=tmp_path,
-    )  # fmt: skip
+def launch(cluster: Cluster, socket: Path, job: str, *args: str, nproc: int = 2) -> Process:
+    """``clusterwatch run --standalone --nproc-per-node NPROC plain_ddp.py ARGS`` (as ``python -m
+    clusterwatch.run``), the script knowing nothing of clusterwatch."""
+    return cluster.torchrun(
+        SCRIPT, *args, nproc=nproc, socket=socket, env={"CLUSTERWATCH_JOB": job}, launcher="clusterwatch.run"
+    )
 
 
 def test_an_unmodified_ddp_script_reports_a_step_per_optimizer_step_and_its_buckets(
-    cluster: Cluster, tmp_path: Path
+    cluster: Cluster,
 ) -> None:
     coordinator, socket = start_node(cluster)
     steps, accumulate = 12, 4  # numbered 0..11 as the optimizer steps; 1..11 are timed
-    result = launch(
-        socket, "plain", "--steps", str(steps), "--accumulate", str(accumulate), tmp_path=tmp_path
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "rank 0 pid" in result.stdout  # the script's own output passes through
+    job = launch(cluster, socket, "plain", "--steps", str(steps), "--accumulate", str(accumulate))
+    assert job.wait(180) == 0, job.log()[-4000:]
+    assert "rank 0 pid" in job.log()  # the script's own output passes through
 
     def all_steps() -> bool:
         ranks = ranks_of(coordinator, "plain")
@@ -71,8 +75,73 @@ def test_an_unmodified_ddp_script_reports_a_step_per_optimizer_step_and_its_buck
     assert sum(s.value for s in explicit) > 0
 
 
-def test_a_script_that_fails_fails_the_run(cluster: Cluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("die", "expected"),
+    [(("--exit-code", "3"), 3), (("--die-by-signal", str(int(signal.SIGKILL))), 128 + signal.SIGKILL)],
+    ids=["exit-3", "killed"],
+)
+def test_the_scripts_exit_code_is_the_runs(cluster: Cluster, die: tuple[str, str], expected: int) -> None:
     _, socket = start_node(cluster)
-    result = launch(socket, "failing", "--steps", "2", "--exit-code", "3", tmp_path=tmp_path)
-    assert result.returncode != 0
-    assert "exitcode  : 3" in result.stderr  # torchrun's report names the script's own code
+    job = launch(cluster, socket, "failing", "--steps", "2", *die)
+    assert job.wait(180) == expected, job.log()[-4000:]
+    assert "rank 0 pid" in job.log()
+    assert "FAILED" in job.log()  # torchrun's own report, naming the first failure
+
+
+def test_a_stopped_rank_under_run_is_a_hang_naming_it(cluster: Cluster, tmp_path: Path) -> None:
+    # Detection only: under the default policy the coordinator would restart the hung job.
+    coordinator, socket = start_node(cluster, "--hang-action", "alert")
+    until = tmp_path / "stop"
+    job = launch(cluster, socket, "stopped", "--compute-ms", "20", "--until-file", str(until))
+    wait_for_ranks_past(coordinator, "stopped", 2, 5, 120)
+    for rank in ranks_of(coordinator, "stopped").values():
+        # The monitor existed before the script's init_process_group: the Flight Recorder is on.
+        assert rank.heartbeat.flight_recorder_enabled
+        assert [g.group_name for g in rank.heartbeat.flight_recorder] == ["0"]
+    victim = ranks_of(coordinator, "stopped")[1].identity.pid
+    os.kill(victim, signal.SIGSTOP)
+    try:
+
+        def diagnosed() -> cluster_pb2.Incident | None:
+            hang = incident_of(coordinator, "hang", 1)
+            return hang if hang is not None and len(hang.diagnoses) == 2 else None
+
+        hang = wait_for(diagnosed, 60, "a diagnosed hang incident naming rank 1")
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    assert list(hang.ranks) == [1]
+    assert hang.cause == "process_stopped"
+    until.touch()
+    assert job.wait(120) == 0, job.log()[-4000:]
+
+
+def test_an_unwatched_ddp_rank_30_percent_slower_is_a_compute_straggler(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The script never calls watch(), and DDP's gradient all-reduce is its only collective: its
+    DDP model is watched when it is built, so the fast ranks' wait for the slow one inside
+    backward is communication, not compute (issue 23, item 3). Unwatched, every rank's step
+    is the same length and all of it compute: no straggler."""
+    coordinator, socket = start_node(cluster)
+    until = tmp_path / "stop"
+    job = launch(
+        cluster,
+        socket,
+        "unwatched",
+        "--compute-ms",
+        "40",
+        "--slow-rank",
+        "2",
+        "--no-explicit-all-reduce",
+        "--until-file",
+        str(until),
+        nproc=3,
+    )
+    straggler = wait_for(
+        lambda: incident_of(coordinator, "straggler", 2), 120, "a straggler incident for rank 2"
+    )
+    until.touch()
+    assert list(straggler.ranks) == [2]
+    assert straggler.cause == "compute"
+    assert not [i for i in incidents(coordinator) if i.kind == "straggler" and 2 not in i.ranks]
+    assert job.wait(120) == 0, job.log()[-4000:]

@@ -3,7 +3,11 @@
 Each optimizer step: ``--accumulate`` micro-batches (gradients synchronised on
 the last one only, as DDP's ``no_sync`` is meant to be used), ``--compute-ms``
 of work per micro-batch (30 % more on ``--slow-rank``), then ``optimizer.step()``
-and one explicit all-reduce. Exits with ``--exit-code``.
+and one explicit all-reduce (unless ``--no-explicit-all-reduce``: then DDP's
+gradient all-reduce is the only collective in a step). With ``--until-file`` it goes on past ``--steps``
+until that file exists (the ranks agree on when with an all-reduce every 20th
+step). Exits with ``--exit-code``, or rank 0 kills itself with
+signal ``--die-by-signal``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import contextlib
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,6 +31,9 @@ def main() -> None:
     parser.add_argument("--compute-ms", type=float, default=5.0)
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--exit-code", type=int, default=0)
+    parser.add_argument("--die-by-signal", type=int, default=0)
+    parser.add_argument("--until-file", type=Path)
+    parser.add_argument("--explicit-all-reduce", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -33,7 +41,9 @@ def main() -> None:
     model = DistributedDataParallel(torch.nn.Linear(64, 64))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     compute_s = args.compute_ms / 1000 * (1.3 if rank == args.slow_rank else 1.0)
-    for _ in range(args.steps):
+    step = 0
+    while step < args.steps or (args.until_file is not None and not stop_asked(args.until_file, step)):
+        step += 1
         for micro in range(args.accumulate):
             last = micro == args.accumulate - 1
             with contextlib.nullcontext() if last else model.no_sync():
@@ -41,11 +51,23 @@ def main() -> None:
             time.sleep(compute_s)
         optimizer.step()
         optimizer.zero_grad()
-        dist.all_reduce(torch.ones(1024))
+        if args.explicit_all_reduce:
+            dist.all_reduce(torch.ones(1024))
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank} pid {os.getpid()} done", flush=True)
+    if args.die_by_signal and rank == 0:
+        os.kill(os.getpid(), args.die_by_signal)
     sys.exit(args.exit_code)
+
+
+def stop_asked(until_file: Path, step: int) -> bool:
+    """True, on every rank at the same step, once ``until_file`` exists (checked every 20th step)."""
+    if step % 20:
+        return False
+    stop = torch.tensor([float(until_file.exists())])
+    dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+    return bool(stop.item())
 
 
 if __name__ == "__main__":
