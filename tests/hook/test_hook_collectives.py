@@ -24,11 +24,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from helpers import HOOK_WORKERS, ROOT, wait_for
 from torch.distributed import distributed_c10d as c10d
 
 from clusterwatch.hook.collectives import _OP_SPECS, DDP_OP, CollectiveTimingError, CollectiveTracker
 from clusterwatch.hook.collectives.cuda_timing import Clock, CudaTiming, choose_clock
+from clusterwatch.hook.collectives.functional import _FUNCTIONAL_SPECS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -268,6 +270,9 @@ def world() -> Iterator[dist.ProcessGroup]:
 def originals() -> dict[str, object]:
     found = {spec.attribute: getattr(dist, spec.attribute) for spec in _OP_SPECS}
     found["Work.wait"] = vars(dist.Work)["wait"]
+    for spec in _FUNCTIONAL_SPECS:
+        found[f"funcol.{spec.attribute}"] = getattr(funcol, spec.attribute)
+    found["funcol.wait_tensor"] = funcol.wait_tensor
     return found
 
 
@@ -285,6 +290,9 @@ def test_install_and_uninstall_restore_the_originals(errors: list[BaseException]
     assert inspect.signature(dist.all_reduce) == inspect.signature(before["all_reduce"])
     assert dist.all_reduce.__name__ == "all_reduce"
     assert pickle.loads(pickle.dumps(dist.all_reduce)) is before["all_reduce"]  # noqa: S301 (our own bytes)
+    assert funcol.all_reduce == before["funcol.all_reduce"]
+    # Defined where it is patched: it pickles as that module's attribute, whatever is there.
+    assert pickle.loads(pickle.dumps(funcol.all_reduce)) == before["funcol.all_reduce"]  # noqa: S301
     # A second tracker stays out and says so.
     other_errors: list[BaseException] = []
     CollectiveTracker(on_error=other_errors.append).install()
@@ -436,6 +444,25 @@ def test_in_process_timing_counts_sync_and_async_calls(tracker: CollectiveTracke
     assert aggregate.last_sequence == 2
     assert blocked_s > 0
     assert tracker.take_step() == (0.0, [])
+
+
+@pytest.mark.usefixtures("world")
+def test_functional_collectives_are_timed_from_launch_to_their_wait(tracker: CollectiveTracker) -> None:
+    """DTensor's collectives: async at launch, waited for when the result is first used."""
+    tensor = torch.ones(256)
+    reduced = funcol.all_reduce(tensor, "sum", dist.group.WORLD)
+    assert isinstance(reduced, funcol.AsyncCollectiveTensor)
+    assert tracker.in_flight() is not None  # launched, not waited yet
+    assert torch.equal(reduced + 0, tensor)  # first use: wait_tensor
+    gathered = funcol.all_gather_single(torch.ones(4, 8), 1, c10d._get_default_group())  # waits inside
+    assert gathered.shape == (4, 8)
+    funcol.all_reduce(tensor.view(16, 16), "sum", dist.group.WORLD).view(256).wait()  # a view's wait
+    blocked_s, aggregates = tracker.take_step()
+    by_op = {(a.op, a.count, a.bytes_total, a.group_name) for a in aggregates}
+    assert by_op == {("all_reduce", 2, 2048, "0"), ("all_gather_into_tensor", 1, 128, "0")}
+    assert [a.last_sequence for a in aggregates if a.op == "all_reduce"] == [3]  # one sequence per group
+    assert tracker.in_flight() is None
+    assert blocked_s > 0
 
 
 @pytest.mark.usefixtures("world")

@@ -10,6 +10,8 @@ install, so the per-call path reads arguments by index. Imports no torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -79,3 +81,43 @@ class _OpArguments:
         self.data_index = parameters.index(spec.data_param) if spec.data_param is not None else None
         self.group_index = parameters.index("group")
         self.async_index = parameters.index("async_op") if "async_op" in parameters else None
+
+
+class _ModuleRef:
+    """Pickles as ``importlib.import_module(name)``: lets a patched function pickle as its original."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> tuple[Callable[[str], Any], tuple[str]]:
+        return importlib.import_module, (self.name,)
+
+
+class _StandIn:
+    """A patched torch function: looks, compares, hashes and pickles as the original it wraps.
+
+    A callable object rather than a closure so that it compares equal to (and
+    hashes like) the function it wraps: Dynamo and ``torch.export`` test
+    ``fn in (dist.all_reduce, dist.reduce_scatter_tensor, ...)`` when they
+    rewrite collectives into functional ones, and must keep finding them.
+    """
+
+    def __init__(self, original: Callable[..., Any]) -> None:
+        functools.update_wrapper(self, original)  # __name__, __doc__, __wrapped__ (so inspect.signature)
+        self._original = original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or other is self._original
+
+    def __hash__(self) -> int:
+        return hash(self._original)
+
+    def __repr__(self) -> str:
+        return f"<clusterwatch-timed {self._original!r}>"
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        # Pickle as torch's own function, looked up where torch defines it.
+        return getattr, (_ModuleRef(self._original.__module__), self._original.__name__)

@@ -2,11 +2,12 @@
 
 - **Collective functions** (``_OP_SPECS``): ``install()`` replaces the attributes of the
   ``torch.distributed`` module with thin wrappers, so ``dist.all_reduce(...)`` is
-  timed however it is called. A reference taken before ``install()``
-  (``from torch.distributed import all_reduce``), calls made through
-  ``torch.distributed.distributed_c10d`` (torch's own ``all_gather_object`` and
-  friends), functional collectives (``torch.distributed._functional_collectives``,
-  DTensor) and ``isend``/``irecv``/``batch_isend_irecv`` are not seen. The last
+  timed however it is called; those of ``torch.distributed._functional_collectives``
+  (DTensor's) likewise, see ``clusterwatch.hook.collectives.functional``. A
+  reference taken before ``install()`` (``from torch.distributed import
+  all_reduce``), calls made through ``torch.distributed.distributed_c10d``
+  (torch's own ``all_gather_object`` and friends) and
+  ``isend``/``irecv``/``batch_isend_irecv`` are not seen. The last
   are left alone on purpose: ``P2POp`` and ``batch_isend_irecv`` compare ``op``
   with ``isend``/``irecv`` by identity, so wrapping them would break user code.
   Collectives queued inside a ``_coalescing_manager`` are issued later as one
@@ -29,51 +30,34 @@ exceptions and returning its own values. Importing this module does not import t
 
 from __future__ import annotations
 
-import functools
-import importlib
 import logging
 from collections.abc import Callable
 from typing import Any
 
-from clusterwatch.hook.collectives.calls import _CallTiming
 from clusterwatch.hook.collectives.cuda_timing import CudaEventSource
+from clusterwatch.hook.collectives.functional import _FunctionalTiming
 from clusterwatch.hook.collectives.ledger import CollectiveTimingError
-from clusterwatch.hook.collectives.ops import _OP_SPECS, _OpArguments, _OpSpec
+from clusterwatch.hook.collectives.ops import _OP_SPECS, _OpArguments, _OpSpec, _StandIn
 
 logger = logging.getLogger(__name__)
 
 
-class _ModuleRef:
-    """Pickles as ``importlib.import_module(name)``: lets a patched function pickle as its original."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __reduce__(self) -> tuple[Callable[[str], Any], tuple[str]]:
-        return importlib.import_module, (self.name,)
-
-
-class _PatchedCollective(_OpArguments):
+class _PatchedCollective(_OpArguments, _StandIn):
     """Stands in for one ``torch.distributed`` collective function.
 
-    A callable object rather than a closure so that it compares equal to (and
-    hashes like) the function it wraps: Dynamo and ``torch.export`` test
-    ``fn in (dist.all_reduce, dist.reduce_scatter_tensor, ...)`` when they
-    rewrite collectives into functional ones, and must keep finding them. Under
-    ``torch.compile`` it calls the original at once, so Dynamo traces straight
-    into torch's own function.
+    Under ``torch.compile`` it calls the original at once, so Dynamo traces
+    straight into torch's own function.
     """
 
     def __init__(
         self,
-        tracker: _CallTiming,
+        tracker: _FunctionalTiming,
         spec: _OpSpec,
         original: Callable[..., Any],
         is_compiling: Callable[[], bool],
     ) -> None:
-        functools.update_wrapper(self, original)  # __name__, __doc__, __wrapped__ (so inspect.signature)
+        _StandIn.__init__(self, original)
         self._tracker = tracker
-        self._original = original
         # torch.compiler.is_compiling: Dynamo folds it to True and traces only the original.
         self._is_compiling = is_compiling
         # Where the arguments the hook reads sit, from torch's own signature.
@@ -98,21 +82,8 @@ class _PatchedCollective(_OpArguments):
         tracker._launched(launch, result)
         return result
 
-    def __eq__(self, other: object) -> bool:
-        return other is self or other is self._original
 
-    def __hash__(self) -> int:
-        return hash(self._original)
-
-    def __repr__(self) -> str:
-        return f"<clusterwatch-timed {self._original!r}>"
-
-    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        # Pickle as torch's own function, looked up where torch defines it.
-        return getattr, (_ModuleRef(self._original.__module__), self._original.__name__)
-
-
-class _ProcessPatches(_CallTiming):
+class _ProcessPatches(_FunctionalTiming):
     """``install()`` and ``uninstall()`` of the patches; the timing they add is ``_CallTiming``'s."""
 
     def __init__(
@@ -150,6 +121,10 @@ class _ProcessPatches(_CallTiming):
                     self._report(CollectiveTimingError(f"dist.{spec.attribute} is not timed: {exc}"))
                     continue
                 patches.append((dist, spec.attribute, original, patched, True))
+            try:
+                patches.extend(self._functional_patches(self._torch.compiler.is_compiling))
+            except Exception as exc:  # a torch without functional collectives, or another shape of them
+                self._report(CollectiveTimingError(f"functional collectives are not timed: {exc}"))
             work_class = dist.Work
             own_wait = "wait" in vars(work_class)
             original_wait = vars(work_class)["wait"] if own_wait else work_class.wait
