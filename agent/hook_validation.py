@@ -158,6 +158,8 @@ def _check_heartbeat(heartbeat: training_pb2.Heartbeat, field: str) -> None:
     if len(set(names)) != len(names):
         duplicate = next(name for name in names if names.count(name) > 1)
         raise InvalidHookMessageError(f"{field}.process_groups", f"group {duplicate!r} is listed twice")
+    for index, sentence in enumerate(heartbeat.blind_spots):
+        _check_length(sentence, MAX_TEXT_CHARS, f"{field}.blind_spots[{index}]")
 
 
 _MAX_RANK = (1 << 32) - 1

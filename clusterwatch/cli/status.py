@@ -22,6 +22,7 @@ from clusterwatch.text.humanize import (
     duration,
     node_state,
     rank_state,
+    ranks_text,
     size_bytes,
 )
 from clusterwatch.v1 import cluster_pb2
@@ -139,7 +140,9 @@ def format_jobs(jobs: list[cluster_pb2.JobStatus]) -> str:
     collectives, COMM blocked in them. BUSBW is the all-reduce bus bandwidth.
     A job registered (``clusterwatch job begin``) whose ranks have not
     reported yet is one line: starting, on which nodes. The job's labels
-    (SLURM's job id, name, partition...) are one line under its header.
+    (SLURM's job id, name, partition...) are one line under its header. What
+    the hook cannot see in a rank (``Heartbeat.blind_spots``) follows the
+    table, a line per blind spot with the ranks that report it.
     """
     blocks = []
     for job in jobs:
@@ -171,9 +174,27 @@ def format_jobs(jobs: list[cluster_pb2.JobStatus]) -> str:
                     rank_state(rank),
                 )
             )
-        table = "\n".join(columns(lines))
+        table = "\n".join([*columns(lines), *blind_spot_lines(job)])
         blocks.append(f"JOB {job.job}  world size {job.world_size}  {rate}  {checkpoint}{labels}\n{table}")
     return "\n\n".join(blocks)
+
+
+MAX_BLIND_SPOT_LINES = 8
+
+
+def blind_spot_lines(job: cluster_pb2.JobStatus) -> list[str]:
+    """``blind: ranks 0, 1: the Flight Recorder is off (...)``, a line per distinct sentence."""
+    ranks_by_sentence: dict[str, list[int]] = {}
+    for rank in job.ranks:
+        for sentence in rank.heartbeat.blind_spots:
+            ranks_by_sentence.setdefault(sentence, []).append(rank.identity.rank)
+    lines = [f"blind: {ranks_text(ranks)}: {sentence}" for sentence, ranks in ranks_by_sentence.items()]
+    if len(lines) > MAX_BLIND_SPOT_LINES:
+        more = len(lines) - MAX_BLIND_SPOT_LINES + 1
+        lines[MAX_BLIND_SPOT_LINES - 1 :] = [
+            f"blind: {more} more (status --json: ranks[].heartbeat.blind_spots)"
+        ]
+    return lines
 
 
 def job_json(job: cluster_pb2.JobStatus) -> dict[str, Any]:

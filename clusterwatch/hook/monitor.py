@@ -27,6 +27,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, MutableMapping
@@ -34,6 +35,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from clusterwatch.hook import flight_recorder
+from clusterwatch.hook.blind_spots import BlindSpots
 from clusterwatch.hook.checkpoint import CheckpointBook
 from clusterwatch.hook.collectives.ddp_timing import DdpTimingMode, ddp_timing_mode
 from clusterwatch.hook.health import HookHealth
@@ -151,6 +153,9 @@ class TrainingMonitor:
         self.flight_recorder_enabled = False
         with self.health.guard("flight recorder"):
             self.flight_recorder_enabled = flight_recorder.enable(environ)
+        self._blind_spots = BlindSpots(
+            recorder_requested=self.flight_recorder_enabled, created_after_init=_process_group_exists()
+        )
         self._link = AgentLink(
             resolve_socket_path(socket_path, environ),
             self._hello,
@@ -332,9 +337,7 @@ class TrainingMonitor:
         return self.identity.to_proto()
 
     def _heartbeat(self) -> training_pb2.Heartbeat:
-        beat = training_pb2.Heartbeat(
-            timestamp_unix_seconds=time.time(), flight_recorder_enabled=self.flight_recorder_enabled
-        )
+        beat = training_pb2.Heartbeat(timestamp_unix_seconds=time.time())
         with self._lock:
             if self._step is not None:
                 beat.step = self._step
@@ -344,6 +347,10 @@ class TrainingMonitor:
                 beat.step_elapsed_seconds = time.monotonic() - self._step_started_s
             beat.steps_completed_total = self.steps_completed_total
         identity_known = self._refresh_identity()
+        if self.flight_recorder_enabled:  # before the tracker's counts (BlindSpots.update)
+            with self.health.guard("flight recorder"):
+                beat.flight_recorder.extend(flight_recorder.read_status())
+        launched: dict[str, int] = {}
         if self._tracker is not None:
             with self.health.guard("collective timing"):
                 self._tracker.poll()
@@ -353,9 +360,16 @@ class TrainingMonitor:
                 failed = self._tracker.last_failed()
                 if failed is not None:
                     beat.failed_collective.CopyFrom(_collective_proto(failed))
-        if self.flight_recorder_enabled:
-            with self.health.guard("flight recorder"):
-                beat.flight_recorder.extend(flight_recorder.read_status())
+                launched = self._tracker.launched_per_group()
+        with self.health.guard("blind spots"):
+            blind = self._blind_spots
+            blind.update(beat.flight_recorder, launched, beat.step if beat.steps_completed_total else None)
+            if blind.recorder_on is False:
+                self.flight_recorder_enabled = False
+            if blind.untimed is not None:
+                beat.untimed_collectives = blind.untimed
+            beat.blind_spots.extend(blind.sentences(self._tracker.blind_spots if self._tracker else ()))
+        beat.flight_recorder_enabled = self.flight_recorder_enabled
         if identity_known:
             # The agent checks members against the world size it was told: while an
             # identity update is queued behind this beat, the groups wait one beat.
@@ -448,3 +462,9 @@ def _collective_proto(collective: InFlight) -> training_pb2.CollectiveInFlight:
         size_bytes=collective.size_bytes,
         dtype=collective.dtype,
     )
+
+
+def _process_group_exists() -> bool:
+    """Whether init_process_group has run (without importing torch: no torch, no process group)."""
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())

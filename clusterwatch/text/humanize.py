@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from clusterwatch.v1 import cluster_pb2, training_pb2
 
@@ -108,3 +108,26 @@ def columns(rows: Sequence[Sequence[object]], indent: str = "", gap: str = "  ")
         indent + gap.join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip()
         for row in cells
     ]
+
+
+# Ranks spelled out in a detail before the rest are only counted.
+MAX_RANK_RANGES = 8
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """``rank 3``, ``ranks 0, 1, 2``; more than MAX_RANK_RANGES as ranges (``ranks 0-511, 513-1023``),
+    and past MAX_RANK_RANGES ranges, counted."""
+    ordered = sorted(set(ranks))
+    ranges: list[tuple[int, int]] = []
+    for rank in ordered:
+        if ranges and rank == ranges[-1][1] + 1:
+            ranges[-1] = (ranges[-1][0], rank)
+        else:
+            ranges.append((rank, rank))
+    if len(ordered) == 1:
+        return f"rank {ordered[0]}"
+    if len(ordered) <= MAX_RANK_RANGES:
+        return "ranks " + ", ".join(str(rank) for rank in ordered)
+    shown = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges[:MAX_RANK_RANGES])
+    more = f", ... ({len(ordered)} ranks)" if len(ranges) > MAX_RANK_RANGES else ""
+    return f"ranks {shown}{more}"

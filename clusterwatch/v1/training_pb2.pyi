@@ -455,6 +455,8 @@ class Heartbeat(_message.Message):
     HEALTH_FIELD_NUMBER: _builtins.int
     PROCESS_GROUPS_FIELD_NUMBER: _builtins.int
     FAILED_COLLECTIVE_FIELD_NUMBER: _builtins.int
+    BLIND_SPOTS_FIELD_NUMBER: _builtins.int
+    UNTIMED_COLLECTIVES_FIELD_NUMBER: _builtins.int
     timestamp_unix_seconds: _builtins.float
     step: _builtins.int
     """Current step, or the last one finished when between steps."""
@@ -462,6 +464,12 @@ class Heartbeat(_message.Message):
     step_elapsed_seconds: _builtins.float
     steps_completed_total: _builtins.int
     flight_recorder_enabled: _builtins.bool
+    untimed_collectives: _builtins.int
+    """Collectives on this rank's process groups that the Flight Recorder
+    recorded and the hook did not time, since the rank's first step (torch
+    internals such as DDP's bucket rebuild, object collectives, functions
+    imported before the monitor); unset while the Flight Recorder is off.
+    """
     @_builtins.property
     def collective(self) -> Global___CollectiveInFlight:
         """Unset when no collective is in flight."""
@@ -483,6 +491,15 @@ class Heartbeat(_message.Message):
         the job down a moment later.
         """
 
+    @_builtins.property
+    def blind_spots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What the hook cannot see in this process, a sentence each saying what
+        and what follows ("the Flight Recorder is off (...): a hang is named by
+        heartbeats only", "DDP gradient buckets are not timed: ...", "12 of 800
+        collectives since step 1 were not timed ..."); empty when it sees all
+        it knows of. At most 16, each at most 4096 characters.
+        """
+
     def __init__(
         self,
         *,
@@ -497,12 +514,16 @@ class Heartbeat(_message.Message):
         health: Global___HookHealth | None = ...,
         process_groups: _abc.Iterable[Global___ProcessGroupMembership] | None = ...,
         failed_collective: Global___CollectiveInFlight | None = ...,
+        blind_spots: _abc.Iterable[_builtins.str] | None = ...,
+        untimed_collectives: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["collective", b"collective", "failed_collective", b"failed_collective", "health", b"health"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_untimed_collectives", b"_untimed_collectives", "collective", b"collective", "failed_collective", b"failed_collective", "health", b"health", "untimed_collectives", b"untimed_collectives"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["collective", b"collective", "failed_collective", b"failed_collective", "flight_recorder", b"flight_recorder", "flight_recorder_enabled", b"flight_recorder_enabled", "health", b"health", "in_step", b"in_step", "process_groups", b"process_groups", "step", b"step", "step_elapsed_seconds", b"step_elapsed_seconds", "steps_completed_total", b"steps_completed_total", "timestamp_unix_seconds", b"timestamp_unix_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_untimed_collectives", b"_untimed_collectives", "blind_spots", b"blind_spots", "collective", b"collective", "failed_collective", b"failed_collective", "flight_recorder", b"flight_recorder", "flight_recorder_enabled", b"flight_recorder_enabled", "health", b"health", "in_step", b"in_step", "process_groups", b"process_groups", "step", b"step", "step_elapsed_seconds", b"step_elapsed_seconds", "steps_completed_total", b"steps_completed_total", "timestamp_unix_seconds", b"timestamp_unix_seconds", "untimed_collectives", b"untimed_collectives"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__untimed_collectives: _TypeAlias = _typing.Literal["untimed_collectives"]  # noqa: Y015
+    _WhichOneofArgType__untimed_collectives: _TypeAlias = _typing.Literal["_untimed_collectives", b"_untimed_collectives"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__untimed_collectives) -> _WhichOneofReturnType__untimed_collectives | None: ...
 
 Global___Heartbeat: _TypeAlias = Heartbeat  # noqa: Y015
 

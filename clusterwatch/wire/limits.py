@@ -53,6 +53,7 @@ MAX_ENTRIES: dict[str, int] = {
     # Kinds of collective in one step (op x group x dtype x size bucket).
     f"{V1}StepSummary.collectives": 1024,
     f"{V1}Heartbeat.flight_recorder": 1024,
+    f"{V1}Heartbeat.blind_spots": 16,
     # Groups one rank belongs to, and the members of one listed (not evenly spaced) group.
     f"{V1}Heartbeat.process_groups": 1024,
     f"{V1}ProcessGroupMembership.ranks": 1024,

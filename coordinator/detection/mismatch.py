@@ -53,10 +53,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from clusterwatch.coordinator.model.jobs import RUNNING, RankRecord
 from clusterwatch.text.humanize import collective as describe
+from clusterwatch.text.humanize import ranks_text
 from clusterwatch.v1 import training_pb2
-
-# Ranks spelled out in a detail before the rest are only counted.
-MAX_RANK_RANGES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,22 +279,3 @@ def _without_majority(group_name: str, kinds: list[list[Position]]) -> Mismatch:
     odd.sort(key=lambda o: o.rank)
     sequence = min(kind[0].collective.sequence for kind in kinds)
     return Mismatch(group_name, sequence, tuple(odd), majority=False)
-
-
-def ranks_text(ranks: Iterable[int]) -> str:
-    """``rank 3``, ``ranks 0, 1, 2``; more than MAX_RANK_RANGES as ranges (``ranks 0-511, 513-1023``),
-    and past MAX_RANK_RANGES ranges, counted."""
-    ordered = sorted(set(ranks))
-    ranges: list[tuple[int, int]] = []
-    for rank in ordered:
-        if ranges and rank == ranges[-1][1] + 1:
-            ranges[-1] = (ranges[-1][0], rank)
-        else:
-            ranges.append((rank, rank))
-    if len(ordered) == 1:
-        return f"rank {ordered[0]}"
-    if len(ordered) <= MAX_RANK_RANGES:
-        return "ranks " + ", ".join(str(rank) for rank in ordered)
-    shown = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges[:MAX_RANK_RANGES])
-    more = f", ... ({len(ordered)} ranks)" if len(ranges) > MAX_RANK_RANGES else ""
-    return f"ranks {shown}{more}"

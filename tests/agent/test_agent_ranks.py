@@ -192,6 +192,12 @@ def test_bad_values_are_refused_by_field_and_earlier_data_is_kept(registry: Rank
         )
     with pytest.raises(InvalidHookMessageError, match=r"checkpoint_result\.duration_seconds"):
         registry.checkpoint_result("i0-100", training_pb2.CheckpointResult(duration_seconds=math.inf))
+    with pytest.raises(
+        InvalidHookMessageError, match=r"heartbeat\.blind_spots\[1\]: at most 4096 characters"
+    ):
+        registry.heartbeat("i0-100", training_pb2.Heartbeat(blind_spots=["ok", "x" * 4097]))
+    with pytest.raises(InvalidHookMessageError, match=r"heartbeat\.blind_spots: at most 16 entries"):
+        registry.heartbeat("i0-100", training_pb2.Heartbeat(blind_spots=["ok"] * 17))
     (entry,) = report(registry)
     assert [s.step for s in entry.steps] == [1]  # the honest step stays; no part of a bad batch does
     assert not entry.HasField("heartbeat")

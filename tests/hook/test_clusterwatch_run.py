@@ -94,10 +94,17 @@ def test_a_stopped_rank_under_run_is_a_hang_naming_it(cluster: Cluster, tmp_path
     until = tmp_path / "stop"
     job = launch(cluster, socket, "stopped", "--compute-ms", "20", "--until-file", str(until))
     wait_for_ranks_past(coordinator, "stopped", 2, 5, 120)
-    for rank in ranks_of(coordinator, "stopped").values():
-        # The monitor existed before the script's init_process_group: the Flight Recorder is on.
-        assert rank.heartbeat.flight_recorder_enabled
-        assert [g.group_name for g in rank.heartbeat.flight_recorder] == ["0"]
+    # The monitor existed before the script's init_process_group: the Flight Recorder is on, and
+    # every rank's heartbeat (one a second) comes to carry its group's status.
+    wait_for(
+        lambda: all(
+            r.heartbeat.flight_recorder_enabled
+            and [g.group_name for g in r.heartbeat.flight_recorder] == ["0"]
+            for r in ranks_of(coordinator, "stopped").values()
+        ),
+        30,
+        "every rank's Flight Recorder status for group 0",
+    )
     victim = ranks_of(coordinator, "stopped")[1].identity.pid
     os.kill(victim, signal.SIGSTOP)
     try:

@@ -5,8 +5,7 @@ the last one only, as DDP's ``no_sync`` is meant to be used), ``--compute-ms``
 of work per micro-batch (30 % more on ``--slow-rank``), then ``optimizer.step()``
 and one explicit all-reduce (unless ``--no-explicit-all-reduce``: then DDP's
 gradient all-reduce is the only collective in a step). With ``--until-file`` it goes on past ``--steps``
-until that file exists (the ranks agree on when with an all-reduce every 20th
-step). Exits with ``--exit-code``, or rank 0 kills itself with
+until that file exists (agreed_stop.py). Exits with ``--exit-code``, or rank 0 kills itself with
 signal ``--die-by-signal``.
 """
 
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from agreed_stop import stop_asked
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -59,15 +59,6 @@ def main() -> None:
     if args.die_by_signal and rank == 0:
         os.kill(os.getpid(), args.die_by_signal)
     sys.exit(args.exit_code)
-
-
-def stop_asked(until_file: Path, step: int) -> bool:
-    """True, on every rank at the same step, once ``until_file`` exists (checked every 20th step)."""
-    if step % 20:
-        return False
-    stop = torch.tensor([float(until_file.exists())])
-    dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-    return bool(stop.item())
 
 
 if __name__ == "__main__":

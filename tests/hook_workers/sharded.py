@@ -10,8 +10,7 @@ all-reduces, forward and backward) and ``fully_shard`` over dp.
 
 Each step sleeps ``--compute-ms`` (30 % more on ``--slow-rank``) before its
 forward pass, so the others wait for the slow rank inside collectives. With
-``--until-file`` it goes on past ``--steps`` until that file exists (the ranks
-agree on when with an all-reduce every 20th step).
+``--until-file`` it goes on past ``--steps`` until that file exists (agreed_stop.py).
 
 Exits with ``os._exit`` once the process group is destroyed: torch 2.13 with
 gloo sub-groups aborts at interpreter exit about half the time ("terminate
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from agreed_stop import stop_asked
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -77,15 +77,6 @@ def shard(model: torch.nn.Sequential, parallel: str) -> torch.nn.Module:
     mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     return fully_shard(model, mesh=mesh["dp"])
-
-
-def stop_asked(until_file: Path, step: int) -> bool:
-    """True, on every rank at the same step, once ``until_file`` exists (checked every 20th step)."""
-    if step % 20:
-        return False
-    stop = torch.tensor([float(until_file.exists())])
-    dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-    return bool(stop.item())
 
 
 def main() -> None:

@@ -122,6 +122,8 @@ def rank_detail(job: str, rank: cluster_pb2.RankStatus) -> Text:
                 f"started {group.last_started_collective}, "
                 f"completed {group.last_completed_collective}\n"
             )
+        for sentence in beat.blind_spots:  # what the hook cannot see in this rank
+            text.append(f"blind: {sentence}\n", style="yellow")
     for collective in rank.collectives:
         mean_s = collective.duration_seconds_total / collective.count if collective.count else None
         text.append(

@@ -86,7 +86,7 @@ class _CallTiming(_Ledger):
             asynchronous = async_index is not None and bool(
                 args[async_index] if len(args) > async_index else kwargs.get("async_op", False)
             )
-            sequence = next(info.p2p_sequence if spec.point_to_point else info.sequence)
+            sequence = next(info.p2p_sequence) if spec.point_to_point else info.next_sequence()
             launch = _Launch(
                 spec.op,
                 info,

@@ -288,6 +288,9 @@ class _DdpTiming(_Ledger):
 
     def _ddp_not_timed(self, why: str) -> None:
         logger.warning("clusterwatch: DDP gradient buckets are not timed: %s", why)
+        sentence = f"DDP gradient buckets are not timed ({why}): their wait reads as compute"
+        if sentence not in self.blind_spots:
+            self.blind_spots.append(sentence)
         self._report(CollectiveTimingError(f"DDP gradient buckets are not timed: {why}"))
 
     # -- the reducer group's calls (training thread, inside backward) -------------------
@@ -320,7 +323,7 @@ class _DdpTiming(_Ledger):
         launch = _Launch(
             DDP_OP,
             info,
-            next(info.sequence),
+            info.next_sequence(),
             start_ns=time.monotonic_ns(),
             blocked_key=_DDP_BLOCKED_KEY,
             asynchronous=True,

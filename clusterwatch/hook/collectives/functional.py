@@ -120,7 +120,7 @@ class _FunctionalTiming(_CallTiming):
             launch = _Launch(
                 spec.op,
                 info,
-                next(info.sequence),
+                info.next_sequence(),
                 start_ns=time.monotonic_ns(),
                 blocked_key=threading.get_ident(),
                 asynchronous=True,

@@ -103,15 +103,22 @@ class InFlight:
 class _GroupInfo:
     """What the hook caches per process group: looked up once, not per collective."""
 
-    __slots__ = ("group_ref", "name", "p2p_sequence", "sequence", "size")
+    __slots__ = ("_sequence", "group_ref", "launched", "name", "p2p_sequence", "size")
 
     def __init__(self, group_ref: weakref.ref[Any], name: str, size: int) -> None:
         self.group_ref = group_ref
         self.name = name
         self.size = size
         # next() on itertools.count is atomic under the GIL: no lock per launch.
-        self.sequence = itertools.count(1)
+        self._sequence = itertools.count(1)
         self.p2p_sequence = itertools.count(1)
+        # The newest sequence number taken (collectives launched on the group so far, p2p aside).
+        self.launched = 0
+
+    def next_sequence(self) -> int:
+        """The next collective's sequence number (p2p ones take ``next(p2p_sequence)``)."""
+        sequence = self.launched = next(self._sequence)
+        return sequence
 
 
 class _Round:
@@ -231,6 +238,8 @@ class _Ledger:
         self._groups: dict[int, _GroupInfo] = {}
         self._dtype_names: dict[Any, str] = {}
         self._overflow_logged = False
+        # What it cannot time, a sentence each (DDP models left alone...): the heartbeat's blind spots.
+        self.blind_spots: list[str] = []
         # torch objects, bound by install() or watch_ddp() so importing this module needs no torch.
         self._torch: Any = None
         self._c10d: Any = None
@@ -278,6 +287,10 @@ class _Ledger:
     def last_failed(self) -> InFlight | None:
         """The newest collective that raised (as it was when it raised); None if none did."""
         return self._last_failed
+
+    def launched_per_group(self) -> dict[str, int]:
+        """Collectives launched so far per process group name (their sequence numbers; p2p aside)."""
+        return {info.name: info.launched for info in list(self._groups.values())}
 
     def poll(self) -> None:
         """Count the collectives that completed since: stamped ones, and CUDA ones whose events have.
