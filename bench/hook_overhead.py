@@ -16,7 +16,10 @@ counted on every rank:
   and the ranks compete for the CPU, so any CPU the hook spends shows up in
   the step time.
 
-Arms: ``off`` (no monitor), ``on`` (this tree's monitor) and, with
+Arms: ``off`` (no monitor), ``on`` (this tree's monitor, the explicit three
+lines: TrainingMonitor, watch, monitor.step), ``run`` (the same script with no
+monitor of its own, launched by ``clusterwatch run``: the monitor comes from
+the launcher, steps from optimizer steps, DDP watched as it is built) and, with
 ``--before REV``, ``before``: the monitor of git revision REV (its
 ``clusterwatch`` package exported to a temporary directory and put first on
 the workers' PYTHONPATH; the worker script is this tree's), or of a directory
@@ -112,12 +115,14 @@ def run_job(
     workload: list[str],
     monitored: bool,
     tree: Path | None,
+    launcher: str = "torch.distributed.run",
 ) -> Job:
     out = tmp / tag
+    by_launcher = launcher != "torch.distributed.run"  # the launcher creates the monitor
     argv = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        launcher,
         "--standalone",
         f"--nproc-per-node={nproc}",
         str(WORKER),
@@ -133,9 +138,14 @@ def run_job(
         "1",
         *workload,
     ]
-    if not monitored:
+    if not monitored or by_launcher:
         argv.append("--no-monitor")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CLUSTERWATCH_AGENT_SOCKET": str(socket)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "CLUSTERWATCH_AGENT_SOCKET": str(socket),
+        "CLUSTERWATCH_JOB": "bench",
+    }
     if tree is not None:  # the workers import clusterwatch from there (their sys.path[0] is the script's dir)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
     for attempt in range(2):  # torchrun's standalone rendezvous now and then fails on a loaded machine
@@ -240,7 +250,7 @@ def main() -> int:
     cw = [sys.executable, "-m", "clusterwatch"]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        trees: dict[str, Path | None] = {"off": None, "on": None}
+        trees: dict[str, Path | None] = {"off": None, "on": None, "run": None}
         if args.before:
             before = Path(args.before)
             trees["before"] = before if before.is_dir() else export_tree(args.before, tmp / "before-tree")
@@ -285,6 +295,7 @@ def main() -> int:
                             workload=WORKLOADS[workload],
                             monitored=arm != "off",
                             tree=trees[arm],
+                            launcher="clusterwatch.run" if arm == "run" else "torch.distributed.run",
                         )
                         results[workload][arm].append(job)
                         line.append(

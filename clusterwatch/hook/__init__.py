@@ -2,10 +2,11 @@
 
 ``TrainingMonitor`` is for plain PyTorch loops; ``clusterwatch.hook.lightning``
 and ``clusterwatch.hook.transformers`` hold callbacks for PyTorch Lightning and
-Hugging Face ``Trainer``. Importing this package imports neither torch nor
+Hugging Face ``Trainer``; ``current_monitor()`` is the monitor this process
+already has (the one ``clusterwatch run`` created). Importing this package imports neither torch nor
 the frameworks; they are imported when a monitor is created.
 """
 
-from clusterwatch.hook.monitor import TrainingMonitor
+from clusterwatch.hook.monitor import TrainingMonitor, current_monitor
 
-__all__ = ["TrainingMonitor"]
+__all__ = ["TrainingMonitor", "current_monitor"]

@@ -30,6 +30,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, MutableMapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -182,9 +183,11 @@ class TrainingMonitor:
             with self.health.guard("watch"):
                 from clusterwatch.hook.auto_watch import watch_new_ddp_models
 
-                watch_new_ddp_models(self)  # DDP models built from now on: watch() is optional
+                watch_new_ddp_models()  # DDP models built from now on: watch() is optional
         self._link.start()
         atexit.register(self.close)
+        global _newest  # noqa: PLW0603 - one process, one newest monitor
+        _newest = weakref.ref(self)
 
     # -- the training loop's API -------------------------------------------------
 
@@ -462,6 +465,21 @@ def _collective_proto(collective: InFlight) -> training_pb2.CollectiveInFlight:
         size_bytes=collective.size_bytes,
         dtype=collective.dtype,
     )
+
+
+_newest: weakref.ReferenceType[TrainingMonitor] | None = None
+
+
+def current_monitor() -> TrainingMonitor | None:
+    """The newest monitor of this process that is not closed, or None.
+
+    Under ``clusterwatch run`` the script did not create one; this is how it
+    reaches the one that was (``monitor.on_checkpoint(...)`` for a plain loop).
+    A second ``TrainingMonitor`` in one process would leave its collectives
+    untimed (the first one's patches stay).
+    """
+    monitor = _newest() if _newest is not None else None
+    return None if monitor is None or monitor.closed else monitor
 
 
 def _process_group_exists() -> bool:

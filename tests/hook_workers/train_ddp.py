@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import clusterwatch
-from clusterwatch.hook import TrainingMonitor
+from clusterwatch.hook import TrainingMonitor, current_monitor
 
 
 def parse_args() -> argparse.Namespace:
@@ -208,13 +208,15 @@ def main() -> None:
     threads_s = {name: cpu - threads_started_s.get(name, 0.0) for name, cpu in thread_cpu_s().items()}
 
     dist.barrier()
+    hook = monitor or current_monitor()
     result = {
         "rank": rank,
         "start_step": start,
         "end_step": step,
         "saved_steps": saved,
-        "hook_errors_total": monitor.health.errors_total if monitor else 0,
-        "connected": monitor.connected if monitor else False,
+        # Under clusterwatch run with --no-monitor, the monitor the launcher created.
+        "hook_errors_total": hook.health.errors_total if hook else 0,
+        "connected": hook.connected if hook else False,
         "pid": os.getpid(),
         "step_time_median_s": statistics.median(step_times_s) if step_times_s else 0.0,
         "steps_timed": len(step_times_s),
