@@ -4,7 +4,8 @@
 TrainingMonitor first (so the Flight Recorder is on before the script's
 ``init_process_group``), turns optimizer steps into steps
 (clusterwatch/hook/optimizer_steps.py), and watches every DistributedDataParallel
-model the script builds; then runs TARGET (a script path, or with ``--module`` a
+model the script builds, and (clusterwatch/hook/frameworks.py) gives every
+Lightning and Hugging Face Trainer the clusterwatch callback; then runs TARGET (a script path, or with ``--module`` a
 module) as ``__main__`` with ``sys.argv`` as the script would have had it. The
 script's output, exit code and signals are its own: it runs in this process.
 If the monitor cannot start, the script runs anyway and one warning says why.
@@ -46,10 +47,14 @@ def start_monitor() -> Any:
     """The monitor, with optimizer steps and DDP models watched; None (one warning) if it cannot start."""
     try:
         from clusterwatch.hook import TrainingMonitor
+        from clusterwatch.hook.frameworks import CALLBACKS_ENV, watch_transformers_trainers
         from clusterwatch.hook.optimizer_steps import OptimizerSteps
 
         monitor = TrainingMonitor()  # it watches every DDP model the script builds
-        OptimizerSteps(monitor).install()
+        steps = monitor.optimizer_steps = OptimizerSteps(monitor)
+        steps.install()
+        os.environ.setdefault(CALLBACKS_ENV, "1")  # Lightning's and Hugging Face's Trainers get the callback
+        watch_transformers_trainers()
     except Exception as exc:  # the script runs anyway: monitoring is never a reason not to train
         logger.warning(
             "clusterwatch: the training hook could not start (%s: %s); running unmonitored",

@@ -48,6 +48,7 @@ from clusterwatch.v1 import hook_pb2, training_pb2
 if TYPE_CHECKING:
     from clusterwatch.hook.collectives import CollectiveTracker, InFlight
     from clusterwatch.hook.collectives.aggregate import CollectiveAggregate
+    from clusterwatch.hook.optimizer_steps import OptimizerSteps
 
 logger = logging.getLogger("clusterwatch.hook")
 
@@ -151,6 +152,8 @@ class TrainingMonitor:
         self._ddp_timing = DdpTimingMode.AUTO
         self._process_groups = ProcessGroupReader()
         self._closed = False
+        # Set by clusterwatch run (OptimizerSteps): steps from optimizer steps until a framework takes over.
+        self.optimizer_steps: OptimizerSteps | None = None
         self.flight_recorder_enabled = False
         with self.health.guard("flight recorder"):
             self.flight_recorder_enabled = flight_recorder.enable(environ)
@@ -245,6 +248,18 @@ class TrainingMonitor:
         """The step raised: stop timing it without reporting it."""
         with self._lock:
             self._in_step = False
+
+    def use_framework_steps(self) -> None:
+        """A framework callback numbers the steps from now on (its global step, its checkpoints).
+
+        Under ``clusterwatch run`` steps come from optimizer steps until then;
+        that hook is removed and a step it had begun is dropped.
+        """
+        steps, self.optimizer_steps = self.optimizer_steps, None
+        if steps is not None:
+            with self.health.guard("optimizer steps"):
+                steps.remove()
+            self.abandon_step()
 
     def on_checkpoint(self, save_fn: SaveFn, *, deferred: bool = False) -> None:
         """Register ``save_fn(step) -> path``, run at the end of a step when a checkpoint is requested.

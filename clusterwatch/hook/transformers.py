@@ -12,6 +12,9 @@ the end of that step, so the Trainer saves ``checkpoint-{s+1}`` in its own way
 (model, optimizer, scheduler, RNG states, on every rank); the result is
 reported from ``on_save``. Resuming from it restores ``global_step = s + 1``,
 the monitor's ``resume_step()``.
+
+Without code: under ``clusterwatch run`` every Trainer gets one
+(clusterwatch/hook/frameworks.py).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from clusterwatch.hook.monitor import TrainingMonitor
+from clusterwatch.hook.monitor import TrainingMonitor, current_monitor
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 
@@ -28,14 +31,16 @@ class ClusterwatchCallback(TrainerCallback):
 
     Args:
         job: the job's name (see TrainingMonitor).
-        monitor: an existing monitor to use instead of creating one.
-        **monitor_options: passed to TrainingMonitor.
+        monitor: the monitor to use (default: the process's, ``current_monitor()``,
+            else a new one). Its steps are the Trainer's global steps from now on.
+        **monitor_options: passed to TrainingMonitor when one is created.
     """
 
     def __init__(
         self, job: str | None = None, *, monitor: TrainingMonitor | None = None, **monitor_options: Any
     ):
-        self.monitor = monitor or TrainingMonitor(job, **monitor_options)
+        self.monitor = monitor or current_monitor() or TrainingMonitor(job, **monitor_options)
+        self.monitor.use_framework_steps()
         self.monitor.on_checkpoint(self._request_save, deferred=True)
         self._control: TrainerControl | None = None
         self._saving_step: int | None = None

@@ -1,4 +1,8 @@
-"""A tiny Hugging Face Trainer job (model built from a config, no downloads) with the clusterwatch callback."""
+"""A tiny Hugging Face Trainer job (model built from a config, no downloads) with the clusterwatch callback.
+
+With ``--unmodified`` it runs no clusterwatch code of its own (no import, no
+callback): what ``clusterwatch run`` must watch as it is.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +19,6 @@ from transformers import (
     TrainerCallback,
     TrainingArguments,
 )
-
-from clusterwatch.hook.transformers import ClusterwatchCallback
 
 
 class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -47,6 +49,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--until-file", type=Path)
+    parser.add_argument("--unmodified", action="store_true")
     args = parser.parse_args()
     config = BertConfig(
         vocab_size=100,
@@ -69,14 +72,21 @@ def main() -> None:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    callback = ClusterwatchCallback(job="hf-job")
+    callbacks: list[TrainerCallback] = [StopAtStepInFile(args.until_file)]
+    resume_from = None
+    if not args.unmodified:
+        from clusterwatch.hook.transformers import ClusterwatchCallback
+
+        callback = ClusterwatchCallback(job="hf-job")
+        callbacks.insert(0, callback)
+        resume_from = callback.resume_checkpoint_path(output_dir)
     trainer = Trainer(
         model=BertForSequenceClassification(config),
         args=training_args,
         train_dataset=RandomTokens(),
-        callbacks=[callback, StopAtStepInFile(args.until_file)],
+        callbacks=callbacks,
     )
-    trainer.train(resume_from_checkpoint=callback.resume_checkpoint_path(output_dir))
+    trainer.train(resume_from_checkpoint=resume_from)
     rank = trainer.args.process_index
     out = {"rank": rank, "global_step": trainer.state.global_step}
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,8 @@
-"""A tiny PyTorch Lightning job (DDP over gloo on CPU) with the clusterwatch callback, under torchrun."""
+"""A tiny PyTorch Lightning job (DDP over gloo on CPU) with the clusterwatch callback, under torchrun.
+
+With ``--unmodified`` it runs no clusterwatch code of its own (no import, no
+callback): what ``clusterwatch run`` must watch as it is.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,6 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-
-from clusterwatch.hook.lightning import ClusterwatchCallback
 
 
 class TinyModel(pl.LightningModule):
@@ -43,8 +45,16 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--until-file", type=Path)
+    parser.add_argument("--unmodified", action="store_true")
     args = parser.parse_args()
-    callback = ClusterwatchCallback(job="lightning-job", checkpoint_dir=str(args.out_dir / "checkpoints"))
+    callbacks: list[pl.Callback] = [StopAtStepInFile(args.until_file)]
+    resume_from = None
+    if not args.unmodified:
+        from clusterwatch.hook.lightning import ClusterwatchCallback
+
+        callback = ClusterwatchCallback(job="lightning-job", checkpoint_dir=str(args.out_dir / "checkpoints"))
+        callbacks.insert(0, callback)
+        resume_from = callback.resume_checkpoint_path()
     data = TensorDataset(torch.randn(4096, 16), torch.randn(4096, 1))
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -57,9 +67,9 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(args.out_dir),
-        callbacks=[callback, StopAtStepInFile(args.until_file)],
+        callbacks=callbacks,
     )
-    trainer.fit(TinyModel(), DataLoader(data, batch_size=16), ckpt_path=callback.resume_checkpoint_path())
+    trainer.fit(TinyModel(), DataLoader(data, batch_size=16), ckpt_path=resume_from)
     out = {"rank": trainer.global_rank, "global_step": trainer.global_step}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
