@@ -217,6 +217,8 @@ class AgentLink:
                 next_heartbeat_s = now_s + self.heartbeat_interval_s
             if self._closing.is_set():
                 yield from self._drain()
+                # The last word: the steps finished, the blind spots, as they are at the end.
+                yield hook_pb2.HookMessage(heartbeat=self._heartbeat())
                 if self._goodbye is not None:
                     yield hook_pb2.HookMessage(goodbye=hook_pb2.Goodbye(reason=self._goodbye))
                 return

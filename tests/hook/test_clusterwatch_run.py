@@ -4,6 +4,7 @@ optimizer step) and its DDP buckets, without one line of clusterwatch in it."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from helpers import (
     HOOK_WORKERS,
     Cluster,
+    Coordinator,
     Process,
     incident_of,
     incidents,
@@ -152,3 +154,57 @@ def test_an_unwatched_ddp_rank_30_percent_slower_is_a_compute_straggler(
     assert straggler.cause == "compute"
     assert not [i for i in incidents(coordinator) if i.kind == "straggler" and 2 not in i.ranks]
     assert job.wait(120) == 0, job.log()[-4000:]
+
+
+def collectives_by_op(coordinator: Coordinator, job: str) -> dict[str, tuple[int, int]]:
+    """(count, bytes) per op of ``job``'s collectives, summed over ranks, as the coordinator exports them."""
+    samples = scrape(coordinator.metrics_url)
+    found: dict[str, tuple[int, int]] = {}
+    for name, index in (("clusterwatch_collectives_total", 0), ("clusterwatch_collective_bytes_total", 1)):
+        for sample in samples_named(samples, name, training_job=job):
+            totals = list(found.get(sample.labels["op"], (0, 0)))
+            totals[index] += int(sample.value)
+            found[sample.labels["op"]] = (totals[0], totals[1])
+    return found
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["run", "explicit"])
+def test_run_and_the_explicit_hook_report_the_same(cluster: Cluster, tmp_path: Path, explicit: bool) -> None:
+    """The same 3-rank job under clusterwatch run, or with the README's three lines (issue 23, item
+    6), checked against the same expectations: step numbers (run's first optimizer step ends the
+    setup, not a step), collectives by count and bytes, the straggler incident."""
+    coordinator, socket = start_node(cluster)
+    ranks, bucket_bytes = 3, (64 * 64 + 64) * 4  # one DDP bucket: Linear(64, 64)'s gradients
+    until = tmp_path / "stop"
+    args = ["--compute-ms", "40", "--slow-rank", "2", "--steps", "0", "--until-file", str(until)]
+    if explicit:
+        job = cluster.torchrun(
+            SCRIPT, *args, "--explicit", nproc=ranks, socket=socket, env={"CLUSTERWATCH_JOB": "same"}
+        )
+    else:
+        job = launch(cluster, socket, "same", *args, nproc=ranks)
+    try:
+        straggler = wait_for(lambda: incident_of(coordinator, "straggler", 2), 120, "a straggler incident")
+    finally:
+        until.touch()
+    assert job.wait(120) == 0, job.log()[-4000:]
+    assert (list(straggler.ranks), straggler.cause) == ([2], "compute")
+    assert [i.ranks for i in incidents(coordinator) if i.kind == "straggler"] == [[2]]
+    (steps,) = {int(m) for m in re.findall(r"done after (\d+) optimizer steps", job.log())}
+    # Every explicit all-reduce, the stop checks (at 0, 20, ... steps) but the last (after the last
+    # step, in no step either way), one DDP bucket per step.
+    checks = steps // 20
+    expected = {
+        "ddp_all_reduce": (ranks * steps, ranks * steps * bucket_bytes),
+        "all_reduce": (ranks * (steps + checks), ranks * (steps * 4096 + checks * 4)),
+    }
+
+    def reported() -> bool:
+        found = collectives_by_op(coordinator, "same")
+        assert found == expected, found  # the last error, should the wait time out
+        return True
+
+    wait_for(reported, 30, f"the collectives {expected}")
+    for rank in ranks_of(coordinator, "same").values():
+        assert rank.last_step.step == steps - 1  # step n ends with optimizer step n (from 0)
+        assert rank.heartbeat.steps_completed_total == (steps if explicit else steps - 1)
