@@ -8,6 +8,7 @@ import re
 import signal
 from pathlib import Path
 
+import psutil
 import pytest
 from helpers import (
     HOOK_WORKERS,
@@ -88,6 +89,26 @@ def test_the_scripts_exit_code_is_the_runs(cluster: Cluster, die: tuple[str, str
     assert job.wait(180) == expected, job.log()[-4000:]
     assert "rank 0 pid" in job.log()
     assert "FAILED" in job.log()  # torchrun's own report, naming the first failure
+
+
+def test_a_sigterm_to_run_stops_the_workers_and_ends_run_by_that_signal(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A scheduler's SIGTERM to the launcher: torchrun passes it to the workers, and clusterwatch run
+    then ends as if the signal had ended it (what a shell or srun reads)."""
+    coordinator, socket = start_node(cluster)
+    job = launch(cluster, socket, "terminated", "--compute-ms", "20", "--until-file", str(tmp_path / "never"))
+    wait_for_ranks_past(coordinator, "terminated", 2, 3, 120)
+    workers = [r.identity.pid for r in ranks_of(coordinator, "terminated").values()]
+    job.signal(signal.SIGTERM)
+    assert job.wait(60) == -signal.SIGTERM, job.log()[-4000:]
+    wait_for(
+        lambda: (
+            not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in workers)
+        ),
+        30,
+        "the workers to be gone",
+    )
 
 
 def test_a_stopped_rank_under_run_is_a_hang_naming_it(cluster: Cluster, tmp_path: Path) -> None:
