@@ -405,6 +405,22 @@ def incident_of(coordinator: Coordinator, kind: str, rank: int) -> cluster_pb2.I
     return next((i for i in incidents(coordinator) if i.kind == kind and rank in i.ranks), None)
 
 
+def stopped_rank_hang(
+    coordinator: Coordinator, pid: int, *, rank: int, world_size: int
+) -> cluster_pb2.Incident:
+    """SIGSTOP ``pid`` (rank ``rank``) until the hang incident naming it has every rank's diagnosis; SIGCONT."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+
+        def diagnosed() -> cluster_pb2.Incident | None:
+            hang = incident_of(coordinator, "hang", rank)
+            return hang if hang is not None and len(hang.diagnoses) == world_size else None
+
+        return wait_for(diagnosed, 60, f"a diagnosed hang incident naming rank {rank}")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def ranks_of(coordinator: Coordinator, job: str) -> dict[int, cluster_pb2.RankStatus]:
     status = job_status(coordinator, job)
     return {} if status is None else {r.identity.rank: r for r in status.ranks}

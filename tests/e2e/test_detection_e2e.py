@@ -25,6 +25,7 @@ from helpers import (
     run_cli,
     samples_named,
     scrape,
+    stopped_rank_hang,
     wait_for,
     wait_for_ranks_past,
 )
@@ -68,16 +69,7 @@ def test_a_stopped_rank_is_a_hang_naming_it_with_a_healthy_ranks_stack(
     wait_for_ranks_past(coordinator, "stopped", 2, 10, 120)
     victim = ranks_of(coordinator, "stopped")[1].identity.pid
     stopped_at_unix_s = time.time()
-    os.kill(victim, signal.SIGSTOP)
-    try:
-
-        def diagnosed() -> cluster_pb2.Incident | None:
-            hang = incident_of(coordinator, "hang", 1)
-            return hang if hang is not None and len(hang.diagnoses) == 2 else None
-
-        hang = wait_for(diagnosed, 60, "a diagnosed hang incident naming rank 1")
-    finally:
-        os.kill(victim, signal.SIGCONT)
+    hang = stopped_rank_hang(coordinator, victim, rank=1, world_size=2)
     print(f"hang incident opened {hang.opened_unix_seconds - stopped_at_unix_s:.1f} s after SIGSTOP")
     assert list(hang.ranks) == [1]
     assert hang.severity == "critical"

@@ -3,7 +3,6 @@ optimizer step) and its DDP buckets, without one line of clusterwatch in it."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 from pathlib import Path
@@ -21,12 +20,12 @@ from helpers import (
     samples_named,
     scrape,
     start_node,
+    stopped_rank_hang,
     wait_for,
     wait_for_ranks_past,
 )
 
 from clusterwatch.cli.run_cmd import BOOTSTRAP, torchrun_argv
-from clusterwatch.v1 import cluster_pb2
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -129,16 +128,7 @@ def test_a_stopped_rank_under_run_is_a_hang_naming_it(cluster: Cluster, tmp_path
         "every rank's Flight Recorder status for group 0",
     )
     victim = ranks_of(coordinator, "stopped")[1].identity.pid
-    os.kill(victim, signal.SIGSTOP)
-    try:
-
-        def diagnosed() -> cluster_pb2.Incident | None:
-            hang = incident_of(coordinator, "hang", 1)
-            return hang if hang is not None and len(hang.diagnoses) == 2 else None
-
-        hang = wait_for(diagnosed, 60, "a diagnosed hang incident naming rank 1")
-    finally:
-        os.kill(victim, signal.SIGCONT)
+    hang = stopped_rank_hang(coordinator, victim, rank=1, world_size=2)
     assert list(hang.ranks) == [1]
     assert hang.cause == "process_stopped"
     until.touch()

@@ -193,7 +193,7 @@ class _FunctionalTiming(_CallTiming):
 
 
 class _PatchedFunctional(_StandIn):
-    """Stands in for one functional collective."""
+    """Stands in for one functional collective (see ``_StandIn``)."""
 
     def __init__(
         self,
@@ -202,27 +202,12 @@ class _PatchedFunctional(_StandIn):
         original: Callable[..., Any],
         is_compiling: Callable[[], bool],
     ) -> None:
-        super().__init__(original)
+        super().__init__(original, tracker, is_compiling)
         self.spec = spec
         self.group_index = list(inspect.signature(original).parameters).index("group")
-        self._tracker = tracker
-        self._is_compiling = is_compiling
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._is_compiling():
-            return self._original(*args, **kwargs)
-        tracker = self._tracker
-        launch = tracker._begin_functional(self, args, kwargs)
-        if launch is None:
-            return self._original(*args, **kwargs)
-        state = tracker._state
-        state.inside = True
-        try:
-            result = self._original(*args, **kwargs)
-        except BaseException:
-            state.inside = False
-            tracker._failed(launch)
-            raise
-        state.inside = False
-        tracker._launched_functional(launch, result)
-        return result
+    def _begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self._tracker._begin_functional(self, args, kwargs)
+
+    def _launched(self, launch: Any, result: Any) -> None:
+        self._tracker._launched_functional(launch, result)

@@ -94,20 +94,49 @@ class _ModuleRef:
 
 
 class _StandIn:
-    """A patched torch function: looks, compares, hashes and pickles as the original it wraps.
+    """A patched torch function: times each call, and looks, compares, hashes and pickles as the
+    original it wraps.
 
     A callable object rather than a closure so that it compares equal to (and
     hashes like) the function it wraps: Dynamo and ``torch.export`` test
     ``fn in (dist.all_reduce, dist.reduce_scatter_tensor, ...)`` when they
-    rewrite collectives into functional ones, and must keep finding them.
+    rewrite collectives into functional ones, and must keep finding them. Under
+    ``torch.compile`` it calls the original at once, so Dynamo traces straight
+    into torch's own function. Subclasses say how a call is registered
+    (``_begin``) and what its result means (``_launched``).
     """
 
-    def __init__(self, original: Callable[..., Any]) -> None:
+    def __init__(self, original: Callable[..., Any], tracker: Any, is_compiling: Callable[[], bool]) -> None:
         functools.update_wrapper(self, original)  # __name__, __doc__, __wrapped__ (so inspect.signature)
         self._original = original
+        self._tracker = tracker
+        # torch.compiler.is_compiling: Dynamo folds it to True and traces only the original.
+        self._is_compiling = is_compiling
+
+    def _begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The launch registered for this call; None leaves it untimed."""
+        raise NotImplementedError
+
+    def _launched(self, launch: Any, result: Any) -> None:
+        raise NotImplementedError
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
+        if self._is_compiling():
+            return self._original(*args, **kwargs)
+        launch = self._begin(args, kwargs)
+        if launch is None:
+            return self._original(*args, **kwargs)
+        state = self._tracker._state
+        state.inside = True
+        try:
+            result = self._original(*args, **kwargs)
+        except BaseException:
+            state.inside = False
+            self._tracker._failed(launch)
+            raise
+        state.inside = False
+        self._launched(launch, result)
+        return result
 
     def __eq__(self, other: object) -> bool:
         return other is self or other is self._original

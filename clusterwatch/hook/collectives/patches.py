@@ -43,11 +43,7 @@ logger = logging.getLogger(__name__)
 
 
 class _PatchedCollective(_OpArguments, _StandIn):
-    """Stands in for one ``torch.distributed`` collective function.
-
-    Under ``torch.compile`` it calls the original at once, so Dynamo traces
-    straight into torch's own function.
-    """
+    """Stands in for one ``torch.distributed`` collective function (see ``_StandIn``)."""
 
     def __init__(
         self,
@@ -56,31 +52,15 @@ class _PatchedCollective(_OpArguments, _StandIn):
         original: Callable[..., Any],
         is_compiling: Callable[[], bool],
     ) -> None:
-        _StandIn.__init__(self, original)
-        self._tracker = tracker
-        # torch.compiler.is_compiling: Dynamo folds it to True and traces only the original.
-        self._is_compiling = is_compiling
+        _StandIn.__init__(self, original, tracker, is_compiling)
         # Where the arguments the hook reads sit, from torch's own signature.
-        super().__init__(spec, original)
+        _OpArguments.__init__(self, spec, original)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._is_compiling():
-            return self._original(*args, **kwargs)
-        tracker = self._tracker
-        launch = tracker._begin(self, args, kwargs)
-        if launch is None:
-            return self._original(*args, **kwargs)
-        state = tracker._state
-        state.inside = True
-        try:
-            result = self._original(*args, **kwargs)
-        except BaseException:
-            state.inside = False
-            tracker._failed(launch)
-            raise
-        state.inside = False
-        tracker._launched(launch, result)
-        return result
+    def _begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self._tracker._begin(self, args, kwargs)
+
+    def _launched(self, launch: Any, result: Any) -> None:
+        self._tracker._launched(launch, result)
 
 
 class _ProcessPatches(_FunctionalTiming):
