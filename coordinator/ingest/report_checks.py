@@ -79,10 +79,13 @@ from clusterwatch.wire.limits import (
 _SKIPPED = frozenset({f"{V1}RankIdentity.labels"})
 # Counted, not descended into: the job store reads and checks these per rank.
 _NOT_DESCENDED = frozenset({f"{V1}RankReport.steps", f"{V1}RankReport.collectives"})
-# Repeated strings (their elements are ids).
-_REPEATED_STRINGS = frozenset(
-    {f"{V1}Hello.capabilities", f"{V1}TopologyNic.interfaces", f"{V1}NodeTopology.problems"}
-)
+# Repeated strings, and how long each element may be (ids; blind spots are sentences).
+REPEATED_STRING_CHARS: dict[str, int] = {
+    f"{V1}Hello.capabilities": MAX_ID_CHARS,
+    f"{V1}TopologyNic.interfaces": MAX_ID_CHARS,
+    f"{V1}NodeTopology.problems": MAX_ID_CHARS,
+    f"{V1}Heartbeat.blind_spots": MAX_TEXT_CHARS,  # sentences
+}
 # Lists whose elements must differ in these fields within one report.
 _UNIQUE_KEYS: dict[str, tuple[str, ...]] = {
     f"{V1}NodeReport.gpus": ("index",),
@@ -190,6 +193,7 @@ class _Plan:
     ratios: itemgetter[Any] | None
     strings_by_limit: tuple[tuple[itemgetter[Any], int], ...]
     string_map_keys: tuple[int, ...]  # row indices of maps whose keys are strings (ids)
+    repeated_strings: tuple[tuple[int, int], ...]  # (row index, characters per element)
     # Every repeated field's slice of a row, and the smallest of their limits: one pass
     # when no list is that long, a pass per field only when one is.
     sizes: itemgetter[Any] | None
@@ -278,12 +282,15 @@ def _make_plan(descriptor: Descriptor, extra: Sequence[str]) -> _Plan:
         enums.append((len(names) - 1, field.name, known, enum_type.name))
     sized = []
     string_map_keys = []
+    repeated_strings = []
     for field in fields.repeated:
         names.append(field.name)
         limit = MAX_ENTRIES.get(field.full_name, DEFAULT_MAX_ENTRIES)
         sized.append((len(names) - 1, field.name, field.full_name, limit))
         if _is_string_map(field):
             string_map_keys.append(len(names) - 1)
+        if field.full_name in REPEATED_STRING_CHARS:
+            repeated_strings.append((len(names) - 1, REPEATED_STRING_CHARS[field.full_name]))
     children = []
     for field in fields.children:
         keys = _UNIQUE_KEYS.get(field.full_name, ())
@@ -307,6 +314,7 @@ def _make_plan(descriptor: Descriptor, extra: Sequence[str]) -> _Plan:
         ratios=ratios,
         strings_by_limit=strings_by_limit,
         string_map_keys=tuple(string_map_keys),
+        repeated_strings=tuple(repeated_strings),
         sizes=itemgetter(slice(sized[0][0], sized[-1][0] + 1)) if sized else None,
         smallest_limit=min((limit for *_, limit in sized), default=0),
     )
@@ -375,6 +383,9 @@ def _sizes_ok(rows: list[Row], plan: _Plan) -> bool:
     for index in plan.string_map_keys:
         if max(map(len, chain.from_iterable(map(itemgetter(index), rows))), default=0) > MAX_ID_CHARS:
             return False
+    for index, chars in plan.repeated_strings:
+        if max(map(len, chain.from_iterable(map(itemgetter(index), rows))), default=0) > chars:
+            return False
     return True
 
 
@@ -422,9 +433,10 @@ def _walk(message: Any, plan: _Plan, path: str, now_unix_s: float) -> None:
 def _walk_repeated(container: Any, full_name: str, limit: int, path: str) -> None:
     if len(container) > limit:
         raise ReportCheckError(ReportProblem.TOO_MANY, path, f"at most {limit} entries, got {len(container)}")
-    if full_name in _REPEATED_STRINGS:
+    chars = REPEATED_STRING_CHARS.get(full_name)
+    if chars is not None:
         for index, value in enumerate(container):
-            _check_length(value, MAX_ID_CHARS, f"{path}[{index}]")
+            _check_length(value, chars, f"{path}[{index}]")
     if isinstance(container, Mapping):
         for key in container:
             if isinstance(key, str) and len(key) > MAX_ID_CHARS:

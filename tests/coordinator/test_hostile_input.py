@@ -876,9 +876,8 @@ def violations(descriptor: Any, path: str = "", at: Callable[[Any], Any] = lambd
                 element: object = "x" if fd.type == fd.TYPE_STRING else 1
                 found.append((name, lambda r, c=container, n=limit, e=element: c(r).extend([e] * (n + 1))))
                 if fd.type == fd.TYPE_STRING:
-                    found.append(
-                        (f"{name}[", lambda r, c=container: c(r).append("x" * (rc.MAX_ID_CHARS + 1)))
-                    )
+                    chars = rc.REPEATED_STRING_CHARS.get(fd.full_name, rc.MAX_ID_CHARS)
+                    found.append((f"{name}[", lambda r, c=container, n=chars: c(r).append("x" * (n + 1))))
                 continue
             if fd.message_type.GetOptions().map_entry:
                 found.append(
