@@ -12,7 +12,9 @@
   it times per group (``CollectiveTracker.launched_per_group``). The
   difference, from the rank's first step on, is what the hook missed: DDP's
   bucket rebuild, object collectives (``all_gather_object``), a function
-  imported before the monitor, functional collectives on CUDA. Reported as a
+  imported before the monitor, functional collectives on CUDA (those whose
+  wait the hook timed, a functional collective's backward, are not
+  counted). Reported as a
   number always and as a sentence when it is more than 1 % of the
   collectives since that step (then communication time reads low).
 - **DDP models the hook leaves alone** (their own comm hook):
@@ -60,6 +62,7 @@ class BlindSpots:
         recorder: Sequence[training_pb2.FlightRecorderGroup],
         launched: Mapping[str, int],
         step: int | None,
+        waited: int = 0,
     ) -> None:
         """One heartbeat's reading: the recorder's status, read *before* the hook's counts.
 
@@ -67,6 +70,8 @@ class BlindSpots:
             recorder: The Flight Recorder's groups (empty when it is off).
             launched: The hook's collectives per group name so far.
             step: The rank's newest step (None before its first).
+            waited: Collectives the hook did not launch but timed the wait of
+                (a functional collective's backward), so far.
         """
         if self.recorder_on is None and any(launched.values()):
             self.recorder_on = bool(recorder)
@@ -83,7 +88,8 @@ class BlindSpots:
         if not recorder:  # the process group is gone (destroyed at the end): keep the last count
             return
         # Read before the hook's counts: a collective launched in between is the hook's only.
-        untimed = sum(max(0, g.last_enqueued_collective - launched.get(g.group_name, 0)) for g in recorder)
+        missed = sum(max(0, g.last_enqueued_collective - launched.get(g.group_name, 0)) for g in recorder)
+        untimed = max(0, missed - waited)
         recorded = sum(max(0, g.last_enqueued_collective) for g in recorder)
         if step is None:
             return

@@ -72,6 +72,11 @@ def test_untimed_collectives_count_from_the_first_step_and_are_said_past_one_per
     assert blind.sentences() == []  # 2 of 1205: under 1 %
     blind.update([], {"0": 1214}, 80)  # destroyed: the last count stays
     assert blind.untimed == 2
+    # A functional collective's backward: torch launches it, the hook times only its wait.
+    backward = BlindSpots(recorder_requested=True, created_after_init=False)
+    backward.update(recorded(**{"2": 10}), {"2": 5}, 1, waited=5)
+    backward.update(recorded(**{"2": 30}), {"2": 15}, 2, waited=15)
+    assert backward.untimed == 0
 
 
 def test_the_trackers_own_blind_spots_follow_and_the_list_is_bounded() -> None:

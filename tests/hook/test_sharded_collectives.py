@@ -44,6 +44,8 @@ def test_a_slow_rank_of_a_sharded_job_is_a_compute_straggler(
     for rank, status in ranks.items():
         if rank != slow:
             assert status.last_step.communication_seconds > 0, (rank, status.last_step)
+        # And the hook saw (or timed the wait of) every collective the Flight Recorder saw.
+        assert not [s for s in status.heartbeat.blind_spots if "were not timed" in s], status.heartbeat
     if parallel == "tp":
         # DTensor's functional all-reduces over the tp group (not the default group "0").
         tp_all_reduces = [

@@ -14,7 +14,8 @@ collective functions (``_FUNCTIONAL_SPECS``) and ``wait_tensor`` with wrappers:
 - **blocked time** is the time inside ``wait_tensor``, whoever launched the
   collective: the backward of a functional collective launches through
   ``torch.ops._c10d_functional`` directly and is not counted as a collective,
-  but the time training waits for it is communication time all the same.
+  but the time training waits for it is communication time all the same
+  (``functional_waits_unmatched`` counts those waits).
 
 Not seen: collectives launched from C++, and anything inside a
 ``torch.compile``d region (the wrappers call the original at once there). On
@@ -78,6 +79,9 @@ class _FunctionalTiming(_CallTiming):
         super().__init__(*args, **kwargs)
         # Storage address of a launched result -> its launch, until the first wait on it.
         self._functional_results: dict[int, _Launch] = {}
+        # Waits on results the hook did not launch (the backward's): their collectives are not
+        # counted, but their wait is timed (the blind spots discount them from "untimed").
+        self.functional_waits_unmatched = 0
         self._funcol: Any = None
 
     def _functional_patches(self, is_compiling: Callable[[], bool]) -> list[tuple[Any, str, Any, Any, bool]]:
@@ -164,6 +168,8 @@ class _FunctionalTiming(_CallTiming):
                 if launch is not None and not launch.done:
                     token.launch = launch
                     launch.waiting += 1
+                else:
+                    self.functional_waits_unmatched += 1
             return token
         except Exception as exc:
             self._report(exc)
