@@ -125,6 +125,17 @@ class TrainingMonitor:
             instead of the reducer's group (clusterwatch.hook.collectives.ddp_timing.DdpTimingMode).
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> TrainingMonitor:
+        # Under clusterwatch run the launcher made this process's monitor. A script that makes
+        # its own (the README's lines) gets that one, and numbers the steps itself from now on:
+        # a second monitor would double every rank and leave its collectives untimed.
+        launched = current_monitor()
+        if launched is not None and launched.optimizer_steps is not None:
+            launched.use_framework_steps()
+            launched._handed_over = True
+            return launched
+        return super().__new__(cls)
+
     def __init__(
         self,
         job: str | None = None,
@@ -135,6 +146,10 @@ class TrainingMonitor:
         instrument_collectives: bool = True,
         environ: MutableMapping[str, str] | None = None,
     ) -> None:
+        if getattr(self, "_handed_over", False):  # the launcher's monitor, set up already
+            self._handed_over = False
+            logger.info("clusterwatch: the script's TrainingMonitor is the one clusterwatch run created")
+            return
         environ = os.environ if environ is None else environ
         self.health = HookHealth()
         self.identity = RankInfo.from_environ(job, environ, parent_argv())
@@ -369,6 +384,7 @@ class TrainingMonitor:
             with self.health.guard("flight recorder"):
                 beat.flight_recorder.extend(flight_recorder.read_status())
         launched: dict[str, int] = {}
+        waited = 0
         if self._tracker is not None:
             with self.health.guard("collective timing"):
                 self._tracker.poll()
@@ -379,9 +395,12 @@ class TrainingMonitor:
                 if failed is not None:
                     beat.failed_collective.CopyFrom(_collective_proto(failed))
                 launched = self._tracker.launched_per_group()
+                waited = self._tracker.functional_waits_unmatched
         with self.health.guard("blind spots"):
             blind = self._blind_spots
-            blind.update(beat.flight_recorder, launched, beat.step if beat.steps_completed_total else None)
+            blind.update(
+                beat.flight_recorder, launched, beat.step if beat.steps_completed_total else None, waited
+            )
             if blind.recorder_on is False:
                 self.flight_recorder_enabled = False
             if blind.untimed is not None:
@@ -490,8 +509,8 @@ def current_monitor() -> TrainingMonitor | None:
 
     Under ``clusterwatch run`` the script did not create one; this is how it
     reaches the one that was (``monitor.on_checkpoint(...)`` for a plain loop).
-    A second ``TrainingMonitor`` in one process would leave its collectives
-    untimed (the first one's patches stay).
+    (``TrainingMonitor()`` there returns the launcher's too; elsewhere a second
+    live monitor in one process would leave its collectives untimed.)
     """
     monitor = _newest() if _newest is not None else None
     return None if monitor is None or monitor.closed else monitor
