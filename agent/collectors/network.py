@@ -8,7 +8,9 @@ them. psutil is pointed at ``proc_root`` through ``psutil.PROCFS_PATH`` for
 the duration of each ``collect()`` (a process-wide setting, restored after).
 
 Link state and speed come from ``<sys_root>/class/net/<dev>/operstate`` and
-``.../speed``, one small read each.
+``.../speed``, one small read each. The host's TCP counters (retransmits,
+timeouts) come from ``<proc_root>/net/snmp`` and ``net/netstat``
+(``clusterwatch.agent.collectors.tcp``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import psutil
 
 from clusterwatch.agent.collectors.roots import psutil_procfs
+from clusterwatch.agent.collectors.tcp import read_tcp
 from clusterwatch.agent.sysfs.attrs import read_attr
 from clusterwatch.agent.sysfs.net import parse_net_speed
 from clusterwatch.v1 import node_pb2
@@ -42,7 +45,7 @@ _OPERSTATE_UP: dict[str, bool] = {
 
 
 class NetworkCollector:
-    """Appends one ``NicSample`` per network interface to ``report.nics``.
+    """Appends one ``NicSample`` per network interface to ``report.nics``, and sets ``report.tcp``.
 
     Interfaces are sorted by device name. A missing or unreadable ``sysfs``
     attribute leaves ``up`` or ``speed_bytes_per_second`` unset (reading
@@ -101,6 +104,9 @@ class NetworkCollector:
             speed_bytes_per_second = parse_net_speed(read_attr(device_dir / "speed"))
             if speed_bytes_per_second is not None:
                 nic.speed_bytes_per_second = speed_bytes_per_second
+        tcp = read_tcp(self.proc_root)
+        if tcp is not None:
+            report.tcp.CopyFrom(tcp)
 
     def close(self) -> None:
         """Nothing to release; present for the Collector protocol."""

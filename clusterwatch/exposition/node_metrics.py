@@ -212,6 +212,20 @@ NIC_FIELDS: tuple[tuple[Family, str], ...] = (
         "transmit_drops_total",
     ),
 )
+TCP_FIELDS: tuple[tuple[Family, str], ...] = tuple(
+    (counter(f"clusterwatch_node_tcp_{attr}", help_text), attr)
+    for attr, help_text in (
+        ("segments_sent_total", "TCP segments sent by the host (its network namespace)."),
+        (
+            "segments_retransmitted_total",
+            "TCP segments retransmitted: rate() over segments sent is the loss a socket transport "
+            "(gloo, NCCL over sockets) sees on a lossy or throttled link.",
+        ),
+        ("receive_errors_total", "TCP segments received in error."),
+        ("timeouts_total", "TCP retransmission timer expiries (TcpExt TCPTimeouts)."),
+        ("lost_retransmits_total", "TCP retransmitted segments lost again (TcpExt TCPLostRetransmit)."),
+    )
+)
 NIC_UP = gauge("clusterwatch_network_up", "1 when the interface's operstate is up.")
 NIC_SPEED = gauge("clusterwatch_network_speed_bytes_per_second", "Negotiated link speed.")
 
@@ -306,6 +320,7 @@ NODE_FAMILIES: tuple[Family, ...] = (
     *(f for f, _ in NIC_FIELDS),
     NIC_UP,
     NIC_SPEED,
+    *(f for f, _ in TCP_FIELDS),
     *(f for f, _ in IB_FIELDS),
     IB_INFO,
     IB_UP,
@@ -335,6 +350,9 @@ def write_node(
     _write_gpus(exp, node, report, nvlink_per_link)
     _write_host(exp, node, report.host)
     _write_nics(exp, node, report.nics)
+    if report.HasField("tcp"):
+        for family, attr in TCP_FIELDS:
+            _write_fields(exp, family, attr, (report.tcp,), (node,))
     _write_ib(exp, node, report.ib_ports)
     for status in report.collectors:
         collector = f'{node},collector="{escape(status.name)}"'

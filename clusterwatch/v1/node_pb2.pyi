@@ -717,6 +717,68 @@ class NicSample(_message.Message):
 Global___NicSample: _TypeAlias = NicSample  # noqa: Y015
 
 @_typing.final
+class TcpSample(_message.Message):
+    """The host's TCP transport health, from /proc/net/snmp ("Tcp:") and
+    /proc/net/netstat ("TcpExt:"), in the agent's network namespace. Socket
+    transports (gloo, NCCL over sockets) retransmit on a lossy or throttled
+    link while its byte counters look normal. A field the kernel does not
+    report stays unset.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENTS_SENT_TOTAL_FIELD_NUMBER: _builtins.int
+    SEGMENTS_RETRANSMITTED_TOTAL_FIELD_NUMBER: _builtins.int
+    RECEIVE_ERRORS_TOTAL_FIELD_NUMBER: _builtins.int
+    TIMEOUTS_TOTAL_FIELD_NUMBER: _builtins.int
+    LOST_RETRANSMITS_TOTAL_FIELD_NUMBER: _builtins.int
+    segments_sent_total: _builtins.int
+    """OutSegs"""
+    segments_retransmitted_total: _builtins.int
+    """RetransSegs"""
+    receive_errors_total: _builtins.int
+    """InErrs"""
+    timeouts_total: _builtins.int
+    """TcpExt TCPTimeouts: retransmission timer expiries"""
+    lost_retransmits_total: _builtins.int
+    """TcpExt TCPLostRetransmit"""
+    def __init__(
+        self,
+        *,
+        segments_sent_total: _builtins.int | None = ...,
+        segments_retransmitted_total: _builtins.int | None = ...,
+        receive_errors_total: _builtins.int | None = ...,
+        timeouts_total: _builtins.int | None = ...,
+        lost_retransmits_total: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_lost_retransmits_total", b"_lost_retransmits_total", "_receive_errors_total", b"_receive_errors_total", "_segments_retransmitted_total", b"_segments_retransmitted_total", "_segments_sent_total", b"_segments_sent_total", "_timeouts_total", b"_timeouts_total", "lost_retransmits_total", b"lost_retransmits_total", "receive_errors_total", b"receive_errors_total", "segments_retransmitted_total", b"segments_retransmitted_total", "segments_sent_total", b"segments_sent_total", "timeouts_total", b"timeouts_total"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lost_retransmits_total", b"_lost_retransmits_total", "_receive_errors_total", b"_receive_errors_total", "_segments_retransmitted_total", b"_segments_retransmitted_total", "_segments_sent_total", b"_segments_sent_total", "_timeouts_total", b"_timeouts_total", "lost_retransmits_total", b"lost_retransmits_total", "receive_errors_total", b"receive_errors_total", "segments_retransmitted_total", b"segments_retransmitted_total", "segments_sent_total", b"segments_sent_total", "timeouts_total", b"timeouts_total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__lost_retransmits_total: _TypeAlias = _typing.Literal["lost_retransmits_total"]  # noqa: Y015
+    _WhichOneofArgType__lost_retransmits_total: _TypeAlias = _typing.Literal["_lost_retransmits_total", b"_lost_retransmits_total"]  # noqa: Y015
+    _WhichOneofReturnType__receive_errors_total: _TypeAlias = _typing.Literal["receive_errors_total"]  # noqa: Y015
+    _WhichOneofArgType__receive_errors_total: _TypeAlias = _typing.Literal["_receive_errors_total", b"_receive_errors_total"]  # noqa: Y015
+    _WhichOneofReturnType__segments_retransmitted_total: _TypeAlias = _typing.Literal["segments_retransmitted_total"]  # noqa: Y015
+    _WhichOneofArgType__segments_retransmitted_total: _TypeAlias = _typing.Literal["_segments_retransmitted_total", b"_segments_retransmitted_total"]  # noqa: Y015
+    _WhichOneofReturnType__segments_sent_total: _TypeAlias = _typing.Literal["segments_sent_total"]  # noqa: Y015
+    _WhichOneofArgType__segments_sent_total: _TypeAlias = _typing.Literal["_segments_sent_total", b"_segments_sent_total"]  # noqa: Y015
+    _WhichOneofReturnType__timeouts_total: _TypeAlias = _typing.Literal["timeouts_total"]  # noqa: Y015
+    _WhichOneofArgType__timeouts_total: _TypeAlias = _typing.Literal["_timeouts_total", b"_timeouts_total"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__lost_retransmits_total) -> _WhichOneofReturnType__lost_retransmits_total | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__receive_errors_total) -> _WhichOneofReturnType__receive_errors_total | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__segments_retransmitted_total) -> _WhichOneofReturnType__segments_retransmitted_total | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__segments_sent_total) -> _WhichOneofReturnType__segments_sent_total | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timeouts_total) -> _WhichOneofReturnType__timeouts_total | None: ...
+
+Global___TcpSample: _TypeAlias = TcpSample  # noqa: Y015
+
+@_typing.final
 class IbPortSample(_message.Message):
     """One InfiniBand (or RoCE) port from /sys/class/infiniband/DEV/ports/PORT."""
 
@@ -1118,6 +1180,7 @@ class NodeReport(_message.Message):
     REPORTS_DROPPED_TOTAL_FIELD_NUMBER: _builtins.int
     RANKS_FIELD_NUMBER: _builtins.int
     TOPOLOGY_FIELD_NUMBER: _builtins.int
+    TCP_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """1, 2, 3... per agent instance; see Hello.instance_id."""
     timestamp_unix_seconds: _builtins.float
@@ -1149,6 +1212,10 @@ class NodeReport(_message.Message):
         Hello carries it whenever a stream opens).
         """
 
+    @_builtins.property
+    def tcp(self) -> Global___TcpSample:
+        """Unset when /proc/net/snmp could not be read."""
+
     def __init__(
         self,
         *,
@@ -1164,13 +1231,19 @@ class NodeReport(_message.Message):
         reports_dropped_total: _builtins.int = ...,
         ranks: _abc.Iterable[_training_pb2.RankReport] | None = ...,
         topology: Global___NodeTopology | None = ...,
+        tcp: Global___TcpSample | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_topology", b"_topology", "gpu_inventory", b"gpu_inventory", "host", b"host", "topology", b"topology"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_tcp", b"_tcp", "_topology", b"_topology", "gpu_inventory", b"gpu_inventory", "host", b"host", "tcp", b"tcp", "topology", b"topology"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_topology", b"_topology", "collectors", b"collectors", "gpu_inventory", b"gpu_inventory", "gpus", b"gpus", "host", b"host", "ib_ports", b"ib_ports", "interval_seconds", b"interval_seconds", "nics", b"nics", "ranks", b"ranks", "reports_dropped_total", b"reports_dropped_total", "sequence", b"sequence", "timestamp_unix_seconds", b"timestamp_unix_seconds", "topology", b"topology"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tcp", b"_tcp", "_topology", b"_topology", "collectors", b"collectors", "gpu_inventory", b"gpu_inventory", "gpus", b"gpus", "host", b"host", "ib_ports", b"ib_ports", "interval_seconds", b"interval_seconds", "nics", b"nics", "ranks", b"ranks", "reports_dropped_total", b"reports_dropped_total", "sequence", b"sequence", "tcp", b"tcp", "timestamp_unix_seconds", b"timestamp_unix_seconds", "topology", b"topology"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__tcp: _TypeAlias = _typing.Literal["tcp"]  # noqa: Y015
+    _WhichOneofArgType__tcp: _TypeAlias = _typing.Literal["_tcp", b"_tcp"]  # noqa: Y015
     _WhichOneofReturnType__topology: _TypeAlias = _typing.Literal["topology"]  # noqa: Y015
     _WhichOneofArgType__topology: _TypeAlias = _typing.Literal["_topology", b"_topology"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tcp) -> _WhichOneofReturnType__tcp | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__topology) -> _WhichOneofReturnType__topology | None: ...
 
 Global___NodeReport: _TypeAlias = NodeReport  # noqa: Y015

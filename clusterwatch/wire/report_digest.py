@@ -80,6 +80,8 @@ KEPT: Mapping[str, tuple[str, ...]] = {
         "rate_bytes_per_second",  # topology, top
         "link_layer",  # top
     ),
+    # Read by nobody but /metrics yet; the network cause will read them (issue 24).
+    "TcpSample": (),
 }
 
 # message name -> the fields only /metrics exports, cleared in the digest.
@@ -115,6 +117,13 @@ DROPPED: Mapping[str, tuple[str, ...]] = {
     "HostSample": ("load5", "load15", "swap_total_bytes", "processes", "boot_time_seconds", "cpu_seconds"),
     "NicSample": ("receive_packets_total", "transmit_packets_total"),
     "IbPortSample": ("receive_packets_total", "transmit_packets_total", "hw_counters"),
+    "TcpSample": (
+        "segments_sent_total",
+        "segments_retransmitted_total",
+        "receive_errors_total",
+        "timeouts_total",
+        "lost_retransmits_total",
+    ),
 }
 
 
@@ -132,6 +141,8 @@ def digest(report: node_pb2.NodeReport) -> node_pb2.NodeReport:
         _clear(nic, DROPPED["NicSample"])
     for port in out.ib_ports:
         _clear(port, DROPPED["IbPortSample"])
+    if not KEPT["TcpSample"]:
+        out.ClearField("tcp")  # none of it is read: no empty message either
     return out
 
 

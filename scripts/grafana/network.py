@@ -151,6 +151,36 @@ DASHBOARD = Dashboard(
             ),
         ),
         Row(
+            "TCP",
+            (
+                Panel(
+                    "TCP segments retransmitted",
+                    "Share of the node's TCP segments sent again. gloo and NCCL over sockets ride TCP: a "
+                    "lossy or throttled link shows here first, while its byte counters look normal. One "
+                    "node far above its peers during training: its path is the slow one.",
+                    (
+                        Query(
+                            f"{rate('clusterwatch_node_tcp_segments_retransmitted_total')} / "
+                            f"{rate('clusterwatch_node_tcp_segments_sent_total')}",
+                            "{{node}}",
+                        ),
+                    ),
+                    "percentunit",
+                    thresholds=(Threshold(None, "green"), Threshold(0.01, "orange")),
+                    width=12,
+                ),
+                Panel(
+                    "TCP retransmission timeouts",
+                    "Retransmission timer expiries per second: a segment and its retransmissions went "
+                    "unanswered for a whole RTO (200 ms or more), which stalls the collective waiting on it.",
+                    (Query(rate("clusterwatch_node_tcp_timeouts_total"), "{{node}}"),),
+                    "ops",
+                    thresholds=(Threshold(None, "green"), Threshold(1, "orange")),
+                    width=12,
+                ),
+            ),
+        ),
+        Row(
             "Topology",
             (
                 Panel(
