@@ -8,18 +8,22 @@ them. psutil is pointed at ``proc_root`` through ``psutil.PROCFS_PATH`` for
 the duration of each ``collect()`` (a process-wide setting, restored after).
 
 Link state and speed come from ``<sys_root>/class/net/<dev>/operstate`` and
-``.../speed``, one small read each. The host's TCP counters (retransmits,
-timeouts) come from ``<proc_root>/net/snmp`` and ``net/netstat``
+``.../speed``, one small read each. Each interface's root qdisc statistics
+come from one rtnetlink dump (``clusterwatch.agent.collectors.qdisc``, the
+agent's network namespace); the host's TCP counters (retransmits, timeouts)
+from ``<proc_root>/net/snmp`` and ``net/netstat``
 (``clusterwatch.agent.collectors.tcp``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import psutil
 
+from clusterwatch.agent.collectors.qdisc import RootQdisc, read_root_qdiscs
 from clusterwatch.agent.collectors.roots import psutil_procfs
 from clusterwatch.agent.collectors.tcp import read_tcp
 from clusterwatch.agent.sysfs.attrs import read_attr
@@ -57,6 +61,7 @@ class NetworkCollector:
         proc_root: where procfs is mounted.
         sys_root: where sysfs is mounted.
         include_loopback: also report ``lo``.
+        read_qdiscs: the root qdiscs by interface (None: not read).
     """
 
     name = "network"
@@ -66,10 +71,12 @@ class NetworkCollector:
         proc_root: Path = Path("/proc"),
         sys_root: Path = Path("/sys"),
         include_loopback: bool = False,
+        read_qdiscs: Callable[[], Mapping[str, RootQdisc]] | None = read_root_qdiscs,
     ) -> None:
         self.proc_root = proc_root
         self.sys_root = sys_root
         self.include_loopback = include_loopback
+        self.read_qdiscs = read_qdiscs
 
     def collect(self, report: node_pb2.NodeReport) -> None:
         """Append fresh ``NicSample`` values to ``report.nics``.
@@ -82,6 +89,7 @@ class NetworkCollector:
         with psutil_procfs(self.proc_root):
             counters = psutil.net_io_counters(pernic=True, nowrap=False)
         net_dir = self.sys_root / "class" / "net"
+        qdiscs = self._qdiscs()
         for device in sorted(counters):
             if device == LOOPBACK_DEVICE and not self.include_loopback:
                 continue
@@ -104,9 +112,25 @@ class NetworkCollector:
             speed_bytes_per_second = parse_net_speed(read_attr(device_dir / "speed"))
             if speed_bytes_per_second is not None:
                 nic.speed_bytes_per_second = speed_bytes_per_second
+            qdisc = qdiscs.get(device)
+            if qdisc is not None:
+                nic.qdisc = qdisc.kind
+                nic.qdisc_backlog_bytes = qdisc.backlog_bytes
+                nic.qdisc_drops_total = qdisc.drops_total
+                nic.qdisc_overlimits_total = qdisc.overlimits_total
+                nic.qdisc_requeues_total = qdisc.requeues_total
         tcp = read_tcp(self.proc_root)
         if tcp is not None:
             report.tcp.CopyFrom(tcp)
+
+    def _qdiscs(self) -> Mapping[str, RootQdisc]:
+        if self.read_qdiscs is None:
+            return {}
+        try:
+            return self.read_qdiscs()
+        except OSError as exc:  # qdisc fields stay unset; the counters are still worth sending
+            logger.debug("cannot read the interfaces' qdiscs: %s", exc)
+            return {}
 
     def close(self) -> None:
         """Nothing to release; present for the Collector protocol."""

@@ -212,6 +212,27 @@ NIC_FIELDS: tuple[tuple[Family, str], ...] = (
         "transmit_drops_total",
     ),
 )
+NIC_QDISC_FIELDS: tuple[tuple[Family, str], ...] = (
+    (
+        gauge("clusterwatch_network_qdisc_backlog_bytes", "Bytes queued in the interface's root qdisc."),
+        "qdisc_backlog_bytes",
+    ),
+    (
+        counter("clusterwatch_network_qdisc_drops_total", "Packets the interface's root qdisc dropped."),
+        "qdisc_drops_total",
+    ),
+    (
+        counter(
+            "clusterwatch_network_qdisc_overlimits_total",
+            "Times the interface's root qdisc held packets back over its rate (a shaped or congested link).",
+        ),
+        "qdisc_overlimits_total",
+    ),
+    (
+        counter("clusterwatch_network_qdisc_requeues_total", "Packets the root qdisc had to queue again."),
+        "qdisc_requeues_total",
+    ),
+)
 TCP_FIELDS: tuple[tuple[Family, str], ...] = tuple(
     (counter(f"clusterwatch_node_tcp_{attr}", help_text), attr)
     for attr, help_text in (
@@ -320,6 +341,7 @@ NODE_FAMILIES: tuple[Family, ...] = (
     *(f for f, _ in NIC_FIELDS),
     NIC_UP,
     NIC_SPEED,
+    *(f for f, _ in NIC_QDISC_FIELDS),
     *(f for f, _ in TCP_FIELDS),
     *(f for f, _ in IB_FIELDS),
     IB_INFO,
@@ -505,6 +527,8 @@ def _write_nics(exp: Exposition, node: str, nics: Sequence[node_pb2.NicSample]) 
             exp.add(NIC_UP, lbl, int(nic.up))
         if nic.HasField("speed_bytes_per_second"):
             exp.add(NIC_SPEED, lbl, nic.speed_bytes_per_second)
+    for family, attr in NIC_QDISC_FIELDS:
+        _write_fields(exp, family, attr, nics, nic_labels)
 
 
 def _write_ib(exp: Exposition, node: str, ports: Sequence[node_pb2.IbPortSample]) -> None:

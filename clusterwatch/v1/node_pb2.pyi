@@ -675,6 +675,11 @@ class NicSample(_message.Message):
     TRANSMIT_DROPS_TOTAL_FIELD_NUMBER: _builtins.int
     UP_FIELD_NUMBER: _builtins.int
     SPEED_BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    QDISC_FIELD_NUMBER: _builtins.int
+    QDISC_BACKLOG_BYTES_FIELD_NUMBER: _builtins.int
+    QDISC_DROPS_TOTAL_FIELD_NUMBER: _builtins.int
+    QDISC_OVERLIMITS_TOTAL_FIELD_NUMBER: _builtins.int
+    QDISC_REQUEUES_TOTAL_FIELD_NUMBER: _builtins.int
     device: _builtins.str
     receive_bytes_total: _builtins.int
     transmit_bytes_total: _builtins.int
@@ -686,6 +691,16 @@ class NicSample(_message.Message):
     transmit_drops_total: _builtins.int
     up: _builtins.bool
     speed_bytes_per_second: _builtins.float
+    qdisc: _builtins.str
+    """The interface's root queueing discipline (rtnetlink, as `tc -s qdisc`):
+    its kind ("mq", "fq_codel", "tbf"...), and its statistics: a shaped or
+    congested link holds packets back (overlimits), drops them, and queues
+    bytes (backlog) before anything else shows. Unset when it has none.
+    """
+    qdisc_backlog_bytes: _builtins.int
+    qdisc_drops_total: _builtins.int
+    qdisc_overlimits_total: _builtins.int
+    qdisc_requeues_total: _builtins.int
     def __init__(
         self,
         *,
@@ -700,15 +715,36 @@ class NicSample(_message.Message):
         transmit_drops_total: _builtins.int = ...,
         up: _builtins.bool | None = ...,
         speed_bytes_per_second: _builtins.float | None = ...,
+        qdisc: _builtins.str = ...,
+        qdisc_backlog_bytes: _builtins.int | None = ...,
+        qdisc_drops_total: _builtins.int | None = ...,
+        qdisc_overlimits_total: _builtins.int | None = ...,
+        qdisc_requeues_total: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_speed_bytes_per_second", b"_speed_bytes_per_second", "_up", b"_up", "speed_bytes_per_second", b"speed_bytes_per_second", "up", b"up"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_qdisc_backlog_bytes", b"_qdisc_backlog_bytes", "_qdisc_drops_total", b"_qdisc_drops_total", "_qdisc_overlimits_total", b"_qdisc_overlimits_total", "_qdisc_requeues_total", b"_qdisc_requeues_total", "_speed_bytes_per_second", b"_speed_bytes_per_second", "_up", b"_up", "qdisc_backlog_bytes", b"qdisc_backlog_bytes", "qdisc_drops_total", b"qdisc_drops_total", "qdisc_overlimits_total", b"qdisc_overlimits_total", "qdisc_requeues_total", b"qdisc_requeues_total", "speed_bytes_per_second", b"speed_bytes_per_second", "up", b"up"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_speed_bytes_per_second", b"_speed_bytes_per_second", "_up", b"_up", "device", b"device", "receive_bytes_total", b"receive_bytes_total", "receive_drops_total", b"receive_drops_total", "receive_errors_total", b"receive_errors_total", "receive_packets_total", b"receive_packets_total", "speed_bytes_per_second", b"speed_bytes_per_second", "transmit_bytes_total", b"transmit_bytes_total", "transmit_drops_total", b"transmit_drops_total", "transmit_errors_total", b"transmit_errors_total", "transmit_packets_total", b"transmit_packets_total", "up", b"up"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_qdisc_backlog_bytes", b"_qdisc_backlog_bytes", "_qdisc_drops_total", b"_qdisc_drops_total", "_qdisc_overlimits_total", b"_qdisc_overlimits_total", "_qdisc_requeues_total", b"_qdisc_requeues_total", "_speed_bytes_per_second", b"_speed_bytes_per_second", "_up", b"_up", "device", b"device", "qdisc", b"qdisc", "qdisc_backlog_bytes", b"qdisc_backlog_bytes", "qdisc_drops_total", b"qdisc_drops_total", "qdisc_overlimits_total", b"qdisc_overlimits_total", "qdisc_requeues_total", b"qdisc_requeues_total", "receive_bytes_total", b"receive_bytes_total", "receive_drops_total", b"receive_drops_total", "receive_errors_total", b"receive_errors_total", "receive_packets_total", b"receive_packets_total", "speed_bytes_per_second", b"speed_bytes_per_second", "transmit_bytes_total", b"transmit_bytes_total", "transmit_drops_total", b"transmit_drops_total", "transmit_errors_total", b"transmit_errors_total", "transmit_packets_total", b"transmit_packets_total", "up", b"up"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__qdisc_backlog_bytes: _TypeAlias = _typing.Literal["qdisc_backlog_bytes"]  # noqa: Y015
+    _WhichOneofArgType__qdisc_backlog_bytes: _TypeAlias = _typing.Literal["_qdisc_backlog_bytes", b"_qdisc_backlog_bytes"]  # noqa: Y015
+    _WhichOneofReturnType__qdisc_drops_total: _TypeAlias = _typing.Literal["qdisc_drops_total"]  # noqa: Y015
+    _WhichOneofArgType__qdisc_drops_total: _TypeAlias = _typing.Literal["_qdisc_drops_total", b"_qdisc_drops_total"]  # noqa: Y015
+    _WhichOneofReturnType__qdisc_overlimits_total: _TypeAlias = _typing.Literal["qdisc_overlimits_total"]  # noqa: Y015
+    _WhichOneofArgType__qdisc_overlimits_total: _TypeAlias = _typing.Literal["_qdisc_overlimits_total", b"_qdisc_overlimits_total"]  # noqa: Y015
+    _WhichOneofReturnType__qdisc_requeues_total: _TypeAlias = _typing.Literal["qdisc_requeues_total"]  # noqa: Y015
+    _WhichOneofArgType__qdisc_requeues_total: _TypeAlias = _typing.Literal["_qdisc_requeues_total", b"_qdisc_requeues_total"]  # noqa: Y015
     _WhichOneofReturnType__speed_bytes_per_second: _TypeAlias = _typing.Literal["speed_bytes_per_second"]  # noqa: Y015
     _WhichOneofArgType__speed_bytes_per_second: _TypeAlias = _typing.Literal["_speed_bytes_per_second", b"_speed_bytes_per_second"]  # noqa: Y015
     _WhichOneofReturnType__up: _TypeAlias = _typing.Literal["up"]  # noqa: Y015
     _WhichOneofArgType__up: _TypeAlias = _typing.Literal["_up", b"_up"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__qdisc_backlog_bytes) -> _WhichOneofReturnType__qdisc_backlog_bytes | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__qdisc_drops_total) -> _WhichOneofReturnType__qdisc_drops_total | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__qdisc_overlimits_total) -> _WhichOneofReturnType__qdisc_overlimits_total | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__qdisc_requeues_total) -> _WhichOneofReturnType__qdisc_requeues_total | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__speed_bytes_per_second) -> _WhichOneofReturnType__speed_bytes_per_second | None: ...
     @_typing.overload

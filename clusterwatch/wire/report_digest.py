@@ -115,7 +115,16 @@ DROPPED: Mapping[str, tuple[str, ...]] = {
     ),
     "GpuInventory": ("query_errors",),
     "HostSample": ("load5", "load15", "swap_total_bytes", "processes", "boot_time_seconds", "cpu_seconds"),
-    "NicSample": ("receive_packets_total", "transmit_packets_total"),
+    "NicSample": (
+        "receive_packets_total",
+        "transmit_packets_total",
+        # The network cause will read these (issue 24); until then, dashboards only.
+        "qdisc",
+        "qdisc_backlog_bytes",
+        "qdisc_drops_total",
+        "qdisc_overlimits_total",
+        "qdisc_requeues_total",
+    ),
     "IbPortSample": ("receive_packets_total", "transmit_packets_total", "hw_counters"),
     "TcpSample": (
         "segments_sent_total",
