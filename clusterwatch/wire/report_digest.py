@@ -65,6 +65,7 @@ KEPT: Mapping[str, tuple[str, ...]] = {
         "transmit_drops_total",
         "up",  # network cause, topology, top
         "speed_bytes_per_second",  # topology, top
+        "qdisc_drops_total",  # network cause
     ),
     "IbPortSample": (
         "device",
@@ -80,8 +81,7 @@ KEPT: Mapping[str, tuple[str, ...]] = {
         "rate_bytes_per_second",  # topology, top
         "link_layer",  # top
     ),
-    # Read by nobody but /metrics yet; the network cause will read them (issue 24).
-    "TcpSample": (),
+    "TcpSample": ("segments_sent_total", "segments_retransmitted_total"),  # network cause
 }
 
 # message name -> the fields only /metrics exports, cleared in the digest.
@@ -118,17 +118,13 @@ DROPPED: Mapping[str, tuple[str, ...]] = {
     "NicSample": (
         "receive_packets_total",
         "transmit_packets_total",
-        # The network cause will read these (issue 24); until then, dashboards only.
         "qdisc",
         "qdisc_backlog_bytes",
-        "qdisc_drops_total",
         "qdisc_overlimits_total",
         "qdisc_requeues_total",
     ),
     "IbPortSample": ("receive_packets_total", "transmit_packets_total", "hw_counters"),
     "TcpSample": (
-        "segments_sent_total",
-        "segments_retransmitted_total",
         "receive_errors_total",
         "timeouts_total",
         "lost_retransmits_total",
@@ -150,8 +146,8 @@ def digest(report: node_pb2.NodeReport) -> node_pb2.NodeReport:
         _clear(nic, DROPPED["NicSample"])
     for port in out.ib_ports:
         _clear(port, DROPPED["IbPortSample"])
-    if not KEPT["TcpSample"]:
-        out.ClearField("tcp")  # none of it is read: no empty message either
+    if out.HasField("tcp"):
+        _clear(out.tcp, DROPPED["TcpSample"])
     return out
 
 

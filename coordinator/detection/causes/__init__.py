@@ -29,8 +29,10 @@ straggler names the cause:
 3. Network (its node; with the node's topology and the rank's GPU known, only
    the NICs nearest that GPU, clusterwatch/wire/topology.py): a link down (an InfiniBand port not ACTIVE, a NIC not up,
    that was up in the previous report or is up on most of the job's other
-   nodes that have it), InfiniBand or NIC errors or link flaps at
-   >= ``errors_min_per_s``, InfiniBand transmit wait >= ``transmit_wait_min_per_s``
+   nodes that have it), InfiniBand or NIC errors or link flaps, or an
+   interface's root qdisc dropping packets, at >= ``errors_min_per_s``, TCP
+   retransmitting >= 1 % of the segments it sends (``network.TCP_RETRANSMIT_RATIO``,
+   judged from 100 segments/s up), InfiniBand transmit wait >= ``transmit_wait_min_per_s``
    and >= ``transmit_wait_above_peers_ratio`` x the peers' nodes' median, or its
    node's ranks' bus bandwidth below ``bus_bandwidth_below_peers_ratio`` x the
    peers' (for the op that moves the most bytes in the job) -> ``network``.

@@ -2,8 +2,10 @@
 
 A node's network stands out with a link down (one that was up before or is
 up on most of the job's other nodes), InfiniBand or NIC errors or link flaps,
-an outlying InfiniBand transmit wait, or its ranks' bus bandwidth clearly
-below the others'. For a straggler, with its node's topology and its GPU
+an interface's queue dropping packets, TCP retransmitting more than
+``TCP_RETRANSMIT_RATIO`` of what it sends (socket transports: gloo, NCCL over
+sockets), an outlying InfiniBand transmit wait, or its ranks' bus bandwidth
+clearly below the others'. For a straggler, with its node's topology and its GPU
 known, only the NICs nearest that GPU count. The thresholds and the rule
 order are in coordinator/detection/causes/__init__.py.
 """
@@ -40,6 +42,12 @@ _IbCounter = Literal[
     "transmit_wait_total", "symbol_errors_total", "receive_errors_total", "link_downed_total"
 ]
 _IB_ERRORS: tuple[_IbCounter, ...] = ("symbol_errors_total", "receive_errors_total")
+
+TCP_RETRANSMIT_RATIO = 0.01
+"""Retransmitted over sent TCP segments that stands out: healthy data-centre TCP stays well
+below a tenth of that; a shaped or lossy path under gloo goes past it."""
+TCP_MIN_SEGMENTS_PER_S = 100.0
+"""Below this many segments sent per second the retransmit share is noise, and is not judged."""
 
 
 def network_cause(
@@ -116,6 +124,9 @@ class _NodeNetwork:
     ib_link_downed_per_s: float | None
     nic_errors_per_s: float | None
     links_down: tuple[str, ...]
+    # The interface whose root qdisc drops the most, and how fast; None when unknown.
+    queue_drops: tuple[str, float] | None = None
+    tcp_retransmit_ratio: float | None = None
 
 
 class _NetworkSignals(NamedTuple):
@@ -208,7 +219,43 @@ def _node_network(
             elapsed_s,
         ),
         links_down=down,
+        queue_drops=_worst_queue_drops(_only(previous.nics, devices), _only(report.nics, devices), elapsed_s),
+        tcp_retransmit_ratio=_tcp_retransmit_ratio(previous, report, elapsed_s),
     )
+
+
+def _worst_queue_drops(
+    before: Sequence[node_pb2.NicSample], now: Sequence[node_pb2.NicSample], elapsed_s: float
+) -> tuple[str, float] | None:
+    """(interface, drops per second) of the NIC whose root qdisc dropped the most; None when unknown."""
+    earlier = {n.device: n.qdisc_drops_total for n in before if n.HasField("qdisc_drops_total")}
+    rates = [
+        (n.qdisc_drops_total - earlier[n.device], n.device)
+        for n in now
+        # A device new since the previous report, or a counter that went back: no rate.
+        if n.HasField("qdisc_drops_total") and n.qdisc_drops_total >= earlier.get(n.device, -1) >= 0
+    ]
+    if not rates:
+        return None
+    drops, device = max(rates)
+    return device, drops / elapsed_s
+
+
+def _tcp_retransmit_ratio(
+    previous: node_pb2.NodeReport, report: node_pb2.NodeReport, elapsed_s: float
+) -> float | None:
+    """Retransmitted over sent TCP segments over the interval; None when unknown or too little is sent."""
+    if not (previous.HasField("tcp") and report.HasField("tcp")):
+        return None
+    before, now = previous.tcp, report.tcp
+    for counter in (before, now):
+        if not (counter.HasField("segments_sent_total") and counter.HasField("segments_retransmitted_total")):
+            return None
+    sent = now.segments_sent_total - before.segments_sent_total
+    retransmitted = now.segments_retransmitted_total - before.segments_retransmitted_total
+    if sent < TCP_MIN_SEGMENTS_PER_S * elapsed_s or retransmitted < 0:  # idle, or the counters went back
+        return None
+    return retransmitted / sent
 
 
 _Device = TypeVar("_Device", node_pb2.IbPortSample, node_pb2.NicSample)
@@ -263,6 +310,16 @@ def _network_signals(
             reasons.append(f"{label} at {rate:.1f}/s")
             severities.append((1, rate))
             evidence[key] = rate
+    if net.queue_drops is not None and net.queue_drops[1] >= settings.errors_min_per_s:
+        device, drops_per_s = net.queue_drops
+        reasons.append(f"{device}'s queue drops {drops_per_s:.1f} packets/s")
+        severities.append((1, drops_per_s))
+        evidence["queue_drops_per_second"] = drops_per_s
+    ratio = net.tcp_retransmit_ratio
+    if ratio is not None and ratio >= TCP_RETRANSMIT_RATIO:
+        reasons.append(f"TCP retransmits {ratio:.1%} of the segments it sends")
+        severities.append((2, ratio / TCP_RETRANSMIT_RATIO))
+        evidence["tcp_retransmit_ratio"] = ratio
     wait, peer_wait = net.transmit_wait_per_s, peer_wait_per_s
     # Transmit wait is routine under load: it only stands out against other nodes.
     if (

@@ -84,11 +84,13 @@ def node_report(
     ib_rates: Mapping[str, Mapping[str, float]] | None = None,
     nic_rates: Mapping[str, Mapping[str, float]] | None = None,
     nic: Mapping[str, Fields] | None = None,
+    tcp_rates: Mapping[str, float] | None = None,
 ) -> node_pb2.NodeReport:
     """A node's report at ``at_unix_s``: a healthy GPU per rank (overrides by rank; None
     clears a field), a healthy host, InfiniBand port mlx5_0/1 ACTIVE and a spare mlx5_1/1
-    that is DOWN (not cabled) on every node, NIC eth0 up and eth1 down everywhere.
-    Counters grow at ``*_rates`` per second from 0 at time 0."""
+    that is DOWN (not cabled) on every node, NIC eth0 up and eth1 down everywhere, TCP
+    sending 10,000 segments/s with one retransmitted. Counters grow at ``*_rates`` per
+    second from 0 at time 0."""
     report = node_pb2.NodeReport(sequence=1, timestamp_unix_seconds=at_unix_s, interval_seconds=1.0)
     for rank in range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE):
         gpu = report.gpus.add(
@@ -132,9 +134,12 @@ def node_report(
     for device, up in (("lo", True), ("eth0", True), ("eth1", False)):
         nic_counter_rates = (nic_rates or {}).get(device, {})
         sample = report.nics.add(device=device, up=up)
-        for field in ("receive_errors_total", "transmit_errors_total"):
+        for field in ("receive_errors_total", "transmit_errors_total", "qdisc_drops_total"):
             setattr(sample, field, int(nic_counter_rates.get(field, 0.0) * at_unix_s))
         _apply(sample, (nic or {}).get(device, {}))
+    tcp = {"segments_sent_total": 10_000.0, "segments_retransmitted_total": 1.0, **(tcp_rates or {})}
+    for field, rate in tcp.items():
+        setattr(report.tcp, field, int(rate * at_unix_s))
     return report
 
 
@@ -360,6 +365,29 @@ def test_nic_errors_and_link_flaps_are_network() -> None:
     cause = cause_of(nodes)
     assert cause.name == CauseName.NETWORK
     assert cause.evidence == {"nic_errors_per_second": 3.0, "ib_link_downed_per_second": 1.0}
+
+
+def test_an_interfaces_queue_dropping_packets_is_network_naming_the_interface() -> None:
+    nodes = cluster({1: {"nic_rates": {"eth0": {"qdisc_drops_total": 40.0}}}})
+    cause = cause_of(nodes)
+    assert (cause.name, cause.nodes) == (CauseName.NETWORK, ("node-1",))
+    assert cause.evidence == {"queue_drops_per_second": 40.0}
+    assert cause.detail == "node-1, where rank 5 runs, has network trouble: eth0's queue drops 40.0 packets/s"
+    job_level = network_cause(build_job(slow=()), nodes)
+    assert (job_level.name, job_level.nodes) == (CauseName.NETWORK, ("node-1",))
+
+
+def test_tcp_retransmitting_over_a_percent_is_network_and_idle_tcp_is_not_judged() -> None:
+    lossy = cluster({1: {"tcp_rates": {"segments_retransmitted_total": 300.0}}})  # 3 % of 10,000/s
+    cause = network_cause(build_job(slow=()), lossy)
+    assert (cause.name, cause.nodes) == (CauseName.NETWORK, ("node-1",))
+    assert "node-1: TCP retransmits 3.0% of the segments it sends" in cause.detail
+    assert cause.evidence == {"tcp_retransmit_ratio": pytest.approx(0.03)}
+    # 50 segments/s, a fifth of them again: too little traffic to judge.
+    idle = cluster({1: {"tcp_rates": {"segments_sent_total": 50.0, "segments_retransmitted_total": 10.0}}})
+    assert network_cause(build_job(slow=()), idle).name == CauseName.COMMUNICATION
+    # Healthy everywhere (0.01 %): nothing stands out.
+    assert network_cause(build_job(slow=()), cluster()).name == CauseName.COMMUNICATION
 
 
 def test_a_port_that_went_down_is_network_but_a_port_down_everywhere_is_not_cabled() -> None:
