@@ -23,8 +23,10 @@ BOOTSTRAP = "clusterwatch.hook.bootstrap"
 DESCRIPTION = (
     "Start torchrun with the given options and script; every worker creates the training hook's "
     "monitor before the script runs (steps end at optimizer steps, DDP models are watched, the Flight "
-    "Recorder is on). Same options as torchrun, listed below. The job's name: CLUSTERWATCH_JOB, else "
-    "SLURM's job id, else torchrun's run id. Also: python -m clusterwatch.run."
+    "Recorder is on, Lightning and Hugging Face Trainers get the clusterwatch callback). Exits as the "
+    "script did (128 + N for a worker killed by signal N). Same options as torchrun, listed below. The "
+    "job's name: CLUSTERWATCH_JOB, else SLURM's job id, else torchrun's run id. Also: python -m "
+    "clusterwatch.run."
 )
 
 
