@@ -248,3 +248,31 @@ class _CallTiming(_Ledger):
                     self._count(launch, (done_ns - launch.start_ns) / 1e9)
         except Exception as exc:
             self._report(exc)
+
+    def _timed_wait(
+        self,
+        original_wait: Callable[..., Any],
+        started: Callable[[Any], _WaitToken | None],
+        is_compiling: Callable[[], bool] | None = None,
+    ) -> Callable[..., Any]:
+        """``original_wait`` with the time inside it timed: ``started(waited)`` finds what is waited for
+        (``Work.wait``'s Work, ``wait_tensor``'s tensor); under ``torch.compile`` (``is_compiling``)
+        the original runs untouched, for Dynamo to trace."""
+        tracker = self
+
+        def wait(waited: Any, *args: Any, **kwargs: Any) -> Any:
+            if is_compiling is not None and is_compiling():
+                return original_wait(waited, *args, **kwargs)
+            token = started(waited)
+            if token is None:
+                return original_wait(waited, *args, **kwargs)
+            try:
+                result = original_wait(waited, *args, **kwargs)
+            except BaseException:
+                tracker._wait_finished(token, completed=False)
+                raise
+            tracker._wait_finished(token, completed=True)
+            return result
+
+        wait.__doc__ = original_wait.__doc__
+        return wait

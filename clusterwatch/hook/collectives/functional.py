@@ -98,7 +98,15 @@ class _FunctionalTiming(_CallTiming):
             patches.append((funcol, spec.attribute, original, patched, True))
         original_wait = funcol.wait_tensor
         patches.append(
-            (funcol, "wait_tensor", original_wait, self._make_tensor_wait(original_wait, is_compiling), True)
+            (
+                funcol,
+                "wait_tensor",
+                original_wait,
+                functools.update_wrapper(
+                    self._timed_wait(original_wait, self._tensor_wait_started, is_compiling), original_wait
+                ),
+                True,
+            )
         )
         return patches
 
@@ -174,28 +182,6 @@ class _FunctionalTiming(_CallTiming):
         except Exception as exc:
             self._report(exc)
             return None
-
-    def _make_tensor_wait(
-        self, original_wait: Callable[..., Any], is_compiling: Callable[[], bool]
-    ) -> Callable[..., Any]:
-        tracker = self
-
-        @functools.wraps(original_wait)
-        def wait_tensor(tensor: Any) -> Any:
-            if is_compiling():  # Dynamo traces torch's own
-                return original_wait(tensor)
-            token = tracker._tensor_wait_started(tensor)
-            if token is None:
-                return original_wait(tensor)
-            try:
-                result = original_wait(tensor)
-            except BaseException:
-                tracker._wait_finished(token, completed=False)
-                raise
-            tracker._wait_finished(token, completed=True)
-            return result
-
-        return wait_tensor
 
 
 class _PatchedFunctional(_StandIn):

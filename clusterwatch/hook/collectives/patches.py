@@ -108,7 +108,15 @@ class _ProcessPatches(_FunctionalTiming):
             work_class = dist.Work
             own_wait = "wait" in vars(work_class)
             original_wait = vars(work_class)["wait"] if own_wait else work_class.wait
-            patches.append((work_class, "wait", original_wait, self._make_wait(original_wait), own_wait))
+            patches.append(
+                (
+                    work_class,
+                    "wait",
+                    original_wait,
+                    self._timed_wait(original_wait, self._wait_started),
+                    own_wait,
+                )
+            )
             applied: list[tuple[Any, str, Any, Any, bool]] = []
             try:
                 for patch in patches:
@@ -142,21 +150,3 @@ class _ProcessPatches(_FunctionalTiming):
                 setattr(owner, name, original)
             else:
                 delattr(owner, name)
-
-    def _make_wait(self, original_wait: Callable[..., Any]) -> Callable[..., Any]:
-        tracker = self
-
-        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
-            token = tracker._wait_started(work)
-            if token is None:
-                return original_wait(work, *args, **kwargs)
-            try:
-                result = original_wait(work, *args, **kwargs)
-            except BaseException:
-                tracker._wait_finished(token, completed=False)
-                raise
-            tracker._wait_finished(token, completed=True)
-            return result
-
-        wait.__doc__ = original_wait.__doc__
-        return wait
