@@ -38,6 +38,7 @@ from clusterwatch.wire.limits import (
     MAX_ENTRIES,
     MAX_ID_CHARS,
     MAX_TEXT_CHARS,
+    REPEATED_STRING_CHARS,
     TEXT_FIELDS,
     V1,
 )
@@ -158,8 +159,6 @@ def _check_heartbeat(heartbeat: training_pb2.Heartbeat, field: str) -> None:
     if len(set(names)) != len(names):
         duplicate = next(name for name in names if names.count(name) > 1)
         raise InvalidHookMessageError(f"{field}.process_groups", f"group {duplicate!r} is listed twice")
-    for index, sentence in enumerate(heartbeat.blind_spots):
-        _check_length(sentence, MAX_TEXT_CHARS, f"{field}.blind_spots[{index}]")
 
 
 _MAX_RANK = (1 << 32) - 1
@@ -176,7 +175,7 @@ _RULES: dict[str, Callable[[Any, str], None]] = {
 _Plan = tuple[
     tuple[str, ...],
     tuple[tuple[str, int], ...],
-    tuple[tuple[str, str, int], ...],
+    tuple[tuple[str, str, int, int | None], ...],  # (name, full name, entries, characters per string)
     tuple[tuple[str, bool], ...],
     Callable[[Any, str], None] | None,
 ]
@@ -196,7 +195,12 @@ def _plan(descriptor: Descriptor) -> _Plan:
             if f.type == FieldDescriptor.TYPE_STRING and not f.is_repeated
         )
         repeated = tuple(
-            (f.name, f.full_name, MAX_ENTRIES.get(f.full_name, DEFAULT_MAX_ENTRIES))
+            (
+                f.name,
+                f.full_name,
+                MAX_ENTRIES.get(f.full_name, DEFAULT_MAX_ENTRIES),
+                REPEATED_STRING_CHARS.get(f.full_name),
+            )
             for f in fields
             if f.is_repeated
         )
@@ -246,15 +250,8 @@ def _check(message: Message, field: str, now_unix_s: float) -> None:
             )
     for name, limit in strings:
         _check_length(getattr(message, name), limit, f"{field}.{name}")
-    for name, full_name, limit in repeated:
-        count = len(getattr(message, name))
-        if count > limit:
-            raise InvalidHookMessageError(f"{field}.{name}", f"at most {limit} entries, got {count}")
-        if full_name == f"{V1}CollectiveSummary.duration_bucket_counts" and count != DURATION_BUCKETS:
-            raise InvalidHookMessageError(
-                f"{field}.{name}",
-                f"must have {DURATION_BUCKETS} entries (see clusterwatch/wire/collective_stats.py), got {count}",
-            )
+    for name, full_name, limit, chars in repeated:
+        _check_repeated(getattr(message, name), full_name, limit, chars, f"{field}.{name}")
     if rule is not None:
         rule(message, field)
     for name, is_repeated in children:
@@ -263,6 +260,20 @@ def _check(message: Message, field: str, now_unix_s: float) -> None:
                 _check(child, f"{field}.{name}[{index}]", now_unix_s)
         elif message.HasField(name):
             _check(getattr(message, name), f"{field}.{name}", now_unix_s)
+
+
+def _check_repeated(values: Any, full_name: str, limit: int, chars: int | None, field: str) -> None:
+    count = len(values)
+    if count > limit:
+        raise InvalidHookMessageError(field, f"at most {limit} entries, got {count}")
+    if chars is not None:
+        for index, value in enumerate(values):
+            _check_length(value, chars, f"{field}[{index}]")
+    if full_name == f"{V1}CollectiveSummary.duration_bucket_counts" and count != DURATION_BUCKETS:
+        raise InvalidHookMessageError(
+            field,
+            f"must have {DURATION_BUCKETS} entries (see clusterwatch/wire/collective_stats.py), got {count}",
+        )
 
 
 def check_batch(steps: list[training_pb2.StepSummary]) -> None:

@@ -8,7 +8,8 @@ here once; each checker reads it.
 
 Strings: ids at most MAX_ID_CHARS characters, free text (TEXT_FIELDS) at most
 MAX_TEXT_CHARS, stack dumps (DUMP_FIELDS) at most MAX_STACK_DUMP_CHARS.
-Repeated fields: at most MAX_ENTRIES[full name], else DEFAULT_MAX_ENTRIES.
+Repeated fields: at most MAX_ENTRIES[full name], else DEFAULT_MAX_ENTRIES;
+each element of a repeated string at most REPEATED_STRING_CHARS[full name].
 Times: a ``*_unix_seconds`` more than MAX_CLOCK_SKEW_S from the checker's clock
 is refused.
 """
@@ -87,3 +88,10 @@ MAX_ENTRIES: dict[str, int] = {
     f"{V1}CommandResult.stopped": 4096,
 }
 DEFAULT_MAX_ENTRIES = 1024
+# Repeated strings, and how long each element may be (ids; blind spots are sentences).
+REPEATED_STRING_CHARS: dict[str, int] = {
+    f"{V1}Hello.capabilities": MAX_ID_CHARS,
+    f"{V1}TopologyNic.interfaces": MAX_ID_CHARS,
+    f"{V1}NodeTopology.problems": MAX_ID_CHARS,
+    f"{V1}Heartbeat.blind_spots": MAX_TEXT_CHARS,
+}

@@ -71,6 +71,7 @@ from clusterwatch.wire.limits import (
     MAX_STACK_DUMP_CHARS,
     MAX_TEXT_CHARS,
     MIN_INTERVAL_S,
+    REPEATED_STRING_CHARS,
     TEXT_FIELDS,
     V1,
 )
@@ -79,13 +80,6 @@ from clusterwatch.wire.limits import (
 _SKIPPED = frozenset({f"{V1}RankIdentity.labels"})
 # Counted, not descended into: the job store reads and checks these per rank.
 _NOT_DESCENDED = frozenset({f"{V1}RankReport.steps", f"{V1}RankReport.collectives"})
-# Repeated strings, and how long each element may be (ids; blind spots are sentences).
-REPEATED_STRING_CHARS: dict[str, int] = {
-    f"{V1}Hello.capabilities": MAX_ID_CHARS,
-    f"{V1}TopologyNic.interfaces": MAX_ID_CHARS,
-    f"{V1}NodeTopology.problems": MAX_ID_CHARS,
-    f"{V1}Heartbeat.blind_spots": MAX_TEXT_CHARS,  # sentences
-}
 # Lists whose elements must differ in these fields within one report.
 _UNIQUE_KEYS: dict[str, tuple[str, ...]] = {
     f"{V1}NodeReport.gpus": ("index",),
