@@ -253,7 +253,11 @@ class NvmlBackend:
         if utilization is not None:
             sample.utilization_ratio = utilization.gpu / _PERCENT
             sample.memory_bandwidth_utilization_ratio = utilization.memory / _PERCENT
-        memory = self._call(gpu, "nvmlDeviceGetMemoryInfo")
+        # v2's "used" leaves out what the driver reserves (480 MiB on an H100), as nvidia-smi
+        # does; v1's counts it in. v1 only where the driver has no v2.
+        memory = self._call(gpu, "nvmlDeviceGetMemoryInfo", nvml.nvmlMemory_v2, variant="v2") or self._call(
+            gpu, "nvmlDeviceGetMemoryInfo"
+        )
         if memory is not None:
             sample.memory_used_bytes = int(memory.used)
             sample.memory_total_bytes = int(memory.total)

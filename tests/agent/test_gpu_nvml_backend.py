@@ -69,7 +69,12 @@ FIELDS_BY_FUNCTION: dict[str, tuple[str, ...]] = {
 RATE_FIELDS = ("pcie_transmit_bytes_per_second", "pcie_receive_bytes_per_second")
 ALL_FIELDS = (*(name for names in FIELDS_BY_FUNCTION.values() for name in names), *RATE_FIELDS)
 # Functions called once per GPU per meaning (SM vs memory clock...), each switched off on its own.
-VARIANTS = {"nvmlDeviceGetClockInfo": 2, "nvmlDeviceGetTotalEccErrors": 2, "nvmlDeviceGetViolationStatus": 8}
+VARIANTS = {
+    "nvmlDeviceGetClockInfo": 2,
+    "nvmlDeviceGetMemoryInfo": 2,  # v2, then v1
+    "nvmlDeviceGetTotalEccErrors": 2,
+    "nvmlDeviceGetViolationStatus": 8,
+}
 PCIE_KB = 1024  # nvmlDeviceGetPcieThroughput's "KB"
 TX_FIELD = pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES
 RX_FIELD = pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES
@@ -252,6 +257,22 @@ def test_full_sample_in_base_units(fake: FakeNvml, open_backend: Callable[..., N
 
     assert backend.driver_version() == "550.54.15"
     assert backend.query_errors() == []
+
+
+def test_memory_used_leaves_the_drivers_reserve_out_as_nvidia_smi_does(
+    fake: FakeNvml, open_backend: Callable[..., NvmlBackend]
+) -> None:
+    # Seen on an H100 (driver 580): v1's "used" was 480 MiB on an idle GPU where nvidia-smi said 0.
+    fake.devices[0].memory_used_bytes = 0
+    fake.devices[1].memory_info_v2 = False  # an older driver: v1, reserve included, is all there is
+    backend = open_backend()
+
+    for _ in range(2):
+        samples = backend.sample()
+
+    assert samples[0].memory_used_bytes == 0
+    assert samples[1].memory_used_bytes == 51 * GIB + (480 << 20)
+    assert errors_of(backend) == {("nvmlDeviceGetMemoryInfo", "FunctionNotFound"): 1}
 
 
 def test_gpm_ratios_from_the_second_sample_and_violation_counters(

@@ -115,7 +115,11 @@ class FakeDevice:
     utilization_gpu_percent: int = 87
     utilization_memory_percent: int = 42
     memory_total_bytes: int = 80 * _GIB
-    memory_used_bytes: int = 60 * _GIB
+    memory_used_bytes: int = 60 * _GIB  # what nvidia-smi shows: v2's used, the driver's reserve apart
+    # What the driver holds back (480 MiB on an H100 with driver 580): v1's "used" counts it in,
+    # nvmlDeviceGetMemoryInfo_v2 reports it apart. memory_info_v2 False: a driver without v2.
+    memory_reserved_bytes: int = 480 << 20
+    memory_info_v2: bool = True
     power_mw: int = 612_345
     power_limit_mw: int = 700_000
     energy_mj: int = 987_654_321
@@ -364,11 +368,20 @@ class FakeNvml(types.ModuleType):
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> Any:
         device = self._device("nvmlDeviceGetMemoryInfo", handle)
-        if version:
-            raise pynvml.NVMLError_NotSupported()  # the fake implements only v1
-        free = device.memory_total_bytes - device.memory_used_bytes
-        return pynvml.c_nvmlMemory_t(
-            total=device.memory_total_bytes, free=free, used=device.memory_used_bytes
+        reserved = device.memory_reserved_bytes
+        free = device.memory_total_bytes - device.memory_used_bytes - reserved
+        if not version:
+            return pynvml.c_nvmlMemory_t(
+                total=device.memory_total_bytes, free=free, used=device.memory_used_bytes + reserved
+            )
+        if not device.memory_info_v2:
+            raise pynvml.NVMLError_FunctionNotFound()
+        return pynvml.c_nvmlMemory_v2_t(
+            version=version,
+            total=device.memory_total_bytes,
+            reserved=reserved,
+            free=free,
+            used=device.memory_used_bytes,
         )
 
     def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
