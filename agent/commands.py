@@ -11,8 +11,10 @@ from typing import Protocol
 
 from clusterwatch.agent.diagnose import DiagnosisTarget, ProcessDiagnoser
 from clusterwatch.agent.process_instance import ProcessInstance
+from clusterwatch.agent.worker_env import WorkerEnvBook
 from clusterwatch.agent.workers import WorkerStopper, effective_grace_s
 from clusterwatch.v1 import agent_pb2
+from clusterwatch.wire.worker_env import WorkerEnvError
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,8 @@ class CommandHandler:
         worker_lookup: the registered processes of a job, for stop_workers commands;
             None: this agent cannot stop workers.
         stopper: stops them (default: WorkerStopper(), without a GPU memory check).
+        worker_env: where worker_env commands go (the hooks read it); None: this agent
+            serves no hooks.
         remembered: how many command ids (with their results) are kept for replays.
 
     Attributes:
@@ -81,6 +85,7 @@ class CommandHandler:
         *,
         worker_lookup: WorkerLookup | None = None,
         stopper: WorkerStopper | None = None,
+        worker_env: WorkerEnvBook | None = None,
         remembered: int = 1024,
     ) -> None:
         if remembered < 1:
@@ -94,6 +99,7 @@ class CommandHandler:
         self._diagnoser = diagnoser or ProcessDiagnoser()
         self._worker_lookup = worker_lookup
         self._stopper = stopper or WorkerStopper()
+        self._worker_env = worker_env
         self.cordoned_jobs: set[str] = set()
         # The newest fencing token seen on a command about each job (Command.fencing_token), and on
         # any command (what status shows).
@@ -170,6 +176,8 @@ class CommandHandler:
             result = await self._diagnose(command.command_id, command.diagnose, self._process_lookup)
         elif action == "stop_workers" and self._worker_lookup is not None:
             result = await self._stop_workers(command.command_id, command.stop_workers, self._worker_lookup)
+        elif action == "worker_env" and self._worker_env is not None:
+            result = self._set_worker_env(command.command_id, command.worker_env, self._worker_env)
         else:
             logger.warning("unsupported command %s (%s)", command.command_id, action)
             result = agent_pb2.CommandResult(
@@ -179,6 +187,28 @@ class CommandHandler:
             )
         result.duration_seconds = time.monotonic() - started
         return result
+
+    @staticmethod
+    def _set_worker_env(
+        command_id: str, command: agent_pb2.WorkerEnvCommand, book: WorkerEnvBook
+    ) -> agent_pb2.CommandResult:
+        """OK once the job's entry is in the file its workers read at start."""
+        env = dict(command.env)
+        try:
+            book.set(command.job, env, command.reason, command.expires_unix_seconds)
+        except (WorkerEnvError, OSError) as exc:
+            return agent_pb2.CommandResult(
+                command_id=command_id,
+                status=Status.STATUS_FAILED,
+                message=f"worker environment not set: {exc}",
+            )
+        shown = " ".join(f"{key}={value}" for key, value in sorted(env.items())) or "cleared"
+        logger.info("worker environment of job %s: %s (%s)", command.job, shown, command.reason)
+        return agent_pb2.CommandResult(
+            command_id=command_id,
+            status=Status.STATUS_OK,
+            message=f"job {command.job}'s workers that start from now: {shown}",
+        )
 
     @staticmethod
     def _checkpoint(
@@ -309,4 +339,8 @@ class CommandHandler:
 def _job_of(command: agent_pb2.Command) -> str:
     """The job a command is about ("" for one about none, a ping)."""
     action = command.WhichOneof("action")
-    return str(getattr(command, action).job) if action in ("checkpoint", "diagnose", "stop_workers") else ""
+    return (
+        str(getattr(command, action).job)
+        if action in ("checkpoint", "diagnose", "stop_workers", "worker_env")
+        else ""
+    )

@@ -20,10 +20,12 @@ from clusterwatch.agent.gpu.backend import GpuBackend
 from clusterwatch.agent.hook_links import HookLinks
 from clusterwatch.agent.hook_server import HookServer
 from clusterwatch.agent.proc_exit import ProcessExitWatcher
+from clusterwatch.agent.rank_interfaces import RankInterfaces
 from clusterwatch.agent.ranks import RankRegistry, RankState
 from clusterwatch.agent.report_buffer import ReportBuffer
 from clusterwatch.agent.topology.watch import TopologyWatch
 from clusterwatch.agent.uplink import Uplink
+from clusterwatch.agent.worker_env import WorkerEnvBook
 from clusterwatch.agent.workers import WorkerStopper
 from clusterwatch.config import AgentSettings
 from clusterwatch.exposition.http_server import MetricsHttpServer
@@ -39,6 +41,7 @@ from clusterwatch.exposition.web_config import load_web_config
 from clusterwatch.runtime import sd_notify
 from clusterwatch.runtime.tls import TlsFiles
 from clusterwatch.v1 import agent_pb2, node_pb2
+from clusterwatch.wire.worker_env import env_file_path
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +156,7 @@ class Agent:
         self.exit_watcher = exit_watcher or ProcessExitWatcher()
         self.ranks = RankRegistry(settings.max_steps_per_report, self.exit_watcher)
         self.hook_links = HookLinks()
+        self.rank_interfaces = RankInterfaces()
         self.hook_server = (
             HookServer(Path(settings.socket), self.ranks, self.hook_links, group=settings.socket_group)
             if settings.socket
@@ -165,6 +169,7 @@ class Agent:
             stopper=WorkerStopper(
                 gpu_pids=self.gpu_pids_in_use, gpu_check_timeout_s=3 * settings.interval_s + 5.0
             ),
+            worker_env=WorkerEnvBook(Path(env_file_path(settings.socket))) if self.hook_server else None,
         )
         self.uplink = Uplink(
             settings.coordinator,
@@ -219,7 +224,8 @@ class Agent:
         self._told_systemd_ready = True
         sd_notify.notify(*ready, sd_notify.status(f"reporting to {target}"))
 
-    def _collect(self) -> node_pb2.NodeReport:
+    def _collect(self, pids: list[int]) -> tuple[node_pb2.NodeReport, dict[int, tuple[str, ...]]]:
+        """The report, and the interfaces each of ``pids`` (the running ranks) uses."""
         # Discovery first: the report collected right after a change carries it.
         self.topology.refresh_if_due()
         report = node_pb2.NodeReport(interval_seconds=self.settings.interval_s)
@@ -228,7 +234,7 @@ class Agent:
         if changed is not None:
             report.topology.CopyFrom(changed)
         report.timestamp_unix_seconds = time.time()
-        return report
+        return report, self.rank_interfaces.read(pids)
 
     async def collect_once(self) -> node_pb2.NodeReport:
         """Collect one report (off the event loop: NVML calls can block) and buffer it.
@@ -236,8 +242,11 @@ class Agent:
         The ranks are added on the loop, which owns the registry.
         """
         self._collections_started += 1
-        report = await asyncio.to_thread(self._collect)
+        pids = [entry.pid for entry in self.ranks.entries() if entry.state is RankState.RUNNING]
+        report, interfaces = await asyncio.to_thread(self._collect, pids)
         self.ranks.report_into(report.ranks)
+        for rank in report.ranks:
+            rank.interfaces.extend(interfaces.get(rank.identity.pid, ()))
         self._rank_counts = self.ranks.count_by_state()
         self._sequence += 1
         report.sequence = self._sequence

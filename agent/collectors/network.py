@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 
+from clusterwatch.agent.collectors.addresses import interface_addresses
 from clusterwatch.agent.collectors.qdisc import RootQdisc, read_root_qdiscs
 from clusterwatch.agent.collectors.roots import psutil_procfs
 from clusterwatch.agent.collectors.tcp import read_tcp
@@ -62,6 +63,7 @@ class NetworkCollector:
         sys_root: where sysfs is mounted.
         include_loopback: also report ``lo``.
         read_qdiscs: the root qdiscs by interface (None: not read).
+        read_addresses: the interfaces' addresses (None: not read).
     """
 
     name = "network"
@@ -72,11 +74,13 @@ class NetworkCollector:
         sys_root: Path = Path("/sys"),
         include_loopback: bool = False,
         read_qdiscs: Callable[[], Mapping[str, RootQdisc]] | None = read_root_qdiscs,
+        read_addresses: Callable[[], Mapping[str, list[str]]] | None = interface_addresses,
     ) -> None:
         self.proc_root = proc_root
         self.sys_root = sys_root
         self.include_loopback = include_loopback
         self.read_qdiscs = read_qdiscs
+        self.read_addresses = read_addresses
 
     def collect(self, report: node_pb2.NodeReport) -> None:
         """Append fresh ``NicSample`` values to ``report.nics``.
@@ -90,6 +94,7 @@ class NetworkCollector:
             counters = psutil.net_io_counters(pernic=True, nowrap=False)
         net_dir = self.sys_root / "class" / "net"
         qdiscs = self._qdiscs()
+        addresses = self.read_addresses() if self.read_addresses is not None else {}
         for device in sorted(counters):
             if device == LOOPBACK_DEVICE and not self.include_loopback:
                 continue
@@ -112,6 +117,7 @@ class NetworkCollector:
             speed_bytes_per_second = parse_net_speed(read_attr(device_dir / "speed"))
             if speed_bytes_per_second is not None:
                 nic.speed_bytes_per_second = speed_bytes_per_second
+            nic.addresses.extend(addresses.get(device, ()))
             qdisc = qdiscs.get(device)
             if qdisc is not None:
                 nic.qdisc = qdisc.kind

@@ -43,6 +43,7 @@ from clusterwatch.hook.health import HookHealth
 from clusterwatch.hook.identity import RankInfo, parent_argv, resolve_socket_path
 from clusterwatch.hook.process_groups import ProcessGroupReader
 from clusterwatch.hook.transport import AgentLink
+from clusterwatch.hook.worker_env import apply_worker_env
 from clusterwatch.v1 import hook_pb2, training_pb2
 
 if TYPE_CHECKING:
@@ -172,11 +173,19 @@ class TrainingMonitor:
         self.flight_recorder_enabled = False
         with self.health.guard("flight recorder"):
             self.flight_recorder_enabled = flight_recorder.enable(environ)
+        created_after_init = _process_group_exists()
         self._blind_spots = BlindSpots(
-            recorder_requested=self.flight_recorder_enabled, created_after_init=_process_group_exists()
+            recorder_requested=self.flight_recorder_enabled, created_after_init=created_after_init
         )
+        socket_path = resolve_socket_path(socket_path, environ)
+        # Before the script's init_process_group: an interface the coordinator moved this job off.
+        self.worker_env: dict[str, str] = {}
+        with self.health.guard("worker environment"):
+            self.worker_env = apply_worker_env(
+                socket_path, self.identity.job, environ, process_group_exists=created_after_init
+            )
         self._link = AgentLink(
-            resolve_socket_path(socket_path, environ),
+            socket_path,
             self._hello,
             self._heartbeat,
             self._on_command,

@@ -391,6 +391,66 @@ class StopWorkersCommand(_message.Message):
 Global___StopWorkersCommand: _TypeAlias = StopWorkersCommand  # noqa: Y015
 
 @_typing.final
+class WorkerEnvCommand(_message.Message):
+    """The environment the job's workers on this node take from now on, set by
+    the coordinator's avoid_interface action before it restarts the job: the
+    collective libraries' interface choices (GLOO_SOCKET_IFNAME,
+    NCCL_SOCKET_IFNAME, NCCL_IB_HCA) that keep the job off a bad interface.
+    The agent keeps it next to its hook socket (clusterwatch/wire/worker_env.py);
+    each training process's hook applies it at start, before the process group
+    exists. An empty `env` clears the job's entry.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EnvEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    JOB_FIELD_NUMBER: _builtins.int
+    ENV_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    EXPIRES_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    reason: _builtins.str
+    """Why, for the agent's log and the hook's warning."""
+    expires_unix_seconds: _builtins.float
+    """When the entry lapses (the interface is tried again); 0: never."""
+    @_builtins.property
+    def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        reason: _builtins.str = ...,
+        expires_unix_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env", "expires_unix_seconds", b"expires_unix_seconds", "job", b"job", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerEnvCommand: _TypeAlias = WorkerEnvCommand  # noqa: Y015
+
+@_typing.final
 class Command(_message.Message):
     """A command for one agent. command_id is an idempotency key: an agent carries
     out a given id at most once. Later capabilities add members to `action`.
@@ -406,6 +466,7 @@ class Command(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     DIAGNOSE_FIELD_NUMBER: _builtins.int
     STOP_WORKERS_FIELD_NUMBER: _builtins.int
+    WORKER_ENV_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
     issued_unix_seconds: _builtins.float
     deadline_unix_seconds: _builtins.float
@@ -422,6 +483,8 @@ class Command(_message.Message):
     def diagnose(self) -> Global___DiagnoseCommand: ...
     @_builtins.property
     def stop_workers(self) -> Global___StopWorkersCommand: ...
+    @_builtins.property
+    def worker_env(self) -> Global___WorkerEnvCommand: ...
     def __init__(
         self,
         *,
@@ -433,12 +496,13 @@ class Command(_message.Message):
         checkpoint: Global___CheckpointCommand | None = ...,
         diagnose: Global___DiagnoseCommand | None = ...,
         stop_workers: Global___StopWorkersCommand | None = ...,
+        worker_env: Global___WorkerEnvCommand | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "diagnose", b"diagnose", "ping", b"ping", "stop_workers", b"stop_workers"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "diagnose", b"diagnose", "ping", b"ping", "stop_workers", b"stop_workers", "worker_env", b"worker_env"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "command_id", b"command_id", "deadline_unix_seconds", b"deadline_unix_seconds", "diagnose", b"diagnose", "fencing_token", b"fencing_token", "issued_unix_seconds", b"issued_unix_seconds", "ping", b"ping", "stop_workers", b"stop_workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "command_id", b"command_id", "deadline_unix_seconds", b"deadline_unix_seconds", "diagnose", b"diagnose", "fencing_token", b"fencing_token", "issued_unix_seconds", b"issued_unix_seconds", "ping", b"ping", "stop_workers", b"stop_workers", "worker_env", b"worker_env"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["ping", "checkpoint", "diagnose", "stop_workers"]  # noqa: Y015
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["ping", "checkpoint", "diagnose", "stop_workers", "worker_env"]  # noqa: Y015
     _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
 

@@ -926,6 +926,7 @@ class Incident(_message.Message):
     OPENED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     UPDATED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     RESOLVED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    INTERFACES_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     kind: _builtins.str
     """"straggler", "job_slowdown", "hang", "rank_failure", "node_unreachable",
@@ -964,6 +965,12 @@ class Incident(_message.Message):
 
     @_builtins.property
     def diagnoses(self) -> _containers.RepeatedCompositeFieldContainer[_training_pb2.ProcessDiagnosis]: ...
+    @_builtins.property
+    def interfaces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The network interfaces at fault, each as NODE/INTERFACE ("node-7/eth1"),
+        when the cause names them (a network slowdown).
+        """
+
     def __init__(
         self,
         *,
@@ -982,10 +989,11 @@ class Incident(_message.Message):
         opened_unix_seconds: _builtins.float = ...,
         updated_unix_seconds: _builtins.float = ...,
         resolved_unix_seconds: _builtins.float = ...,
+        interfaces: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "diagnoses", b"diagnoses", "evidence", b"evidence", "gpus", b"gpus", "id", b"id", "job", b"job", "kind", b"kind", "nodes", b"nodes", "opened_unix_seconds", b"opened_unix_seconds", "ranks", b"ranks", "resolved_unix_seconds", b"resolved_unix_seconds", "severity", b"severity", "state", b"state", "summary", b"summary", "updated_unix_seconds", b"updated_unix_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "diagnoses", b"diagnoses", "evidence", b"evidence", "gpus", b"gpus", "id", b"id", "interfaces", b"interfaces", "job", b"job", "kind", b"kind", "nodes", b"nodes", "opened_unix_seconds", b"opened_unix_seconds", "ranks", b"ranks", "resolved_unix_seconds", b"resolved_unix_seconds", "severity", b"severity", "state", b"state", "summary", b"summary", "updated_unix_seconds", b"updated_unix_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -680,6 +680,7 @@ class NicSample(_message.Message):
     QDISC_DROPS_TOTAL_FIELD_NUMBER: _builtins.int
     QDISC_OVERLIMITS_TOTAL_FIELD_NUMBER: _builtins.int
     QDISC_REQUEUES_TOTAL_FIELD_NUMBER: _builtins.int
+    ADDRESSES_FIELD_NUMBER: _builtins.int
     device: _builtins.str
     receive_bytes_total: _builtins.int
     transmit_bytes_total: _builtins.int
@@ -701,6 +702,13 @@ class NicSample(_message.Message):
     qdisc_drops_total: _builtins.int
     qdisc_overlimits_total: _builtins.int
     qdisc_requeues_total: _builtins.int
+    @_builtins.property
+    def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The interface's addresses with their prefix length ("10.81.1.1/24",
+        "fe80::1/64"): which interfaces of two nodes share a network, for a
+        restart that moves a job off one (coordinator/recovery/interfaces.py).
+        """
+
     def __init__(
         self,
         *,
@@ -720,10 +728,11 @@ class NicSample(_message.Message):
         qdisc_drops_total: _builtins.int | None = ...,
         qdisc_overlimits_total: _builtins.int | None = ...,
         qdisc_requeues_total: _builtins.int | None = ...,
+        addresses: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_qdisc_backlog_bytes", b"_qdisc_backlog_bytes", "_qdisc_drops_total", b"_qdisc_drops_total", "_qdisc_overlimits_total", b"_qdisc_overlimits_total", "_qdisc_requeues_total", b"_qdisc_requeues_total", "_speed_bytes_per_second", b"_speed_bytes_per_second", "_up", b"_up", "qdisc_backlog_bytes", b"qdisc_backlog_bytes", "qdisc_drops_total", b"qdisc_drops_total", "qdisc_overlimits_total", b"qdisc_overlimits_total", "qdisc_requeues_total", b"qdisc_requeues_total", "speed_bytes_per_second", b"speed_bytes_per_second", "up", b"up"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_qdisc_backlog_bytes", b"_qdisc_backlog_bytes", "_qdisc_drops_total", b"_qdisc_drops_total", "_qdisc_overlimits_total", b"_qdisc_overlimits_total", "_qdisc_requeues_total", b"_qdisc_requeues_total", "_speed_bytes_per_second", b"_speed_bytes_per_second", "_up", b"_up", "device", b"device", "qdisc", b"qdisc", "qdisc_backlog_bytes", b"qdisc_backlog_bytes", "qdisc_drops_total", b"qdisc_drops_total", "qdisc_overlimits_total", b"qdisc_overlimits_total", "qdisc_requeues_total", b"qdisc_requeues_total", "receive_bytes_total", b"receive_bytes_total", "receive_drops_total", b"receive_drops_total", "receive_errors_total", b"receive_errors_total", "receive_packets_total", b"receive_packets_total", "speed_bytes_per_second", b"speed_bytes_per_second", "transmit_bytes_total", b"transmit_bytes_total", "transmit_drops_total", b"transmit_drops_total", "transmit_errors_total", b"transmit_errors_total", "transmit_packets_total", b"transmit_packets_total", "up", b"up"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_qdisc_backlog_bytes", b"_qdisc_backlog_bytes", "_qdisc_drops_total", b"_qdisc_drops_total", "_qdisc_overlimits_total", b"_qdisc_overlimits_total", "_qdisc_requeues_total", b"_qdisc_requeues_total", "_speed_bytes_per_second", b"_speed_bytes_per_second", "_up", b"_up", "addresses", b"addresses", "device", b"device", "qdisc", b"qdisc", "qdisc_backlog_bytes", b"qdisc_backlog_bytes", "qdisc_drops_total", b"qdisc_drops_total", "qdisc_overlimits_total", b"qdisc_overlimits_total", "qdisc_requeues_total", b"qdisc_requeues_total", "receive_bytes_total", b"receive_bytes_total", "receive_drops_total", b"receive_drops_total", "receive_errors_total", b"receive_errors_total", "receive_packets_total", b"receive_packets_total", "speed_bytes_per_second", b"speed_bytes_per_second", "transmit_bytes_total", b"transmit_bytes_total", "transmit_drops_total", b"transmit_drops_total", "transmit_errors_total", b"transmit_errors_total", "transmit_packets_total", b"transmit_packets_total", "up", b"up"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__qdisc_backlog_bytes: _TypeAlias = _typing.Literal["qdisc_backlog_bytes"]  # noqa: Y015
     _WhichOneofArgType__qdisc_backlog_bytes: _TypeAlias = _typing.Literal["_qdisc_backlog_bytes", b"_qdisc_backlog_bytes"]  # noqa: Y015

@@ -623,6 +623,7 @@ class RankReport(_message.Message):
     UID_FIELD_NUMBER: _builtins.int
     SLURM_JOB_ID_FIELD_NUMBER: _builtins.int
     LAUNCHER_EXIT_FIELD_NUMBER: _builtins.int
+    INTERFACES_FIELD_NUMBER: _builtins.int
     state: Global___RankState.ValueType
     steps_dropped_total: _builtins.int
     """Steps the agent did not forward (more than it keeps per report)."""
@@ -664,6 +665,14 @@ class RankReport(_message.Message):
         runs: an orphan, training on alone and holding its peers.
         """
 
+    @_builtins.property
+    def interfaces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The network interfaces the process's established TCP connections leave
+        through (gloo, NCCL's sockets and bootstrap), loopback left out, as the
+        agent reads them from the process's sockets: which links the rank uses,
+        whatever its environment says. Sorted; empty when unknown.
+        """
+
     def __init__(
         self,
         *,
@@ -678,10 +687,11 @@ class RankReport(_message.Message):
         uid: _builtins.int | None = ...,
         slurm_job_id: _builtins.str = ...,
         launcher_exit: Global___LauncherExit | None = ...,
+        interfaces: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_uid", b"_uid", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "launcher_exit", b"launcher_exit", "uid", b"uid"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_uid", b"_uid", "checkpoint_results", b"checkpoint_results", "collectives", b"collectives", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "launcher_exit", b"launcher_exit", "slurm_job_id", b"slurm_job_id", "state", b"state", "steps", b"steps", "steps_dropped_total", b"steps_dropped_total", "uid", b"uid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_uid", b"_uid", "checkpoint_results", b"checkpoint_results", "collectives", b"collectives", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "interfaces", b"interfaces", "launcher_exit", b"launcher_exit", "slurm_job_id", b"slurm_job_id", "state", b"state", "steps", b"steps", "steps_dropped_total", b"steps_dropped_total", "uid", b"uid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__uid: _TypeAlias = _typing.Literal["uid"]  # noqa: Y015
     _WhichOneofArgType__uid: _TypeAlias = _typing.Literal["_uid", b"_uid"]  # noqa: Y015

@@ -162,3 +162,5 @@ def test_real_proc_and_sys_are_sane() -> None:
     for nic in report.nics:
         if nic.HasField("speed_bytes_per_second"):
             assert nic.speed_bytes_per_second > 0
+    lo = next(nic for nic in report.nics if nic.device == "lo")
+    assert "127.0.0.1/8" in lo.addresses, "each interface carries its addresses with their prefix length"
