@@ -224,8 +224,7 @@ class Agent:
         self._told_systemd_ready = True
         sd_notify.notify(*ready, sd_notify.status(f"reporting to {target}"))
 
-    def _collect(self, pids: list[int]) -> tuple[node_pb2.NodeReport, dict[int, tuple[str, ...]]]:
-        """The report, and the interfaces each of ``pids`` (the running ranks) uses."""
+    def _collect(self) -> node_pb2.NodeReport:
         # Discovery first: the report collected right after a change carries it.
         self.topology.refresh_if_due()
         report = node_pb2.NodeReport(interval_seconds=self.settings.interval_s)
@@ -234,7 +233,7 @@ class Agent:
         if changed is not None:
             report.topology.CopyFrom(changed)
         report.timestamp_unix_seconds = time.time()
-        return report, self.rank_interfaces.read(pids)
+        return report
 
     async def collect_once(self) -> node_pb2.NodeReport:
         """Collect one report (off the event loop: NVML calls can block) and buffer it.
@@ -243,7 +242,8 @@ class Agent:
         """
         self._collections_started += 1
         pids = [entry.pid for entry in self.ranks.entries() if entry.state is RankState.RUNNING]
-        report, interfaces = await asyncio.to_thread(self._collect, pids)
+        report = await asyncio.to_thread(self._collect)
+        interfaces = await asyncio.to_thread(self.rank_interfaces.read, pids) if pids else {}
         self.ranks.report_into(report.ranks)
         for rank in report.ranks:
             rank.interfaces.extend(interfaces.get(rank.identity.pid, ()))

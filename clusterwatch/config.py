@@ -250,6 +250,13 @@ class DetectionSettings:
         "a job whose steps get this fraction slower than its own baseline has slowed down",
         positive=True,
     )
+    slowdown_corroborated_s: float = setting(
+        5.0,
+        "a communication-bound slowdown that a node's transport counters explain (queue drops or "
+        "held-back packets, TCP retransmits, errors, a link down) is flagged after this long, not the 30 s "
+        "an unexplained one needs",
+        positive=True,
+    )
     hang_floor_s: float = setting(5.0, "never call a job hung sooner than this", positive=True)
     hang_p99_factor: float = setting(
         3.0, "a job is hung after this many times its recent p99 step time (or the floor)", positive=True

@@ -94,4 +94,6 @@ REPEATED_STRING_CHARS: dict[str, int] = {
     f"{V1}TopologyNic.interfaces": MAX_ID_CHARS,
     f"{V1}NodeTopology.problems": MAX_ID_CHARS,
     f"{V1}Heartbeat.blind_spots": MAX_TEXT_CHARS,
+    f"{V1}NicSample.addresses": MAX_ID_CHARS,
+    f"{V1}RankReport.interfaces": MAX_ID_CHARS,
 }

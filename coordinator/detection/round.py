@@ -22,6 +22,8 @@ from collections.abc import Collection, Mapping
 
 from clusterwatch.config import DetectionSettings
 from clusterwatch.coordinator.detection.causes import Cause, network_cause, straggler_causes
+from clusterwatch.coordinator.detection.causes.network import CORROBORATING_EVIDENCE
+from clusterwatch.coordinator.detection.causes.shared import CauseName
 from clusterwatch.coordinator.detection.failures import (
     UNREACHABLE,
     UP,
@@ -66,7 +68,10 @@ def hang_settings(settings: DetectionSettings) -> HangSettings:
 
 
 def slowdown_settings(settings: DetectionSettings) -> SlowdownSettings:
-    return SlowdownSettings(threshold_ratio=settings.slowdown_threshold_ratio)
+    return SlowdownSettings(
+        threshold_ratio=settings.slowdown_threshold_ratio,
+        corroborated_duration_s=settings.slowdown_corroborated_s,
+    )
 
 
 @dataclasses.dataclass(slots=True)
@@ -194,9 +199,22 @@ class Detection:
         causes = straggler_causes(job, [s.rank for s in verdicts.stragglers], nodes, slow_ranks=verdicts.slow)
         for straggler, cause in zip(verdicts.stragglers, causes, strict=True):
             findings.append(_straggler_finding(job, straggler, cause))
+        if verdicts.slowdown is None:
+            verdicts.slowdown = self._corroborated_slowdown(job, nodes)
         if verdicts.slowdown is not None:
             findings.append(_slowdown_finding(job, verdicts.slowdown, network_cause(job, nodes)))
         return findings
+
+    def _corroborated_slowdown(self, job: JobRecord, nodes: dict[str, NodeRecord]) -> SlowdownFinding | None:
+        """A communication-bound slowdown still building up, flagged now when a node's transport
+        counters explain it (the slowdown detector's ``corroborated_duration_s``)."""
+        pending = self._slowdowns.provisional(job.job)
+        if pending is None or pending.bound != "communication":
+            return None
+        cause = network_cause(job, nodes)
+        if cause.name != CauseName.NETWORK or not CORROBORATING_EVIDENCE & cause.evidence.keys():
+            return None
+        return self._slowdowns.confirm(job.job)
 
     def _verdicts_of(self, job: JobRecord) -> _JobVerdicts:
         """The per-job detectors' verdicts on the job as it is (run again only if it changed)."""
@@ -421,6 +439,7 @@ def _slowdown_finding(job: JobRecord, slowdown: SlowdownFinding, network: Cause 
         job=job.job,
         nodes=cause.nodes if cause is not None else (),
         evidence=evidence,
+        interfaces=cause.interfaces if cause is not None else (),
     )
 
 

@@ -45,6 +45,13 @@ The duration matters for fast steps: 10 steps of 25 ms are a quarter of a
 second, and a few seconds of CPU contention (another process starting on the
 host) would otherwise be a finding.
 
+Sooner with corroboration: once the slow steps have lasted
+``corroborated_duration_s``, ``provisional`` returns the finding a flag would
+make, and the caller may ``confirm`` it when something other than timing
+explains it (coordinator/detection/round.py: a node's transport counters,
+coordinator/detection/causes/network.py CORROBORATING_EVIDENCE). Timing alone
+still needs ``min_duration_s``.
+
 The finding's *recent* numbers are medians over the newest ``recent_steps``
 steps, its ratio is their pace over the baseline pace, and it is
 communication-bound when the median communication time grew more (in
@@ -95,6 +102,8 @@ class SlowdownSettings:
             so fast steps do not turn a few seconds of contention into a finding.
         recent_steps: newest steps whose medians a finding reports.
         min_ranks: running ranks needed to judge a job at all.
+        corroborated_duration_s: how long slow steps must last before ``provisional``
+            offers them for confirmation (no sooner flag when not below ``min_duration_s``).
     """
 
     threshold_ratio: float = 0.15
@@ -107,6 +116,7 @@ class SlowdownSettings:
     min_duration_s: float = 30.0
     recent_steps: int = 10
     min_ranks: int = 1
+    corroborated_duration_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.threshold_ratio > 0:
@@ -118,6 +128,10 @@ class SlowdownSettings:
         if not 0 <= self.baseline_alpha <= 1:
             raise ConfigError(
                 "detection.slowdown_baseline_alpha", f"must be in [0, 1], got {self.baseline_alpha}"
+            )
+        if not self.corroborated_duration_s >= 0:
+            raise ConfigError(
+                "detection.slowdown_corroborated_s", f"must be >= 0, got {self.corroborated_duration_s}"
             )
         if not self.min_duration_s >= 0:
             raise ConfigError("detection.slowdown_min_duration_s", f"must be >= 0, got {self.min_duration_s}")
@@ -240,6 +254,27 @@ class SlowdownDetector:
             state.last_step = new.steps[-1]
         return self._finding(job.job, state)
 
+    def provisional(self, job: str) -> SlowdownFinding | None:
+        """The finding the job would be flagged with, while its slow steps have lasted at least
+        ``corroborated_duration_s`` but not yet ``min_duration_s``; None otherwise."""
+        state = self._jobs.get(job)
+        if state is None or state.flagged_step is not None or state.pending_since_s is None:
+            return None
+        if state.last_slow_end_s - state.pending_since_s < self.settings.corroborated_duration_s:
+            return None
+        return self._finding(job, state, flagged_step=state.last_step)
+
+    def confirm(self, job: str) -> SlowdownFinding | None:
+        """Flag a provisional finding now (the caller found it explained); its finding, or None
+        when there is no provisional one."""
+        finding = self.provisional(job)
+        state = self._jobs.get(job)
+        if finding is None or state is None:
+            return None
+        state.flagged_step = finding.first_flagged_step
+        state.pending_since_s = None
+        return finding
+
     def forget(self, job: str) -> None:
         """Drop a job's baseline and streaks (the store dropped it)."""
         self._jobs.pop(job, None)
@@ -295,9 +330,10 @@ class SlowdownDetector:
             if not slow:  # the baseline learns from healthy steps only, never during a slowdown
                 state.baseline = _ewma(baseline, times, settings.baseline_alpha)
 
-    def _finding(self, job: str, state: _JobState) -> SlowdownFinding | None:
+    def _finding(self, job: str, state: _JobState, flagged_step: int | None = None) -> SlowdownFinding | None:
         baseline = state.baseline
-        if state.flagged_step is None or baseline is None or not state.recent:
+        flagged_step = state.flagged_step if flagged_step is None else flagged_step
+        if flagged_step is None or baseline is None or not state.recent:
             return None
         recent = _medians(state.recent)
         recent_pace_s = _median([t.pace_s for t in state.recent])
@@ -313,7 +349,7 @@ class SlowdownDetector:
             baseline_communication_s=baseline.communication_s,
             recent_communication_s=recent.communication_s,
             bound="communication" if communication_growth_s > compute_growth_s else "compute",
-            first_flagged_step=state.flagged_step,
+            first_flagged_step=flagged_step,
             steps_slow=len(state.slow_steps),
         )
 

@@ -105,6 +105,8 @@ class Finding:
     gpus: tuple[str, ...] = ()
     evidence: Mapping[str, float] = dataclasses.field(default_factory=dict)
     latch_value: float | None = None
+    # (node, interface) at fault, when the cause can tell (a network slowdown).
+    interfaces: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass
@@ -130,6 +132,8 @@ class Incident:
     note: str = ""
     # What recovery added ("no restart: rate limit...", "restart failed: ...").
     recovery_note: str = ""
+    # (node, interface) at fault, when the cause can tell (a network slowdown).
+    interfaces: tuple[tuple[str, str], ...] = ()
 
     @property
     def live(self) -> bool:
@@ -146,6 +150,7 @@ class Incident:
             ranks=self.ranks,
             nodes=self.nodes,
             gpus=self.gpus,
+            interfaces=[f"{node}/{interface}" for node, interface in self.interfaces],
             cause=self.cause,
             evidence=self.evidence,
             diagnoses=self.diagnoses,
@@ -303,10 +308,12 @@ class IncidentBook:
             incident.ranks,
             incident.nodes,
             incident.gpus,
+            incident.interfaces,
             incident.evidence,
         )
         incident.summary = finding.summary
         incident.ranks, incident.nodes, incident.gpus = finding.ranks, finding.nodes, finding.gpus
+        incident.interfaces = finding.interfaces
         incident.evidence = dict(finding.evidence)
         incident.severity = finding.severity
         incident.latch_value = finding.latch_value
@@ -319,6 +326,7 @@ class IncidentBook:
             incident.ranks,
             incident.nodes,
             incident.gpus,
+            incident.interfaces,
             incident.evidence,
         )
         if before == after:
@@ -341,6 +349,7 @@ class IncidentBook:
             ranks=finding.ranks,
             nodes=finding.nodes,
             gpus=finding.gpus,
+            interfaces=finding.interfaces,
             evidence=dict(finding.evidence),
             latch_value=finding.latch_value,
         )

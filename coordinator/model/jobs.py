@@ -141,6 +141,7 @@ class RankRecord:
         last_collectives: the collectives of that report, as the agent merged them.
         slurm_job_id: the SLURM job whose cgroup holds the process, as its agent read it ("" if none).
         launcher_exit: set while the rank runs on after its launcher ended (coordinator/detection/orphans.py).
+        interfaces: the network interfaces its TCP connections use, as its agent read them from its sockets.
     """
 
     identity: training_pb2.RankIdentity
@@ -160,6 +161,7 @@ class RankRecord:
     exit: training_pb2.RankExit | None = None
     slurm_job_id: str = ""
     launcher_exit: training_pb2.LauncherExit | None = None
+    interfaces: tuple[str, ...] = ()
 
     @property
     def rank(self) -> int:
@@ -581,6 +583,7 @@ class JobStore:
         kept = parsed.kept
         record.state = kept.state
         record.slurm_job_id = kept.slurm_job_id
+        record.interfaces = tuple(kept.interfaces)
         record.launcher_exit = kept.launcher_exit if kept.HasField("launcher_exit") else None
         if kept.HasField("heartbeat"):
             heartbeat = kept.heartbeat

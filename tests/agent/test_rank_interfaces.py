@@ -43,9 +43,12 @@ def test_an_established_connection_names_its_interface(connected_on: tuple[str, 
 
 
 def test_loopback_connections_are_left_out() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        with socket.create_connection(server.getsockname()[:2], timeout=5), server.accept()[0]:
-            assert RankInterfaces().read([os.getpid()]) == {os.getpid(): ()}
+    with (
+        socket.create_server(("127.0.0.1", 0)) as server,
+        socket.create_connection(server.getsockname()[:2], timeout=5),
+        server.accept()[0],
+    ):
+        assert RankInterfaces().read([os.getpid()]) == {os.getpid(): ()}
 
 
 def test_answers_are_kept_for_refresh_s_and_gone_processes_forgotten() -> None:

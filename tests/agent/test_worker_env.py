@@ -3,6 +3,7 @@ CommandHandler into the file next to the hook socket, and a real TrainingMonitor
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import stat
@@ -33,15 +34,19 @@ def command(
     )
 
 
+def handle(handler: CommandHandler, command: agent_pb2.Command) -> agent_pb2.CommandResult:
+    return asyncio.run(handler.handle(command))
+
+
 @pytest.fixture
 def socket_path(tmp_path: Path) -> str:
     return str(tmp_path / "agent.sock")
 
 
-async def test_a_command_sets_the_jobs_entry_readable_by_every_user(socket_path: str) -> None:
+def test_a_command_sets_the_jobs_entry_readable_by_every_user(socket_path: str) -> None:
     handler = CommandHandler(worker_env=WorkerEnvBook(Path(env_file_path(socket_path))))
 
-    result = await handler.handle(command("train", MOVE))
+    result = handle(handler, command("train", MOVE))
 
     assert result.status == Status.STATUS_OK, result.message
     assert "GLOO_SOCKET_IFNAME=cwb1" in result.message
@@ -51,15 +56,16 @@ async def test_a_command_sets_the_jobs_entry_readable_by_every_user(socket_path:
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # nothing staged is left behind
 
 
-async def test_entries_of_other_jobs_stay_and_an_empty_env_clears_one(socket_path: str) -> None:
+def test_entries_of_other_jobs_stay_and_an_empty_env_clears_one(socket_path: str) -> None:
     book = WorkerEnvBook(Path(env_file_path(socket_path)))
     handler = CommandHandler(worker_env=book)
-    await handler.handle(command("train", MOVE, command_id="a"))
-    await handler.handle(command("eval", {"GLOO_SOCKET_IFNAME": "eth1"}, command_id="b"))
+    handle(handler, command("train", MOVE, command_id="a"))
+    handle(handler, command("eval", {"GLOO_SOCKET_IFNAME": "eth1"}, command_id="b"))
 
-    cleared = await handler.handle(command("train", {}, command_id="c"))
+    cleared = handle(handler, command("train", {}, command_id="c"))
 
-    assert cleared.status == Status.STATUS_OK and "cleared" in cleared.message
+    assert cleared.status == Status.STATUS_OK
+    assert "cleared" in cleared.message
     assert set(decode(book.path.read_bytes())) == {"eval"}
     assert set(WorkerEnvBook(book.path).entries()) == {"eval"}, "a restarted agent reads the file back"
 
@@ -72,23 +78,23 @@ async def test_entries_of_other_jobs_stay_and_an_empty_env_clears_one(socket_pat
         ({"NCCL_IB_HCA": ""}, "is not an interface list"),
     ],
 )
-async def test_anything_but_an_interface_list_is_refused_and_changes_nothing(
+def test_anything_but_an_interface_list_is_refused_and_changes_nothing(
     socket_path: str, env: dict[str, str], wanted: str
 ) -> None:
     book = WorkerEnvBook(Path(env_file_path(socket_path)))
     handler = CommandHandler(worker_env=book)
-    await handler.handle(command("train", MOVE, command_id="first"))
+    handle(handler, command("train", MOVE, command_id="first"))
     before = book.path.read_bytes()
 
-    result = await handler.handle(command("train", env, command_id="bad"))
+    result = handle(handler, command("train", env, command_id="bad"))
 
     assert result.status == Status.STATUS_FAILED
     assert wanted in result.message
     assert book.path.read_bytes() == before
 
 
-async def test_an_agent_without_a_hook_socket_says_it_cannot() -> None:
-    result = await CommandHandler().handle(command("train", MOVE))
+def test_an_agent_without_a_hook_socket_says_it_cannot() -> None:
+    result = handle(CommandHandler(), command("train", MOVE))
     assert result.status == Status.STATUS_UNSUPPORTED
 
 

@@ -48,6 +48,25 @@ TCP_RETRANSMIT_RATIO = 0.01
 below a tenth of that; a shaped or lossy path under gloo goes past it."""
 TCP_MIN_SEGMENTS_PER_S = 100.0
 """Below this many segments sent per second the retransmit share is noise, and is not judged."""
+QDISC_OVERLIMITS_MIN_PER_S = 10.0
+"""A shaper (tbf, htb) holding packets back this often per second on an interface the job uses..."""
+QDISC_OVERLIMITS_ABOVE_PEERS_RATIO = 10.0
+"""...and this many times as often as on the other nodes' (healthy links are held back rarely or
+never; a site that shapes every node alike is not singled out)."""
+CORROBORATING_EVIDENCE = frozenset(
+    {
+        "links_down",
+        "ib_errors_per_second",
+        "ib_link_downed_per_second",
+        "nic_errors_per_second",
+        "queue_drops_per_second",
+        "queue_overlimits_per_second",
+        "tcp_retransmit_ratio",
+    }
+)
+"""Evidence a transport itself gives (as opposed to timings compared across nodes): a network
+cause with any of it lets a communication-bound slowdown be flagged sooner
+(coordinator/detection/slowdowns.py, ``corroborated_duration_s``)."""
 
 
 def network_cause(
@@ -75,30 +94,41 @@ def network_cause(
     }
     hosting = list(reports)
     census = _LinkCensus(nodes, hosting)
-    networks = {node_id: _node_network(node, report, census) for node_id, (node, report) in reports.items()}
+    used = job_interfaces(job)
+    networks = {
+        node_id: _node_network(node, report, census, queue_devices=used.get(node_id) or None)
+        for node_id, (node, report) in reports.items()
+    }
     op = _dominant_op(job)
     busbw = _busbw_by_node(job, op) if op is not None else {}
     waits = sorted(w for n in networks.values() if (w := n.transmit_wait_per_s) is not None)
+    overlimits = sorted(n.queue_overlimits[1] if n.queue_overlimits else 0.0 for n in networks.values())
     bandwidths = sorted(busbw.values())
     culprits: list[_Culprit] = []
     for node_id in hosting:
         net = networks[node_id]
         # Each node against the others: the median without its own value.
         own_wait, own_busbw = net.transmit_wait_per_s, busbw.get(node_id)
-        peer_wait = _median_without(waits, () if own_wait is None else (own_wait,))
-        peer_busbw = _median_without(bandwidths, () if own_busbw is None else (own_busbw,))
-        signals = _network_signals(net, peer_wait, busbw.get(node_id), peer_busbw, settings)
+        peers = _Peers(
+            wait_per_s=_median_without(waits, () if own_wait is None else (own_wait,)),
+            busbw=_median_without(bandwidths, () if own_busbw is None else (own_busbw,)),
+            overlimits_per_s=_median_without(
+                overlimits, (net.queue_overlimits[1] if net.queue_overlimits else 0.0,)
+            ),
+        )
+        signals = _network_signals(net, peers, busbw.get(node_id), settings)
         if signals.reasons:
-            culprits.append(_Culprit(node_id, signals))
+            culprits.append(_Culprit(node_id, signals, _suspect_interface(net, used.get(node_id, set()))))
     if culprits:
         culprits.sort(key=lambda c: (c.signals.level, -c.signals.magnitude, c.node_id))
-        named = "; ".join(f"{c.node_id}: {', '.join(c.signals.reasons)}" for c in culprits)
+        named = "; ".join(f"{c.node_id}{_where(c)}: {', '.join(c.signals.reasons)}" for c in culprits)
         return Cause(
             CauseName.NETWORK,
             f"job {job.job} communicates slower and {len(culprits)} of its {len(hosting)} nodes "
             f"stand out: {named}",
             culprits[0].signals.evidence,
             tuple(c.node_id for c in culprits),
+            tuple((c.node_id, c.interface) for c in culprits if c.interface),
         )
     evidence: dict[str, float] = {}
     put(evidence, "bus_bandwidth_bytes_per_second", median(busbw.values()))
@@ -126,7 +156,17 @@ class _NodeNetwork:
     links_down: tuple[str, ...]
     # The interface whose root qdisc drops the most, and how fast; None when unknown.
     queue_drops: tuple[str, float] | None = None
+    # The interface whose root qdisc holds packets back (overlimits) the most, and how often.
+    queue_overlimits: tuple[str, float] | None = None
     tcp_retransmit_ratio: float | None = None
+
+
+class _Peers(NamedTuple):
+    """The other nodes' medians a node is compared with (None: unknown)."""
+
+    wait_per_s: float | None
+    busbw: float | None
+    overlimits_per_s: float | None = None
 
 
 class _NetworkSignals(NamedTuple):
@@ -148,6 +188,33 @@ class _NetworkSignals(NamedTuple):
 class _Culprit(NamedTuple):
     node_id: str
     signals: _NetworkSignals
+    interface: str = ""  # the interface at fault, when the signals or the job's sockets tell
+
+
+def _where(culprit: _Culprit) -> str:
+    """ " (INTERFACE)" when the culprit's reasons do not name its interface already."""
+    reasons = " ".join(culprit.signals.reasons)
+    return f" ({culprit.interface})" if culprit.interface and culprit.interface not in reasons else ""
+
+
+def job_interfaces(job: JobRecord) -> dict[str, set[str]]:
+    """The interfaces the job's running ranks' connections use, by node (their agents read them)."""
+    used: dict[str, set[str]] = {}
+    for record in job.running_ranks():
+        if record.interfaces:
+            used.setdefault(record.node_id, set()).update(record.interfaces)
+    return used
+
+
+def _suspect_interface(net: _NodeNetwork, used: set[str]) -> str:
+    """The interface a node's signals point at: the one whose queue drops or holds back, a link
+    down, else the one interface the job's ranks there use; "" when none can be told."""
+    for signal in (net.queue_drops, net.queue_overlimits):
+        if signal is not None and signal[1] > 0 and (not used or signal[0] in used):
+            return signal[0]
+    if net.links_down:
+        return net.links_down[0]
+    return next(iter(used)) if len(used) == 1 else ""
 
 
 class _LinkCensus:
@@ -185,9 +252,15 @@ def _links(report: node_pb2.NodeReport) -> list[tuple[str, bool]]:
 
 
 def _node_network(
-    node: NodeRecord, report: node_pb2.NodeReport, census: _LinkCensus, devices: frozenset[str] | None = None
+    node: NodeRecord,
+    report: node_pb2.NodeReport,
+    census: _LinkCensus,
+    devices: frozenset[str] | None = None,
+    *,
+    queue_devices: Collection[str] | None = None,
 ) -> _NodeNetwork:
-    """The node's network; with ``devices``, only those NICs' links and error counters."""
+    """The node's network; with ``devices``, only those NICs' links and error counters; with
+    ``queue_devices`` (the interfaces a job uses), only their shapers' overlimits."""
     node_id = node.node_id
     previous = node.previous
     elapsed_s = report.timestamp_unix_seconds - previous.timestamp_unix_seconds if previous else 0.0
@@ -219,26 +292,40 @@ def _node_network(
             elapsed_s,
         ),
         links_down=down,
-        queue_drops=_worst_queue_drops(_only(previous.nics, devices), _only(report.nics, devices), elapsed_s),
+        queue_drops=_worst_queue(
+            _only(previous.nics, devices), _only(report.nics, devices), "qdisc_drops_total", elapsed_s
+        ),
+        queue_overlimits=_worst_queue(
+            _only(previous.nics, queue_devices),
+            _only(report.nics, queue_devices),
+            "qdisc_overlimits_total",
+            elapsed_s,
+        ),
         tcp_retransmit_ratio=_tcp_retransmit_ratio(previous, report, elapsed_s),
     )
 
 
-def _worst_queue_drops(
-    before: Sequence[node_pb2.NicSample], now: Sequence[node_pb2.NicSample], elapsed_s: float
+_QdiscCounter = Literal["qdisc_drops_total", "qdisc_overlimits_total"]
+
+
+def _worst_queue(
+    before: Sequence[node_pb2.NicSample],
+    now: Sequence[node_pb2.NicSample],
+    counter: _QdiscCounter,
+    elapsed_s: float,
 ) -> tuple[str, float] | None:
-    """(interface, drops per second) of the NIC whose root qdisc dropped the most; None when unknown."""
-    earlier = {n.device: n.qdisc_drops_total for n in before if n.HasField("qdisc_drops_total")}
+    """(interface, per second) of the NIC whose root qdisc's ``counter`` grew the most; None when unknown."""
+    earlier = {n.device: getattr(n, counter) for n in before if n.HasField(counter)}
     rates = [
-        (n.qdisc_drops_total - earlier[n.device], n.device)
+        (getattr(n, counter) - earlier[n.device], n.device)
         for n in now
         # A device new since the previous report, or a counter that went back: no rate.
-        if n.HasField("qdisc_drops_total") and n.qdisc_drops_total >= earlier.get(n.device, -1) >= 0
+        if n.HasField(counter) and getattr(n, counter) >= earlier.get(n.device, -1) >= 0
     ]
     if not rates:
         return None
-    drops, device = max(rates)
-    return device, drops / elapsed_s
+    grown, device = max(rates)
+    return device, grown / elapsed_s
 
 
 def _tcp_retransmit_ratio(
@@ -261,7 +348,7 @@ def _tcp_retransmit_ratio(
 _Device = TypeVar("_Device", node_pb2.IbPortSample, node_pb2.NicSample)
 
 
-def _only(samples: Iterable[_Device], devices: frozenset[str] | None) -> list[_Device]:
+def _only(samples: Iterable[_Device], devices: Collection[str] | None) -> list[_Device]:
     """The samples of ``devices`` (all when None)."""
     return [s for s in samples if devices is None or s.device in devices]
 
@@ -287,11 +374,7 @@ def _transmit_wait_per_s(node: NodeRecord | None) -> float | None:
 
 
 def _network_signals(
-    net: _NodeNetwork,
-    peer_wait_per_s: float | None,
-    busbw: float | None,
-    peer_busbw: float | None,
-    settings: CauseSettings,
+    net: _NodeNetwork, peers: _Peers, busbw: float | None, settings: CauseSettings
 ) -> _NetworkSignals:
     """What makes one node's network stand out (no reasons: nothing)."""
     reasons: list[str] = []
@@ -315,12 +398,25 @@ def _network_signals(
         reasons.append(f"{device}'s queue drops {drops_per_s:.1f} packets/s")
         severities.append((1, drops_per_s))
         evidence["queue_drops_per_second"] = drops_per_s
+    if net.queue_overlimits is not None and peers.overlimits_per_s is not None:
+        device, held_per_s = net.queue_overlimits
+        peer_held_per_s = peers.overlimits_per_s
+        if (
+            held_per_s >= QDISC_OVERLIMITS_MIN_PER_S
+            and held_per_s >= QDISC_OVERLIMITS_ABOVE_PEERS_RATIO * max(peer_held_per_s, 1.0)
+        ):
+            reasons.append(
+                f"{device}'s shaper holds packets back {held_per_s:.0f} times/s vs {peer_held_per_s:.0f}/s on the others"
+            )
+            severities.append((1, held_per_s))
+            evidence["queue_overlimits_per_second"] = held_per_s
+            evidence["peer_queue_overlimits_per_second"] = peer_held_per_s
     ratio = net.tcp_retransmit_ratio
     if ratio is not None and ratio >= TCP_RETRANSMIT_RATIO:
         reasons.append(f"TCP retransmits {ratio:.1%} of the segments it sends")
         severities.append((2, ratio / TCP_RETRANSMIT_RATIO))
         evidence["tcp_retransmit_ratio"] = ratio
-    wait, peer_wait = net.transmit_wait_per_s, peer_wait_per_s
+    wait, peer_wait, peer_busbw = net.transmit_wait_per_s, peers.wait_per_s, peers.busbw
     # Transmit wait is routine under load: it only stands out against other nodes.
     if (
         wait is not None
@@ -426,8 +522,9 @@ def rank_network_cause(record: RankRecord, peers: NetworkPeers, settings: CauseS
     busbw = peer_busbw = None
     if peers.op is not None:
         busbw, peer_busbw = peers.busbw(record.node_id, peers.op), peers.peer_busbw(record.node_id)
-    peer_wait_per_s = peers.peer_wait_per_s(record.node_id)
-    signals = _network_signals(net, peer_wait_per_s, busbw, peer_busbw, settings)
+    signals = _network_signals(
+        net, _Peers(peers.peer_wait_per_s(record.node_id), peer_busbw), busbw, settings
+    )
     if not signals.reasons:
         return None
     where = ""

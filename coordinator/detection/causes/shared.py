@@ -42,12 +42,14 @@ class Cause:
             (``sm_clock_hertz``, ``peer_sm_clock_hertz``...); peers' values
             are medians.
         nodes: the nodes at fault, when the cause is node-specific; empty otherwise.
+        interfaces: (node, interface) at fault, when a network cause can tell.
     """
 
     name: str
     detail: str
     evidence: dict[str, float]
     nodes: tuple[str, ...] = ()
+    interfaces: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

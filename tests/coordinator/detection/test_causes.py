@@ -134,7 +134,12 @@ def node_report(
     for device, up in (("lo", True), ("eth0", True), ("eth1", False)):
         nic_counter_rates = (nic_rates or {}).get(device, {})
         sample = report.nics.add(device=device, up=up)
-        for field in ("receive_errors_total", "transmit_errors_total", "qdisc_drops_total"):
+        for field in (
+            "receive_errors_total",
+            "transmit_errors_total",
+            "qdisc_drops_total",
+            "qdisc_overlimits_total",
+        ):
             setattr(sample, field, int(nic_counter_rates.get(field, 0.0) * at_unix_s))
         _apply(sample, (nic or {}).get(device, {}))
     tcp = {"segments_sent_total": 10_000.0, "segments_retransmitted_total": 1.0, **(tcp_rates or {})}
@@ -375,6 +380,36 @@ def test_an_interfaces_queue_dropping_packets_is_network_naming_the_interface() 
     assert cause.detail == "node-1, where rank 5 runs, has network trouble: eth0's queue drops 40.0 packets/s"
     job_level = network_cause(build_job(slow=()), nodes)
     assert (job_level.name, job_level.nodes) == (CauseName.NETWORK, ("node-1",))
+
+
+def test_a_shaper_holding_back_one_nodes_job_interface_names_it_unless_every_node_is_shaped() -> None:
+    job = build_job(slow=())
+    for record in job.ranks.values():
+        record.interfaces = ("eth0",)  # what the agents read from the ranks' sockets
+    shaped = {"nic_rates": {"eth0": {"qdisc_overlimits_total": 500.0}}}
+    cause = network_cause(job, cluster({1: shaped}))
+    assert (cause.name, cause.nodes, cause.interfaces) == (
+        CauseName.NETWORK,
+        ("node-1",),
+        (("node-1", "eth0"),),
+    )
+    assert "node-1: eth0's shaper holds packets back 500 times/s vs 0/s on the others" in cause.detail
+    assert cause.evidence == {"queue_overlimits_per_second": 500.0, "peer_queue_overlimits_per_second": 0.0}
+    assert network_cause(job, cluster(dict.fromkeys(range(NODES), shaped))).name == CauseName.COMMUNICATION
+    # A shaper on an interface the job does not use is none of its business.
+    elsewhere = {"nic_rates": {"eth1": {"qdisc_overlimits_total": 500.0}}}
+    assert network_cause(job, cluster({1: elsewhere})).name == CauseName.COMMUNICATION
+
+
+def test_the_interface_of_a_node_wide_signal_is_the_one_the_jobs_ranks_use_there() -> None:
+    job = build_job(slow=())
+    lossy = cluster({1: {"tcp_rates": {"segments_retransmitted_total": 300.0}}})
+    assert network_cause(job, lossy).interfaces == (), "no socket read: no interface named"
+    for record in job.ranks.values():
+        record.interfaces = ("eth0",)
+    cause = network_cause(job, lossy)
+    assert cause.interfaces == (("node-1", "eth0"),)
+    assert "node-1 (eth0): TCP retransmits 3.0% of the segments it sends" in cause.detail
 
 
 def test_tcp_retransmitting_over_a_percent_is_network_and_idle_tcp_is_not_judged() -> None:

@@ -506,3 +506,50 @@ def test_seconds_of_contention_on_a_job_of_25_ms_steps_are_not_a_slowdown() -> N
     results = sim.run(1500, detector, compute_s=0.015 * 1.4, communication_s=0.010 * 1.4)
     assert results[-1] is not None
     assert results[-1].ratio == pytest.approx(1.4, rel=0.05)
+
+
+# --- corroborated_duration_s: sooner when something else explains it --------------------------------
+
+
+def test_a_slowdown_is_offered_for_confirmation_after_corroborated_duration_s_and_flagged_when_confirmed() -> (
+    None
+):
+    sim, detector = SyncJob(), SlowdownDetector()
+    sim.run(60, detector)
+    offered_at = None
+    for index in range(80):
+        assert sim.run(1, detector, communication_s=3 * COMMUNICATION_S) == [None]
+        if detector.provisional("train") is not None:
+            offered_at = index
+            break
+    assert offered_at is not None
+    slow_times_s = sim.step_times_s[60:]
+    # At the first step with min_slow_steps slow ones lasting corroborated_duration_s (here the steps
+    # are 0.7 s: the count is reached last), long before min_duration_s.
+    assert offered_at == SETTINGS.min_slow_steps - 1
+    assert SETTINGS.corroborated_duration_s <= sum(slow_times_s[: offered_at + 1]) < SETTINGS.min_duration_s
+
+    confirmed = detector.confirm("train")
+
+    assert confirmed is not None
+    assert confirmed.bound == "communication"
+    assert confirmed.first_flagged_step == 61 + offered_at
+    assert detector.provisional("train") is None, "a flagged job is no longer provisional"
+    (later,) = sim.run(1, detector, communication_s=3 * COMMUNICATION_S)
+    assert later is not None
+    assert later.first_flagged_step == confirmed.first_flagged_step
+
+
+def test_an_unconfirmed_provisional_slowdown_still_needs_min_duration_s_and_a_short_one_never_offers() -> (
+    None
+):
+    sim, detector = SyncJob(), SlowdownDetector()
+    sim.run(60, detector)
+    assert sim.run(5, detector, communication_s=3 * COMMUNICATION_S) == [None] * 5
+    assert detector.provisional("train") is None, "5 slow steps are fewer than min_slow_steps"
+    sim.run(30, detector)
+    assert detector.provisional("train") is None
+    results = sim.run(80, detector, communication_s=3 * COMMUNICATION_S)
+    index, _ = first_finding(results) or (None, None)
+    assert index is not None
+    assert sum(sim.step_times_s[95 : 95 + index + 1]) >= SETTINGS.min_duration_s
