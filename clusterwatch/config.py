@@ -32,7 +32,14 @@ from pathlib import Path
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
 from clusterwatch.errors import ConfigError
-from clusterwatch.wire.recovery_names import LAUNCHER_KINDS, ORPHAN_ACTIONS, POLICY_ACTIONS, TORCHRUN
+from clusterwatch.wire.recovery_names import (
+    AVOID_INTERFACE,
+    LAUNCHER_KINDS,
+    NETWORK_ACTIONS,
+    ORPHAN_ACTIONS,
+    POLICY_ACTIONS,
+    TORCHRUN,
+)
 
 DEFAULT_CONFIG_PATH = Path("/etc/clusterwatch/clusterwatch.toml")
 ENV_PREFIX = "CLUSTERWATCH_"
@@ -319,6 +326,18 @@ class RecoverySettings:
         "on an unreachable node, a critical XID, a lost GPU or a link down under a job: restart without "
         "that node when the job can run without it (as for straggler_action), else alert",
         choices=POLICY_ACTIONS,
+    )
+    network_slowdown_action: str = setting(
+        AVOID_INTERFACE,
+        "on a job slowed down by one node's network, named with its interface: avoid_interface "
+        "checkpoints, then restarts the job with its collectives kept off that interface (GLOO_SOCKET_IFNAME, "
+        "NCCL_SOCKET_IFNAME, NCCL_IB_HCA set for its workers by the agents) when every node of the job has "
+        "another interface on one shared network, else restarts without the node (as for "
+        "exclude_node_and_restart)",
+        choices=NETWORK_ACTIONS,
+    )
+    avoid_interface_hold_s: float = setting(
+        3600.0, "how long a job stays off an interface avoid_interface moved it from", positive=True
     )
     max_restarts_per_hour: int = setting(
         3, "restarts of one job per hour before it is left to a person", minimum=0

@@ -169,6 +169,8 @@ class CoordinatorServer:
             wall_clock=time.time,
             send_stop=self._send_stop,
             fenced=self._fenced,
+            nodes=lambda: self.core.state.nodes,
+            send_command=self.core.send_command,
         )
         self.actions.recovery = self.recovery
         self.core.job_ended_listeners.append(self.recovery.forget_job)

@@ -630,11 +630,12 @@ class ActionRecord(_message.Message):
     FINISHED_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
     EXCLUDE_NODES_FIELD_NUMBER: _builtins.int
     RESUME_STEP_FIELD_NUMBER: _builtins.int
+    AVOID_INTERFACES_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     job: _builtins.str
     action: _builtins.str
     """"alert", "checkpoint", "restart", "checkpoint_and_restart",
-    "exclude_node_and_restart".
+    "exclude_node_and_restart", "avoid_interface", "stop_orphans".
     """
     reason: _builtins.str
     """Why: the incident's summary, or "requested by an operator"."""
@@ -652,6 +653,10 @@ class ActionRecord(_message.Message):
     """restart: the checkpoint step the job resumes from (0: from the start)."""
     @_builtins.property
     def exclude_nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def avoid_interfaces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """avoid_interface: the interfaces the restarted job is kept off, NODE/INTERFACE."""
+
     def __init__(
         self,
         *,
@@ -667,10 +672,11 @@ class ActionRecord(_message.Message):
         finished_unix_seconds: _builtins.float = ...,
         exclude_nodes: _abc.Iterable[_builtins.str] | None = ...,
         resume_step: _builtins.int = ...,
+        avoid_interfaces: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "decided_unix_seconds", b"decided_unix_seconds", "detail", b"detail", "dry_run", b"dry_run", "exclude_nodes", b"exclude_nodes", "finished_unix_seconds", b"finished_unix_seconds", "id", b"id", "incident_id", b"incident_id", "job", b"job", "outcome", b"outcome", "reason", b"reason", "resume_step", b"resume_step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "avoid_interfaces", b"avoid_interfaces", "decided_unix_seconds", b"decided_unix_seconds", "detail", b"detail", "dry_run", b"dry_run", "exclude_nodes", b"exclude_nodes", "finished_unix_seconds", b"finished_unix_seconds", "id", b"id", "incident_id", b"incident_id", "job", b"job", "outcome", b"outcome", "reason", b"reason", "resume_step", b"resume_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -14,13 +14,16 @@ RESTART = "restart"
 CHECKPOINT_AND_RESTART = "checkpoint_and_restart"
 EXCLUDE_NODE_AND_RESTART = "exclude_node_and_restart"
 STOP_ORPHANS = "stop_orphans"
+AVOID_INTERFACE = "avoid_interface"
 
 # What ``hang_action``, ``rank_failure_action``, ``straggler_action`` and ``node_failure_action`` may be.
 POLICY_ACTIONS = (ALERT, CHECKPOINT, RESTART, CHECKPOINT_AND_RESTART, EXCLUDE_NODE_AND_RESTART)
+# What ``network_slowdown_action`` may be.
+NETWORK_ACTIONS = (*POLICY_ACTIONS, AVOID_INTERFACE)
 # What ``orphaned_ranks_action`` may be.
 ORPHAN_ACTIONS = (ALERT, STOP_ORPHANS)
 # The actions that stop a job's workers for its launcher to start them again.
-RESTARTS = frozenset({RESTART, CHECKPOINT_AND_RESTART, EXCLUDE_NODE_AND_RESTART})
+RESTARTS = frozenset({RESTART, CHECKPOINT_AND_RESTART, EXCLUDE_NODE_AND_RESTART, AVOID_INTERFACE})
 # What an operator may ask for (RequestAction): the policy's decisions are its own.
 REQUESTABLE = (CHECKPOINT, RESTART, EXCLUDE_NODE_AND_RESTART)
 

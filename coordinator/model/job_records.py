@@ -91,11 +91,18 @@ def incident(key: tuple[str | int, ...], latch_value: float | None, blob: bytes)
         ranks=tuple(message.ranks),
         nodes=tuple(message.nodes),
         gpus=tuple(message.gpus),
+        interfaces=tuple(node_interface(entry) for entry in message.interfaces),
         evidence=dict(message.evidence),
         diagnoses=list(message.diagnoses),
         resolved_unix_s=message.resolved_unix_seconds,
         latch_value=latch_value,
     )
+
+
+def node_interface(entry: str) -> tuple[str, str]:
+    """("node-7", "eth1") from "node-7/eth1" (an InfiniBand port keeps its own slash: "mlx5_0/1")."""
+    node, _, interface = entry.partition("/")
+    return node, interface
 
 
 def _b64(data: bytes) -> str:

@@ -67,6 +67,8 @@ from clusterwatch.coordinator.detection.watchdog import Watchdog
 from clusterwatch.coordinator.model.event_log import EventLog
 from clusterwatch.coordinator.model.incidents import Incident, IncidentState, Kind
 from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord, RankConflict
+from clusterwatch.coordinator.model.state import NodeRecord
+from clusterwatch.coordinator.recovery.interfaces import plan_worker_env
 from clusterwatch.coordinator.recovery.launchers.protocol import Launcher, SendStop
 from clusterwatch.coordinator.recovery.launchers.torchrun import (
     STOP_ANSWER_MARGIN_S,
@@ -80,9 +82,11 @@ from clusterwatch.coordinator.recovery.policy import (
     checkpoints_first,
     exclusion_blocker,
 )
+from clusterwatch.coordinator.recovery.worker_env import SendCommand, describe, set_worker_env
 from clusterwatch.v1 import agent_pb2, cluster_pb2
 from clusterwatch.wire.recovery_names import (
     ALERT,
+    AVOID_INTERFACE,
     CHECKPOINT,
     EXCLUDE_NODE_AND_RESTART,
     RESTARTS,
@@ -210,6 +214,8 @@ class Recovery:
         wall_clock: Callable[[], float],
         send_stop: SendStop | None = None,
         fenced: Callable[[], str | None] = lambda: None,
+        nodes: Callable[[], Mapping[str, NodeRecord]] = dict,
+        send_command: SendCommand | None = None,
     ) -> None:
         self.settings = settings
         self._fenced = fenced
@@ -223,6 +229,8 @@ class Recovery:
         self._launcher = launcher
         self._wall = wall_clock
         self._send_stop = send_stop
+        self._nodes = nodes
+        self._send_command = send_command
         self._restarted: dict[str, _Restarted] = {}
         self._actions = BackgroundTasks()
         # Why decisions are held now (round logs each change), or None.
@@ -352,6 +360,9 @@ class Recovery:
         return await self._carry_out(decision, None)
 
     async def _carry_out(self, decision: Decision, incident: Incident | None) -> cluster_pb2.ActionRecord:
+        plan: dict[str, dict[str, str]] = {}
+        if decision.action == AVOID_INTERFACE and not decision.skipped:
+            decision, plan = self._plan_avoidance(decision)
         record = cluster_pb2.ActionRecord(
             id=f"{decision.action}-{uuid.uuid4().hex[:10]}",
             job=decision.job,
@@ -362,6 +373,7 @@ class Recovery:
             outcome=PENDING,
             decided_unix_seconds=self._wall(),
             exclude_nodes=decision.exclude_nodes,
+            avoid_interfaces=[f"{node}/{interface}" for node, interface in decision.avoid_interfaces],
         )
         settled = self._settled_without_acting(decision)
         if settled is not None:
@@ -377,13 +389,57 @@ class Recovery:
                 if decision.action == CHECKPOINT:
                     return self._finish(record, DONE, record.detail)
             if decision.action in RESTARTS:
-                return await self._restart(record, incident)
+                return await self._restart(record, incident, plan)
             if decision.action == STOP_ORPHANS:
                 return await self._stop_orphans(record)
         except Exception as exc:  # a failed action is recorded, never raised into the loop
             logger.exception("action %s on job %s failed", record.id, record.job)
             return self._finish(record, FAILED, f"{record.detail + '; ' if record.detail else ''}{exc}")
         return self._finish(record, FAILED, f"unknown action {decision.action!r}")
+
+    def _plan_avoidance(self, decision: Decision) -> tuple[Decision, dict[str, dict[str, str]]]:
+        """The worker environment that keeps the job off the decision's interfaces; where there
+        is none, the decision becomes exclude_node_and_restart of their nodes (and says why)."""
+        job = self._jobs().get(decision.job)
+        plan = (
+            plan_worker_env(job, self._nodes(), decision.avoid_interfaces)
+            if job is not None
+            else f"job {decision.job} is gone"
+        )
+        if isinstance(plan, dict):
+            return decision, plan
+        nodes = tuple(dict.fromkeys(node for node, _ in decision.avoid_interfaces))
+        return (
+            dataclasses.replace(
+                decision,
+                action=EXCLUDE_NODE_AND_RESTART,
+                exclude_nodes=nodes,
+                avoid_interfaces=(),
+                reason=f"{decision.reason}; no interface to move to ({plan}): without {', '.join(nodes)}",
+            ),
+            {},
+        )
+
+    async def _move_workers(self, record: cluster_pb2.ActionRecord, plan: dict[str, dict[str, str]]) -> str:
+        """Give every node's agent the environment the restarted workers start with; "" when all
+        took it, else why the restart is not made (it would not move the job)."""
+        prefix = f"{record.detail}; " if record.detail else ""
+        if self._send_command is None:
+            return f"{prefix}this coordinator cannot reach agents to set the workers' environment"
+        expires_unix_s = self._wall() + self.settings.avoid_interface_hold_s
+        reason = f"{record.action} {record.id}: {record.reason}"
+        answers = await set_worker_env(
+            self._send_command, record.job, plan, reason=reason, expires_unix_s=expires_unix_s
+        )
+        if not_taken := [f"{node} ({why})" for node, why in answers.items() if why]:
+            # Half a move is worse than none: the nodes that took it forget it again.
+            took: dict[str, dict[str, str]] = {node: {} for node, why in answers.items() if not why}
+            await set_worker_env(
+                self._send_command, record.job, took, reason=f"undone: {reason}", expires_unix_s=0.0
+            )
+            return f"{prefix}not restarted: the workers' environment was not set on {', '.join(not_taken)}"
+        record.detail = f"{prefix}workers start with {describe(plan)}"
+        return ""
 
     async def _record_beyond_this_process(self, job: str) -> None:
         """Make the job's records durable for the rest of the group first (``before_acting``).
@@ -492,11 +548,17 @@ class Recovery:
         )
 
     async def _restart(
-        self, record: cluster_pb2.ActionRecord, incident: Incident | None
+        self,
+        record: cluster_pb2.ActionRecord,
+        incident: Incident | None,
+        worker_env: dict[str, dict[str, str]] | None = None,
     ) -> cluster_pb2.ActionRecord:
+        """Restart the job through its launcher, its workers given ``worker_env`` first (by node)."""
         job = self._jobs().get(record.job)
         if job is None:
             return self._finish(record, FAILED, f"job {record.job} is gone")
+        if worker_env and (not_taken := await self._move_workers(record, worker_env)):
+            return self._finish(record, FAILED, not_taken)
         watch = self._restart_watch(job, incident, self._wall())
         record.resume_step = watch.resume_step
         if incident is not None and incident.state in (IncidentState.OPEN, IncidentState.ACKNOWLEDGED):

@@ -33,6 +33,7 @@ from clusterwatch.config import RecoverySettings
 from clusterwatch.coordinator.model.incidents import Incident, Kind, Severity
 from clusterwatch.wire.recovery_names import (
     ALERT,
+    AVOID_INTERFACE,
     CHECKPOINT,
     CHECKPOINT_AND_RESTART,
     EXCLUDE_NODE_AND_RESTART,
@@ -43,6 +44,8 @@ HOUR_S = 3600.0
 # A hang or failure whose ranks called different collectives (coordinator/detection/mismatch.py): a bug, not a fault.
 COLLECTIVE_MISMATCH = "collective_mismatch"
 NODE_KINDS = frozenset({Kind.NODE_UNREACHABLE, Kind.GPU_XID, Kind.GPU_LOST, Kind.INFINIBAND})
+# The cause of a job slowdown that names nodes (coordinator/detection/causes/network.py).
+NETWORK_CAUSE = "network"
 # Kinds whose job still makes progress, so it can checkpoint before a restart
 # (a hung, crashed or node-less job cannot: it resumes from the last complete one).
 PROGRESSING_KINDS = frozenset({Kind.STRAGGLER, Kind.JOB_SLOWDOWN})
@@ -56,6 +59,7 @@ class Decision:
         skipped: why it will not be done ("" when it will).
         rate_limited: skipped because the job used up its restarts for the hour.
         exclude_nodes: nodes to restart without (exclude_node_and_restart).
+        avoid_interfaces: (node, interface) to restart the job off (avoid_interface).
     """
 
     incident_id: str
@@ -65,6 +69,7 @@ class Decision:
     skipped: str = ""
     rate_limited: bool = False
     exclude_nodes: tuple[str, ...] = ()
+    avoid_interfaces: tuple[tuple[str, str], ...] = ()
 
 
 class Policy:
@@ -83,16 +88,22 @@ class Policy:
     def action_for(self, incident: Incident) -> str | None:
         """The configured action for the incident's kind; None for kinds the policy leaves alone."""
         s = self.settings
-        if incident.kind == Kind.HANG:
-            return s.hang_action
-        if incident.kind == Kind.RANK_FAILURE:
-            return s.rank_failure_action
-        if incident.kind == Kind.STRAGGLER:
-            return s.straggler_action
-        if incident.kind == Kind.ORPHANED_RANKS:
-            return s.orphaned_ranks_action
+        by_kind = {
+            Kind.HANG: s.hang_action,
+            Kind.RANK_FAILURE: s.rank_failure_action,
+            Kind.STRAGGLER: s.straggler_action,
+            Kind.ORPHANED_RANKS: s.orphaned_ranks_action,
+        }
+        if incident.kind in by_kind:
+            return by_kind[incident.kind]
         if incident.kind in NODE_KINDS and incident.severity == Severity.CRITICAL:
             return s.node_failure_action
+        if incident.kind == Kind.JOB_SLOWDOWN and incident.cause == NETWORK_CAUSE and incident.nodes:
+            # No interface named (nothing on the node says which): its node, as for any node fault.
+            action = s.network_slowdown_action
+            return (
+                EXCLUDE_NODE_AND_RESTART if action == AVOID_INTERFACE and not incident.interfaces else action
+            )
         return None
 
     def decide(self, incident: Incident, now_unix_s: float) -> Decision | None:
@@ -111,7 +122,10 @@ class Policy:
             return None  # decided once the cooldown is over
         self._decided.add(incident.id)
         exclude = incident.nodes if action == EXCLUDE_NODE_AND_RESTART else ()
-        decision = Decision(incident.id, incident.job, action, incident.summary, exclude_nodes=exclude)
+        avoid = incident.interfaces if action == AVOID_INTERFACE else ()
+        decision = Decision(
+            incident.id, incident.job, action, incident.summary, exclude_nodes=exclude, avoid_interfaces=avoid
+        )
         skipped, rate_limited = self._why_not(decision, now_unix_s)
         if not skipped and action in RESTARTS and incident.cause == COLLECTIVE_MISMATCH:
             skipped = (
@@ -173,7 +187,10 @@ def checkpoints_first(action: str, kind: Kind | None) -> bool:
     """
     if action == CHECKPOINT:
         return True
-    return action in (CHECKPOINT_AND_RESTART, EXCLUDE_NODE_AND_RESTART) and kind in PROGRESSING_KINDS
+    return (
+        action in (CHECKPOINT_AND_RESTART, EXCLUDE_NODE_AND_RESTART, AVOID_INTERFACE)
+        and kind in PROGRESSING_KINDS
+    )
 
 
 def exclusion_blocker(

@@ -173,3 +173,23 @@ def test_a_collective_mismatch_is_alerted_not_restarted_into_again() -> None:
     other = policy.decide(incident(Kind.HANG, 9), 100.0)
     assert other is not None
     assert not other.skipped
+
+
+def test_a_network_slowdown_naming_an_interface_avoids_it_else_its_node_is_left_out() -> None:
+    policy = Policy(RecoverySettings(cooldown_s=0))
+    named = dataclasses.replace(incident(Kind.JOB_SLOWDOWN, 1), cause="network", interfaces=(("n1", "eth1"),))
+    decision = policy.decide(named, 200.0)
+    assert decision is not None
+    assert (decision.action, decision.avoid_interfaces, decision.exclude_nodes) == (
+        "avoid_interface",
+        (("n1", "eth1"),),
+        (),
+    )
+    unnamed = dataclasses.replace(incident(Kind.JOB_SLOWDOWN, 2, job="eval"), cause="network")
+    decision = policy.decide(unnamed, 200.0)
+    assert decision is not None
+    assert (decision.action, decision.exclude_nodes) == ("exclude_node_and_restart", ("n1",))
+    # A slowdown no node explains (compute, or communication as a whole) is only alerted: no action.
+    other = dataclasses.replace(incident(Kind.JOB_SLOWDOWN, 3, job="x"), cause="communication", nodes=())
+    assert policy.decide(other, 200.0) is None
+    assert checkpoints_first("avoid_interface", Kind.JOB_SLOWDOWN)
