@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -218,10 +218,11 @@ class Coordinator(Process):
     ready_file: Path = field(default_factory=Path)
     grpc_port: int = 0
     metrics_port: int = 0
+    host: str = "127.0.0.1"  # where it listens for agents and clients
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.host}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
@@ -264,13 +265,15 @@ class Cluster:
         self.coordinators: list[Coordinator] = []
         self.state_dir = tmp_path / "state"
 
-    def coordinator(self, *extra: str, grpc_port: int = 0, unreachable_after: float = 3.0) -> Coordinator:
+    def coordinator(
+        self, *extra: str, grpc_port: int = 0, unreachable_after: float = 3.0, host: str = "127.0.0.1"
+    ) -> Coordinator:
         n = len(self.processes)
         ready = self.tmp_path / f"coordinator-{n}.ready"
         argv = clusterwatch_cmd(
             "coordinator",
             "--listen",
-            f"127.0.0.1:{grpc_port}",
+            f"{host}:{grpc_port}",
             "--metrics-listen",
             "127.0.0.1:0",
             "--state-dir",
@@ -283,7 +286,7 @@ class Cluster:
             "debug",
             *extra,
         )
-        coordinator = Coordinator(argv, self.tmp_path / f"coordinator-{n}.log", ready_file=ready)
+        coordinator = Coordinator(argv, self.tmp_path / f"coordinator-{n}.log", ready_file=ready, host=host)
         self.processes.append(coordinator)
         self.coordinators.append(coordinator)
         return coordinator.start()
@@ -292,11 +295,21 @@ class Cluster:
         """The hook socket of this test's agent for ``node_id`` (short: AF_UNIX paths max 107 bytes)."""
         return self.tmp_path / f"{node_id}.sock"
 
-    def agent(self, coordinator: Coordinator, node_id: str, *extra: str, interval_s: float = 0.2) -> Process:
-        argv = clusterwatch_cmd(
+    def agent(
+        self,
+        coordinator: Coordinator,
+        node_id: str,
+        *extra: str,
+        interval_s: float = 0.2,
+        prefix: Sequence[str] = (),
+        coordinator_address: str = "",
+    ) -> Process:
+        """An agent for ``node_id``; ``prefix`` runs it elsewhere (``ip netns exec NS``), where it
+        reaches the coordinator at ``coordinator_address`` (default: the coordinator's address)."""
+        argv = [*prefix] + clusterwatch_cmd(
             "agent",
             "--coordinator",
-            coordinator.address,
+            coordinator_address or coordinator.address,
             "--node-id",
             node_id,
             "--interval-s",
@@ -324,13 +337,19 @@ class Cluster:
         elastic: tuple[str, str] | None = None,
         nodes: tuple[int, int, str] | None = None,
         launcher: str = "torch.distributed.run",
+        elastic_nnodes: str = "1:2",
+        prefix: Sequence[str] = (),
+        local_addr: str = "",
     ) -> Process:
         """A real torchrun job of ``nproc`` gloo workers, hooked to ``socket`` (in a session of
         its own: see ``session_processes``): ``--standalone``; with ``elastic=(rendezvous
         endpoint, run id)`` one node of an elastic ``--nnodes 1:2`` job (see ``rendezvous_store``);
         with ``nodes=(nnodes, node rank, master HOST:PORT)`` one node of a fixed-size job (a
         static rendezvous on that port). ``launcher``: the module run as torchrun
-        (``clusterwatch.run`` for ``clusterwatch run``)."""
+        (``clusterwatch.run`` for ``clusterwatch run``); ``elastic_nnodes``: the elastic job's
+        node range; ``prefix``: runs it elsewhere (``ip netns exec NS``); ``local_addr``: the
+        address its peers reach its rendezvous at (torchrun's ``--local-addr``; default: its
+        host name's)."""
         if nodes is not None:
             nnodes, node_rank, master = nodes
             host, port = master.rsplit(":", 1)
@@ -345,7 +364,7 @@ class Cluster:
         else:
             endpoint, run_id = elastic
             launch = [
-                "--nnodes=1:2",
+                f"--nnodes={elastic_nnodes}",
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={endpoint}",
                 f"--rdzv-id={run_id}",
@@ -354,10 +373,12 @@ class Cluster:
                 "--rdzv-conf=is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2",
             ]
         argv = [
+            *prefix,
             sys.executable,
             "-m",
             launcher,
             *launch,
+            *([f"--local-addr={local_addr}"] if local_addr else []),
             f"--nproc-per-node={nproc}",
             f"--max-restarts={max_restarts}",
             str(script),

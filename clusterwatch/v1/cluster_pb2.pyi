@@ -217,6 +217,7 @@ class RankStatus(_message.Message):
     EXIT_FIELD_NUMBER: _builtins.int
     COLLECTIVES_FIELD_NUMBER: _builtins.int
     SLOWDOWN_RATIO_FIELD_NUMBER: _builtins.int
+    INTERFACES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     state: _training_pb2.RankState.ValueType
     last_progress_unix_seconds: _builtins.float
@@ -244,6 +245,10 @@ class RankStatus(_message.Message):
     def collectives(self) -> _containers.RepeatedCompositeFieldContainer[_training_pb2.CollectiveSummary]:
         """The collectives of the rank's latest node report, merged (see RankReport)."""
 
+    @_builtins.property
+    def interfaces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The network interfaces its TCP connections use (RankReport.interfaces)."""
+
     def __init__(
         self,
         *,
@@ -257,10 +262,11 @@ class RankStatus(_message.Message):
         exit: _training_pb2.RankExit | None = ...,
         collectives: _abc.Iterable[_training_pb2.CollectiveSummary] | None = ...,
         slowdown_ratio: _builtins.float | None = ...,
+        interfaces: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_slowdown_ratio", b"_slowdown_ratio", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "last_step", b"last_step", "slowdown_ratio", b"slowdown_ratio"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_slowdown_ratio", b"_slowdown_ratio", "bandwidth", b"bandwidth", "collectives", b"collectives", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "last_progress_unix_seconds", b"last_progress_unix_seconds", "last_step", b"last_step", "node_id", b"node_id", "slowdown_ratio", b"slowdown_ratio", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_slowdown_ratio", b"_slowdown_ratio", "bandwidth", b"bandwidth", "collectives", b"collectives", "exit", b"exit", "heartbeat", b"heartbeat", "identity", b"identity", "interfaces", b"interfaces", "last_progress_unix_seconds", b"last_progress_unix_seconds", "last_step", b"last_step", "node_id", b"node_id", "slowdown_ratio", b"slowdown_ratio", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__slowdown_ratio: _TypeAlias = _typing.Literal["slowdown_ratio"]  # noqa: Y015
     _WhichOneofArgType__slowdown_ratio: _TypeAlias = _typing.Literal["_slowdown_ratio", b"_slowdown_ratio"]  # noqa: Y015

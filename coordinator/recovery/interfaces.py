@@ -12,17 +12,19 @@ each node's workers start with (WorkerEnvCommand), or why there is none.
   of the bad node's other interfaces that is up, whose network (address and
   prefix) every other node of the job also has an up interface on. Each node
   gets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME set to its interface on that
-  network. Candidates in order: a network the job already uses elsewhere,
-  then by interface name; link-local and loopback never.
+  network. Candidates in order: the bad node's fastest interface first
+  (NicSample.speed_bytes_per_second), then by name; link-local and loopback
+  never.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 from clusterwatch.coordinator.model.jobs import JobRecord
 from clusterwatch.coordinator.model.state import NodeRecord
+from clusterwatch.v1 import node_pb2
 from clusterwatch.wire.worker_env import GLOO_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_SOCKET_IFNAME
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -49,16 +51,21 @@ def plan_worker_env(
         return f"no interface addresses known for {', '.join(missing)} (no report yet, or an agent that does not report them)"
     avoided = set(sockets)
     bad_nodes = {n for n, _ in sockets}
+    speeds = {
+        (node_id, nic.device): nic.speed_bytes_per_second
+        for node_id in bad_nodes
+        for nic in _nics(nodes.get(node_id))
+    }
     choices = sorted(
         {
-            network
+            (network, node_id, interface)
             for node_id in bad_nodes
             for network, interface in by_node.get(node_id, {}).items()
             if (node_id, interface) not in avoided
         },
-        key=lambda network: (not _in_use(job, by_node, network), str(network)),
+        key=lambda choice: (-speeds.get(choice[1:], 0.0), choice[2], str(choice[0])),
     )
-    for network in choices:
+    for network, _, _ in choices:
         on_network = {n: i for n, networks in by_node.items() if (i := networks.get(network)) is not None}
         if len(on_network) == len(by_node) and not avoided & set(on_network.items()):
             for node_id, interface in on_network.items():
@@ -71,15 +78,19 @@ def plan_worker_env(
         return f"{' and '.join(sorted(bad_nodes))} has no other interface up with an address besides {named}"
     return (
         f"no network other than {named}'s reaches every node of job {job.job} "
-        f"(tried {', '.join(str(n) for n in choices)})"
+        f"(tried {', '.join(str(network) for network, _, _ in choices)})"
     )
+
+
+def _nics(node: NodeRecord | None) -> Sequence[node_pb2.NicSample]:
+    report = node.report if node is not None else None
+    return report.nics if report is not None else ()
 
 
 def _networks(node: NodeRecord | None) -> dict[Network, str]:
     """``{network: interface}`` of a node's up, addressed interfaces (first interface per network)."""
-    report = node.report if node is not None else None
     found: dict[Network, str] = {}
-    for nic in report.nics if report is not None else ():
+    for nic in _nics(node):
         if nic.device == "lo" or (nic.HasField("up") and not nic.up):
             continue
         for entry in nic.addresses:
@@ -91,8 +102,3 @@ def _networks(node: NodeRecord | None) -> dict[Network, str]:
                 continue
             found.setdefault(address.network, nic.device)
     return found
-
-
-def _in_use(job: JobRecord, by_node: Mapping[str, Mapping[Network, str]], network: Network) -> bool:
-    """Whether some rank of the job already talks over ``network`` (its sockets' interfaces)."""
-    return any(by_node.get(r.node_id, {}).get(network) in r.interfaces for r in job.running_ranks())

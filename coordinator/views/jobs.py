@@ -29,6 +29,7 @@ class RankView:
     steps_dropped_total: int
     exit: training_pb2.RankExit | None
     slowdown_ratio: float | None = None
+    interfaces: tuple[str, ...] = ()
 
     @property
     def rank(self) -> int:
@@ -183,6 +184,7 @@ def _rank_view(r: RankRecord, slowdown_ratio: float | None) -> RankView:
         steps_dropped_total=r.steps_dropped_total,
         exit=r.exit,
         slowdown_ratio=slowdown_ratio,
+        interfaces=r.interfaces,
     )
 
 
@@ -210,6 +212,7 @@ def _rank_status(view: RankView) -> cluster_pb2.RankStatus:
             for op, busbw in sorted(view.bus_bandwidth_bytes_per_s.items())
         ],
         collectives=view.collectives,
+        interfaces=view.interfaces,
     )
     if view.heartbeat is not None:
         status.heartbeat.CopyFrom(view.heartbeat)

@@ -119,6 +119,10 @@ def network_cause(
         signals = _network_signals(net, peers, busbw.get(node_id), settings)
         if signals.reasons:
             culprits.append(_Culprit(node_id, signals, _suspect_interface(net, used.get(node_id, set()))))
+    if any(CORROBORATING_EVIDENCE & c.signals.evidence.keys() for c in culprits):
+        # A bad link slows its peers' collectives too: where a node's transport says what is
+        # wrong, nodes that only measure slower (bus bandwidth, transmit wait) are its victims.
+        culprits = [c for c in culprits if CORROBORATING_EVIDENCE & c.signals.evidence.keys()]
     if culprits:
         culprits.sort(key=lambda c: (c.signals.level, -c.signals.magnitude, c.node_id))
         named = "; ".join(f"{c.node_id}{_where(c)}: {', '.join(c.signals.reasons)}" for c in culprits)

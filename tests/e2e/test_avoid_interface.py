@@ -1,0 +1,263 @@
+"""A throttled link, found and routed around, for real: two "nodes" in network namespaces joined
+by two veth paths, a gloo job over path A under ``clusterwatch run``, path A shaped with
+``tc ... tbf``. clusterwatch names node 1 and its path-A interface from the shaper's counters,
+checkpoints, sets both nodes' GLOO_SOCKET_IFNAME to their path-B interfaces and restarts the
+job, whose ranks then talk over path B (their sockets say so) at the healthy step time.
+
+    root namespace: coordinator (on node 1's management address), test, rendezvous store
+    cwn1: agent n1, torchrun        cwn2: agent n2, torchrun
+      A  10.81.1.1 ----veth---- 10.81.1.2   (the job's path; shaped on n1's end)
+      B  10.81.2.1 ----veth---- 10.81.2.2   (the way around)
+      S  10.81.5.1 ----veth---- 10.81.5.2   (torchrun's store for the workers: --local-addr)
+      M  10.81.3.1 -- root 10.81.3.254      M  10.81.4.1 -- root 10.81.4.254  (agents, rendezvous)
+
+The measurements (onset -> detection -> resumed; step time before, during, after) are printed
+and written to ``$CLUSTERWATCH_BENCH_OUT`` when set (bench/avoid_interface.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import Cluster, Coordinator, incidents, job_status, wait_for
+
+from clusterwatch.v1 import cluster_pb2
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+TRAIN = Path(__file__).resolve().parents[1] / "hook_workers" / "train_ddp.py"
+JOB = "netjob"
+COMPUTE_MS = 100
+ALLREDUCE_BYTES = 1 << 20
+SHAPER = ("root", "tbf", "rate", "20mbit", "burst", "32kb", "latency", "100ms")
+HEALTHY_S = 15.0  # healthy steps first: the slowdown baseline, and the false-positive check
+RESOLVED = cluster_pb2.INCIDENT_STATE_RESOLVED
+
+
+def run(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30)
+
+
+class TwoNodes:
+    """The namespaces and links of the module docstring; names carry the pid (parallel runs)."""
+
+    def __init__(self) -> None:
+        tag = os.getpid() % 100_000
+        self.namespaces = (f"cwn1-{tag}", f"cwn2-{tag}")
+        self.path_a = (f"cwa{tag}x", f"cwa{tag}y")
+        self.path_b = (f"cwb{tag}x", f"cwb{tag}y")
+        self.path_s = (f"cws{tag}x", f"cws{tag}y")
+        self.management = ((f"cwm{tag}x", f"cwh{tag}x"), (f"cwm{tag}y", f"cwh{tag}y"))
+        self.coordinator_host = "10.81.3.254"
+        self.rendezvous_hosts = ("10.81.3.254", "10.81.4.254")
+
+    def prefix(self, node: int) -> tuple[str, ...]:
+        return ("ip", "netns", "exec", self.namespaces[node])
+
+    def create(self) -> None:
+        one, two = self.namespaces
+        for namespace in self.namespaces:
+            run("ip", "netns", "add", namespace)
+            run("ip", "-n", namespace, "link", "set", "lo", "up")
+        for (x, y), subnet in ((self.path_a, 1), (self.path_b, 2), (self.path_s, 5)):
+            run("ip", "link", "add", x, "netns", one, "type", "veth", "peer", "name", y, "netns", two)
+            run("ip", "-n", one, "addr", "add", f"10.81.{subnet}.1/24", "dev", x)
+            run("ip", "-n", two, "addr", "add", f"10.81.{subnet}.2/24", "dev", y)
+            run("ip", "-n", one, "link", "set", x, "up")
+            run("ip", "-n", two, "link", "set", y, "up")
+        for node, (inside, outside) in enumerate(self.management):
+            namespace, subnet = self.namespaces[node], 3 + node
+            run("ip", "link", "add", inside, "netns", namespace, "type", "veth", "peer", "name", outside)
+            run("ip", "-n", namespace, "addr", "add", f"10.81.{subnet}.1/24", "dev", inside)
+            run("ip", "addr", "add", f"10.81.{subnet}.254/24", "dev", outside)
+            run("ip", "-n", namespace, "link", "set", inside, "up")
+            run("ip", "link", "set", outside, "up")
+        # Node 2 reaches the coordinator's address (the root namespace's, on node 1's link) over its own.
+        run("ip", "-n", two, "route", "add", f"{self.coordinator_host}/32", "via", "10.81.4.254")
+
+    def delete(self) -> None:
+        for namespace in self.namespaces:  # their veths go with them, the root ends too
+            subprocess.run(["ip", "netns", "del", namespace], check=False, timeout=30)
+
+    def shape_path_a(self) -> None:
+        run("tc", "-n", self.namespaces[0], "qdisc", "add", "dev", self.path_a[0], *SHAPER)
+
+
+@pytest.fixture
+def two_nodes() -> Iterator[TwoNodes]:
+    if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
+        if os.environ.get("CI"):
+            pytest.fail("CI runs as root with iproute2 (./dev installs it)")
+        pytest.skip("needs root and iproute2 (ip, tc) for network namespaces")
+    nodes = TwoNodes()
+    try:
+        nodes.create()
+        yield nodes
+    finally:
+        nodes.delete()
+
+
+@pytest.fixture
+def rendezvous_port() -> Iterator[int]:
+    """A c10d rendezvous store in the root namespace, which both nodes reach over their management links."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("10.81.3.254", 0, is_master=True, wait_for_workers=False)
+    yield store.port
+    del store
+
+
+def processes_of(tmp_path: Path) -> list[psutil.Process]:
+    """The job's processes (launchers, workers): those running the worker script for this test."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        command = " ".join(process.info["cmdline"] or ())
+        if str(TRAIN) in command and str(tmp_path) in command:
+            found.append(process)
+    return found
+
+
+def stop_tree(pid: int) -> None:
+    """SIGTERM a launcher (torchrun stops its workers), then SIGKILL whatever of its tree is left:
+    its workers run in sessions of their own."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    root.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=15)
+    for process in alive:
+        process.kill()
+    psutil.wait_procs(alive, timeout=10)
+
+
+def on_path(coordinator: Coordinator, path: tuple[str, str]) -> bool:
+    """Whether each node's running rank talks over its end of ``path`` and no other path (its
+    sockets also reach the rendezvous store, over the management link)."""
+    status = job_status(coordinator, JOB)
+    running = {r.node_id: set(r.interfaces) for r in status.ranks if r.state == 1} if status else {}
+    other = {
+        name
+        for name in running.get("n1", set()) | running.get("n2", set())
+        if name.startswith(("cwa", "cwb"))
+    }
+    return len(running) == 2 and path[0] in running["n1"] and path[1] in running["n2"] and other == set(path)
+
+
+def step_times(coordinator: Coordinator, seconds: float) -> list[float]:
+    """Every new step time the job's ranks report over ``seconds`` (polled)."""
+    seen: dict[tuple[int, int], float] = {}
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        status = job_status(coordinator, JOB)
+        for rank in status.ranks if status is not None else ():
+            if rank.HasField("last_step") and rank.state == 1:  # RANK_STATE_RUNNING
+                seen[(rank.identity.rank, rank.last_step.step)] = rank.last_step.step_seconds
+        time.sleep(0.25)
+    return list(seen.values())
+
+
+def test_a_throttled_link_is_named_and_the_job_restarted_over_the_other_path(
+    cluster: Cluster, tmp_path: Path, two_nodes: TwoNodes, rendezvous_port: int
+) -> None:
+    coordinator = cluster.coordinator(
+        "--cooldown-s", "0", "--restart-grace-s", "3", host=two_nodes.coordinator_host
+    )
+    nodes = ("n1", "n2")
+    for node, name in enumerate(nodes):
+        cluster.agent(coordinator, name, interval_s=0.5, prefix=two_nodes.prefix(node))
+        wait_for(cluster.socket_path(name).exists, 30, f"{name}'s hook socket")
+    jobs = [
+        cluster.torchrun(
+            TRAIN,
+            "--out-dir",
+            str(tmp_path / name),
+            "--job",
+            JOB,
+            "--until-file",
+            str(tmp_path / "stop"),
+            "--compute-ms",
+            str(COMPUTE_MS),
+            "--allreduce-bytes",
+            str(ALLREDUCE_BYTES),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            nproc=1,
+            socket=cluster.socket_path(name),
+            max_restarts=2,
+            # The job's own choice: path A. Lazy init lets a restarted gloo group form again.
+            env={
+                "GLOO_SOCKET_IFNAME": two_nodes.path_a[node],
+                "TORCH_GLOO_LAZY_INIT": "1",
+                "CLUSTERWATCH_JOB": JOB,
+            },
+            elastic=(f"{two_nodes.rendezvous_hosts[node]}:{rendezvous_port}", JOB),
+            elastic_nnodes="2:2",
+            launcher="clusterwatch.run",
+            prefix=two_nodes.prefix(node),
+            local_addr=f"10.81.5.{node + 1}",
+        )
+        for node, name in enumerate(nodes)
+    ]
+    try:
+        wait_for(lambda: on_path(coordinator, two_nodes.path_a), 120, "both ranks training over path A")
+        before = step_times(coordinator, HEALTHY_S)
+        assert [i.summary for i in incidents(coordinator)] == [], "a healthy run is no finding"
+
+        two_nodes.shape_path_a()
+        onset_unix_s = time.time()
+
+        def slowdown() -> cluster_pb2.Incident | None:
+            return next((i for i in incidents(coordinator) if i.kind == "job_slowdown"), None)
+
+        found = wait_for(slowdown, 60, "the slowdown to be found")
+        assert found.cause == "network", found.summary
+        assert list(found.nodes) == ["n1"], found.summary
+        assert list(found.interfaces) == [f"n1/{two_nodes.path_a[0]}"], found.summary
+        during = [found.evidence["recent_step_seconds"]]
+
+        def resolved() -> cluster_pb2.Incident | None:
+            return next((i for i in incidents(coordinator) if i.id == found.id and i.state == RESOLVED), None)
+
+        recovered = wait_for(resolved, 180, "the job to resume over path B")
+        with coordinator.client() as client:
+            (action,) = [a for a in client.actions(JOB) if a.action == "avoid_interface"]
+        assert action.outcome == "done", action.detail
+        assert list(action.avoid_interfaces) == [f"n1/{two_nodes.path_a[0]}"]
+        x, y = two_nodes.path_b
+        assert (
+            f"n1: GLOO_SOCKET_IFNAME={x} NCCL_SOCKET_IFNAME={x}; n2: GLOO_SOCKET_IFNAME={y}" in action.detail
+        )
+
+        wait_for(lambda: on_path(coordinator, two_nodes.path_b), 60, "the restarted ranks' sockets on path B")
+        after = step_times(coordinator, HEALTHY_S)
+        (tmp_path / "stop").touch()
+        for job in jobs:
+            assert job.wait(120) == 0, job.log()
+    finally:
+        (tmp_path / "stop").touch()
+        for job in jobs:
+            stop_tree(job.pid)
+    assert processes_of(tmp_path) == [], "nothing of the job is left"
+    measured = {
+        "detection_s": found.opened_unix_seconds - onset_unix_s,
+        "resumed_s": recovered.resolved_unix_seconds - onset_unix_s,
+        "step_before_s": statistics.median(before),
+        "step_during_s": statistics.median(during),
+        "step_after_s": statistics.median(after),
+    }
+    print("avoid_interface:", json.dumps(measured))
+    if out := os.environ.get("CLUSTERWATCH_BENCH_OUT"):
+        Path(out).write_text(json.dumps(measured))
+    assert measured["step_during_s"] > 2 * measured["step_before_s"], measured  # the shaper bit
+    assert measured["step_after_s"] <= 1.1 * measured["step_before_s"], measured
