@@ -302,26 +302,27 @@ class Cluster:
         *extra: str,
         interval_s: float = 0.2,
         prefix: Sequence[str] = (),
-        coordinator_address: str = "",
     ) -> Process:
-        """An agent for ``node_id``; ``prefix`` runs it elsewhere (``ip netns exec NS``), where it
-        reaches the coordinator at ``coordinator_address`` (default: the coordinator's address)."""
-        argv = [*prefix] + clusterwatch_cmd(
-            "agent",
-            "--coordinator",
-            coordinator_address or coordinator.address,
-            "--node-id",
-            node_id,
-            "--interval-s",
-            str(interval_s),
-            "--reconnect-max-s",
-            "0.5",
-            "--log-level",
-            "debug",
-            "--socket",
-            str(self.socket_path(node_id)),
-            *extra,
-        )
+        """An agent for ``node_id``; ``prefix`` runs it elsewhere (``ip netns exec NS``)."""
+        argv = [
+            *prefix,
+            *clusterwatch_cmd(
+                "agent",
+                "--coordinator",
+                coordinator.address,
+                "--node-id",
+                node_id,
+                "--interval-s",
+                str(interval_s),
+                "--reconnect-max-s",
+                "0.5",
+                "--log-level",
+                "debug",
+                "--socket",
+                str(self.socket_path(node_id)),
+                *extra,
+            ),
+        ]
         agent = Process(argv, self.tmp_path / f"agent-{node_id}-{len(self.processes)}.log")
         self.processes.append(agent)
         return agent.start()
