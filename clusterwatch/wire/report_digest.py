@@ -66,6 +66,8 @@ KEPT: Mapping[str, tuple[str, ...]] = {
         "up",  # network cause, topology, top
         "speed_bytes_per_second",  # topology, top
         "qdisc_drops_total",  # network cause
+        "qdisc_overlimits_total",  # network cause
+        "addresses",  # avoid_interface's plan (coordinator/recovery/interfaces.py)
     ),
     "IbPortSample": (
         "device",
@@ -120,7 +122,6 @@ DROPPED: Mapping[str, tuple[str, ...]] = {
         "transmit_packets_total",
         "qdisc",
         "qdisc_backlog_bytes",
-        "qdisc_overlimits_total",
         "qdisc_requeues_total",
     ),
     "IbPortSample": ("receive_packets_total", "transmit_packets_total", "hw_counters"),

@@ -30,6 +30,7 @@ import dataclasses
 from collections.abc import Collection
 
 from clusterwatch.config import RecoverySettings
+from clusterwatch.coordinator.detection.causes.network import CORROBORATING_EVIDENCE
 from clusterwatch.coordinator.model.incidents import Incident, Kind, Severity
 from clusterwatch.wire.recovery_names import (
     ALERT,
@@ -98,7 +99,14 @@ class Policy:
             return by_kind[incident.kind]
         if incident.kind in NODE_KINDS and incident.severity == Severity.CRITICAL:
             return s.node_failure_action
-        if incident.kind == Kind.JOB_SLOWDOWN and incident.cause == NETWORK_CAUSE and incident.nodes:
+        if (
+            incident.kind == Kind.JOB_SLOWDOWN
+            and incident.cause == NETWORK_CAUSE
+            and incident.nodes
+            # Only what a node's transport says: nodes that merely measure slower (bus bandwidth,
+            # transmit wait) may be a bad link's victims, and are alerted, not restarted without.
+            and CORROBORATING_EVIDENCE & incident.evidence.keys()
+        ):
             # No interface named (nothing on the node says which): its node, as for any node fault.
             action = s.network_slowdown_action
             return (

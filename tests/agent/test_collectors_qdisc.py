@@ -118,8 +118,8 @@ def test_each_interfaces_root_qdisc_goes_into_its_sample_and_metrics(tmp_path: P
     assert 'clusterwatch_network_qdisc_overlimits_total{node="n",device="eth0"} 7' in page
     assert 'clusterwatch_network_qdisc_drops_total{node="n",device="eth1"}' not in page
     lean = digest(report).nics[0]
-    assert lean.qdisc_drops_total == 5  # the network cause reads drops
-    assert not lean.HasField("qdisc_overlimits_total")  # dashboards only
+    assert (lean.qdisc_drops_total, lean.qdisc_overlimits_total) == (5, 7)  # the network cause reads both
+    assert not lean.HasField("qdisc_backlog_bytes")  # dashboards only
 
 
 def test_a_netlink_failure_leaves_the_qdisc_fields_unset_and_the_counters_in(tmp_path: Path) -> None:

@@ -177,7 +177,10 @@ def test_a_collective_mismatch_is_alerted_not_restarted_into_again() -> None:
 
 def test_a_network_slowdown_naming_an_interface_avoids_it_else_its_node_is_left_out() -> None:
     policy = Policy(RecoverySettings(cooldown_s=0))
-    named = dataclasses.replace(incident(Kind.JOB_SLOWDOWN, 1), cause="network", interfaces=(("n1", "eth1"),))
+    shaped = {"queue_overlimits_per_second": 900.0}
+    named = dataclasses.replace(
+        incident(Kind.JOB_SLOWDOWN, 1), cause="network", interfaces=(("n1", "eth1"),), evidence=shaped
+    )
     decision = policy.decide(named, 200.0)
     assert decision is not None
     assert (decision.action, decision.avoid_interfaces, decision.exclude_nodes) == (
@@ -185,11 +188,17 @@ def test_a_network_slowdown_naming_an_interface_avoids_it_else_its_node_is_left_
         (("n1", "eth1"),),
         (),
     )
-    unnamed = dataclasses.replace(incident(Kind.JOB_SLOWDOWN, 2, job="eval"), cause="network")
+    unnamed = dataclasses.replace(
+        incident(Kind.JOB_SLOWDOWN, 2, job="eval"), cause="network", evidence=shaped
+    )
     decision = policy.decide(unnamed, 200.0)
     assert decision is not None
     assert (decision.action, decision.exclude_nodes) == ("exclude_node_and_restart", ("n1",))
     # A slowdown no node explains (compute, or communication as a whole) is only alerted: no action.
     other = dataclasses.replace(incident(Kind.JOB_SLOWDOWN, 3, job="x"), cause="communication", nodes=())
     assert policy.decide(other, 200.0) is None
+    # Nor one whose node only measures slower: it may be a bad link's victim.
+    slower = {"bus_bandwidth_bytes_per_second": 1e9, "peer_bus_bandwidth_bytes_per_second": 3e9}
+    victim = dataclasses.replace(incident(Kind.JOB_SLOWDOWN, 4, job="y"), cause="network", evidence=slower)
+    assert policy.decide(victim, 200.0) is None
     assert checkpoints_first("avoid_interface", Kind.JOB_SLOWDOWN)
