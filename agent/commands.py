@@ -13,7 +13,7 @@ from clusterwatch.agent.diagnose import DiagnosisTarget, ProcessDiagnoser
 from clusterwatch.agent.process_instance import ProcessInstance
 from clusterwatch.agent.worker_env import WorkerEnvBook
 from clusterwatch.agent.workers import WorkerStopper, effective_grace_s
-from clusterwatch.v1 import agent_pb2
+from clusterwatch.v1 import agent_pb2, hook_pb2
 from clusterwatch.wire.worker_env import WorkerEnvError
 
 logger = logging.getLogger(__name__)
@@ -26,6 +26,9 @@ class CheckpointRelay(Protocol):
 
     def relay_checkpoint(self, job: str, command_id: str, step: int) -> list[int]:
         """Ask every connected rank of ``job`` to checkpoint; return the ranks asked."""
+
+    def relay_batch_shares(self, job: str, shares: hook_pb2.BatchShares) -> list[int]:
+        """Send every connected rank of ``job`` the ranks' batch shares; return the ranks sent to."""
 
 
 class ProcessLookup(Protocol):
@@ -176,6 +179,8 @@ class CommandHandler:
             result = await self._diagnose(command.command_id, command.diagnose, self._process_lookup)
         elif action == "stop_workers" and self._worker_lookup is not None:
             result = await self._stop_workers(command.command_id, command.stop_workers, self._worker_lookup)
+        elif action == "rebalance" and self._checkpoint_relay is not None:
+            result = self._rebalance(command.command_id, command.rebalance, self._checkpoint_relay)
         elif action == "worker_env" and self._worker_env is not None:
             result = self._set_worker_env(command.command_id, command.worker_env, self._worker_env)
         else:
@@ -187,6 +192,27 @@ class CommandHandler:
             )
         result.duration_seconds = time.monotonic() - started
         return result
+
+    @staticmethod
+    def _rebalance(
+        command_id: str, rebalance: agent_pb2.RebalanceCommand, relay: CheckpointRelay
+    ) -> agent_pb2.CommandResult:
+        """OK once relayed to the job's ranks here; each applies the shares from ``from_step``."""
+        shares = hook_pb2.BatchShares(
+            shares=rebalance.shares, from_step=rebalance.from_step, reason=rebalance.reason
+        )
+        ranks = relay.relay_batch_shares(rebalance.job, shares)
+        if not ranks:
+            return agent_pb2.CommandResult(
+                command_id=command_id,
+                status=Status.STATUS_FAILED,
+                message=f"no running rank of job {rebalance.job} on this node",
+            )
+        return agent_pb2.CommandResult(
+            command_id=command_id,
+            status=Status.STATUS_OK,
+            message=f"batch shares from step {rebalance.from_step} relayed to ranks {ranks}",
+        )
 
     @staticmethod
     def _set_worker_env(

@@ -108,6 +108,16 @@ class HookLinks:
                 self._remember_ask((link.instance_id, link.job, link.rank), command_id, step)
         return sorted(ranks)
 
+    def relay_batch_shares(self, job: str, shares: hook_pb2.BatchShares) -> list[int]:
+        """Send every open stream of ``job`` the ranks' batch shares; the ranks sent to, ascending."""
+        command = hook_pb2.HookCommand(batch_shares=shares)
+        ranks: set[int] = set()
+        for link in self._links.values():
+            if link.job == job:
+                link.outbox.put_nowait(command)
+                ranks.add(link.rank)
+        return sorted(ranks)
+
     def check_result(self, link: HookLink, result: training_pb2.CheckpointResult) -> None:
         """Refuse an answer to a request ``link``'s process was not sent as its current rank and job.
 

@@ -312,6 +312,11 @@ class RecoverySettings:
         "launcher that replaces nodes), else alert",
         choices=POLICY_ACTIONS,
     )
+    straggler_rebalance: bool = setting(
+        True,
+        "a persistent straggler with no fault found (cause compute) in a job that splits its batch by "
+        "shares (BalancedBatchSampler) gets a smaller share of each global batch instead of straggler_action",
+    )
     straggler_persist_s: float = setting(
         300.0, "a straggler must persist this long before its action", positive=True
     )

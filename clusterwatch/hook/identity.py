@@ -105,6 +105,7 @@ class RankInfo:
     min_nodes: int = 0
     max_nodes: int = 0
     labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    rebalances: bool = False  # a BalancedBatchSampler follows the coordinator's batch shares
 
     @classmethod
     def from_environ(
@@ -166,6 +167,7 @@ class RankInfo:
             min_nodes=self.min_nodes,
             max_nodes=self.max_nodes,
             labels=self.labels,
+            rebalances=self.rebalances,
         )
 
 

@@ -36,6 +36,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from clusterwatch.hook import flight_recorder
+from clusterwatch.hook.balance import BatchShares
 from clusterwatch.hook.blind_spots import BlindSpots
 from clusterwatch.hook.checkpoint import CheckpointBook
 from clusterwatch.hook.collectives.ddp_timing import DdpTimingMode, ddp_timing_mode
@@ -164,6 +165,7 @@ class TrainingMonitor:
         self._save_deferred = False
         self._deferred: dict[int, tuple[list[str], float]] = {}
         self._checkpoints = CheckpointBook()
+        self._batch_shares = BatchShares()
         self._tracker: CollectiveTracker | None = None
         self._ddp_timing = DdpTimingMode.AUTO
         self._process_groups = ProcessGroupReader()
@@ -284,6 +286,26 @@ class TrainingMonitor:
             with self.health.guard("optimizer steps"):
                 steps.remove()
             self.abandon_step()
+
+    def accept_batch_shares(self) -> None:
+        """Opt the job in to rebalancing: the coordinator may send each rank's share of the
+        global batch (BalancedBatchSampler calls this; clusterwatch/hook/balance.py)."""
+        if self.identity.rebalances:
+            return
+        self.identity.rebalances = True
+        with self.health.guard("identity"):
+            self._link.send(hook_pb2.HookMessage(identity=self.identity.to_proto()))
+
+    def batch_shares(self, step: int) -> tuple[float, ...]:
+        """Every rank's share of the global batch at ``step`` (even until the coordinator sends any)."""
+        return self._batch_shares.at(step, self.identity.world_size)
+
+    def batch_share(self, step: int | None = None) -> float:
+        """This rank's share of the global batch at ``step`` (default: the current step)."""
+        if step is None:
+            with self._lock:
+                step = self._step or 0
+        return self.batch_shares(step)[self.identity.rank]
 
     def on_checkpoint(self, save_fn: SaveFn, *, deferred: bool = False) -> None:
         """Register ``save_fn(step) -> path``, run at the end of a step when a checkpoint is requested.
@@ -446,6 +468,16 @@ class TrainingMonitor:
                 self._send_result(answer)
         elif kind == "checkpoint_state":
             self._checkpoints.set_state(command.checkpoint_state)
+        elif kind == "batch_shares":
+            shares = command.batch_shares
+            with self.health.guard("batch shares"):
+                self._batch_shares.set(shares.shares, shares.from_step)
+                logger.warning(
+                    "clusterwatch: from step %d this rank's share of the global batch is %.3f (%s)",
+                    shares.from_step,
+                    self.batch_shares(shares.from_step)[self.identity.rank],
+                    shares.reason,
+                )
 
     # -- checkpoints --------------------------------------------------------------
 

@@ -451,6 +451,39 @@ class WorkerEnvCommand(_message.Message):
 Global___WorkerEnvCommand: _TypeAlias = WorkerEnvCommand  # noqa: Y015
 
 @_typing.final
+class RebalanceCommand(_message.Message):
+    """Each rank's share of the job's global batch from `from_step` on, relayed
+    to every rank of the job on this node (hook.proto BatchShares).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    SHARES_FIELD_NUMBER: _builtins.int
+    FROM_STEP_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    from_step: _builtins.int
+    reason: _builtins.str
+    @_builtins.property
+    def shares(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        shares: _abc.Iterable[_builtins.float] | None = ...,
+        from_step: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_step", b"from_step", "job", b"job", "reason", b"reason", "shares", b"shares"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RebalanceCommand: _TypeAlias = RebalanceCommand  # noqa: Y015
+
+@_typing.final
 class Command(_message.Message):
     """A command for one agent. command_id is an idempotency key: an agent carries
     out a given id at most once. Later capabilities add members to `action`.
@@ -467,6 +500,7 @@ class Command(_message.Message):
     DIAGNOSE_FIELD_NUMBER: _builtins.int
     STOP_WORKERS_FIELD_NUMBER: _builtins.int
     WORKER_ENV_FIELD_NUMBER: _builtins.int
+    REBALANCE_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
     issued_unix_seconds: _builtins.float
     deadline_unix_seconds: _builtins.float
@@ -485,6 +519,8 @@ class Command(_message.Message):
     def stop_workers(self) -> Global___StopWorkersCommand: ...
     @_builtins.property
     def worker_env(self) -> Global___WorkerEnvCommand: ...
+    @_builtins.property
+    def rebalance(self) -> Global___RebalanceCommand: ...
     def __init__(
         self,
         *,
@@ -497,12 +533,13 @@ class Command(_message.Message):
         diagnose: Global___DiagnoseCommand | None = ...,
         stop_workers: Global___StopWorkersCommand | None = ...,
         worker_env: Global___WorkerEnvCommand | None = ...,
+        rebalance: Global___RebalanceCommand | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "diagnose", b"diagnose", "ping", b"ping", "stop_workers", b"stop_workers", "worker_env", b"worker_env"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "diagnose", b"diagnose", "ping", b"ping", "rebalance", b"rebalance", "stop_workers", b"stop_workers", "worker_env", b"worker_env"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "command_id", b"command_id", "deadline_unix_seconds", b"deadline_unix_seconds", "diagnose", b"diagnose", "fencing_token", b"fencing_token", "issued_unix_seconds", b"issued_unix_seconds", "ping", b"ping", "stop_workers", b"stop_workers", "worker_env", b"worker_env"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "command_id", b"command_id", "deadline_unix_seconds", b"deadline_unix_seconds", "diagnose", b"diagnose", "fencing_token", b"fencing_token", "issued_unix_seconds", b"issued_unix_seconds", "ping", b"ping", "rebalance", b"rebalance", "stop_workers", b"stop_workers", "worker_env", b"worker_env"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["ping", "checkpoint", "diagnose", "stop_workers", "worker_env"]  # noqa: Y015
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["ping", "checkpoint", "diagnose", "stop_workers", "worker_env", "rebalance"]  # noqa: Y015
     _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from clusterwatch.v1 import training_pb2 as clusterwatch_dot_v1_dot_training__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63lusterwatch/v1/hook.proto\x12\x0f\x63lusterwatch.v1\x1a\x1e\x63lusterwatch/v1/training.proto\"8\n\tStepBatch\x12+\n\x05steps\x18\x01 \x03(\x0b\x32\x1c.clusterwatch.v1.StepSummary\"\x19\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xdd\x02\n\x0bHookMessage\x12.\n\x05hello\x18\x01 \x01(\x0b\x32\x1d.clusterwatch.v1.RankIdentityH\x00\x12+\n\x05steps\x18\x02 \x01(\x0b\x32\x1a.clusterwatch.v1.StepBatchH\x00\x12/\n\theartbeat\x18\x03 \x01(\x0b\x32\x1a.clusterwatch.v1.HeartbeatH\x00\x12>\n\x11\x63heckpoint_result\x18\x04 \x01(\x0b\x32!.clusterwatch.v1.CheckpointResultH\x00\x12+\n\x07goodbye\x18\x05 \x01(\x0b\x32\x18.clusterwatch.v1.GoodbyeH\x00\x12\x31\n\x08identity\x18\x06 \x01(\x0b\x32\x1d.clusterwatch.v1.RankIdentityH\x00\x12\x18\n\x10\x63redential_nonce\x18\x07 \x01(\tB\x06\n\x04kind\"5\n\x11\x43heckpointRequest\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\"P\n\x0f\x43heckpointState\x12\x1f\n\x17has_complete_checkpoint\x18\x01 \x01(\x08\x12\x1c\n\x14latest_complete_step\x18\x02 \x01(\x04\"\x8d\x01\n\x0bHookCommand\x12\x38\n\ncheckpoint\x18\x01 \x01(\x0b\x32\".clusterwatch.v1.CheckpointRequestH\x00\x12<\n\x10\x63heckpoint_state\x18\x02 \x01(\x0b\x32 .clusterwatch.v1.CheckpointStateH\x00\x42\x06\n\x04kind2X\n\x0bHookService\x12I\n\x07\x43onnect\x12\x1c.clusterwatch.v1.HookMessage\x1a\x1c.clusterwatch.v1.HookCommand(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63lusterwatch/v1/hook.proto\x12\x0f\x63lusterwatch.v1\x1a\x1e\x63lusterwatch/v1/training.proto\"8\n\tStepBatch\x12+\n\x05steps\x18\x01 \x03(\x0b\x32\x1c.clusterwatch.v1.StepSummary\"\x19\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xdd\x02\n\x0bHookMessage\x12.\n\x05hello\x18\x01 \x01(\x0b\x32\x1d.clusterwatch.v1.RankIdentityH\x00\x12+\n\x05steps\x18\x02 \x01(\x0b\x32\x1a.clusterwatch.v1.StepBatchH\x00\x12/\n\theartbeat\x18\x03 \x01(\x0b\x32\x1a.clusterwatch.v1.HeartbeatH\x00\x12>\n\x11\x63heckpoint_result\x18\x04 \x01(\x0b\x32!.clusterwatch.v1.CheckpointResultH\x00\x12+\n\x07goodbye\x18\x05 \x01(\x0b\x32\x18.clusterwatch.v1.GoodbyeH\x00\x12\x31\n\x08identity\x18\x06 \x01(\x0b\x32\x1d.clusterwatch.v1.RankIdentityH\x00\x12\x18\n\x10\x63redential_nonce\x18\x07 \x01(\tB\x06\n\x04kind\"5\n\x11\x43heckpointRequest\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\"P\n\x0f\x43heckpointState\x12\x1f\n\x17has_complete_checkpoint\x18\x01 \x01(\x08\x12\x1c\n\x14latest_complete_step\x18\x02 \x01(\x04\"@\n\x0b\x42\x61tchShares\x12\x0e\n\x06shares\x18\x01 \x03(\x01\x12\x11\n\tfrom_step\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xc3\x01\n\x0bHookCommand\x12\x38\n\ncheckpoint\x18\x01 \x01(\x0b\x32\".clusterwatch.v1.CheckpointRequestH\x00\x12<\n\x10\x63heckpoint_state\x18\x02 \x01(\x0b\x32 .clusterwatch.v1.CheckpointStateH\x00\x12\x34\n\x0c\x62\x61tch_shares\x18\x03 \x01(\x0b\x32\x1c.clusterwatch.v1.BatchSharesH\x00\x42\x06\n\x04kind2X\n\x0bHookService\x12I\n\x07\x43onnect\x12\x1c.clusterwatch.v1.HookMessage\x1a\x1c.clusterwatch.v1.HookCommand(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,8 +42,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHECKPOINTREQUEST']._serialized_end=569
   _globals['_CHECKPOINTSTATE']._serialized_start=571
   _globals['_CHECKPOINTSTATE']._serialized_end=651
-  _globals['_HOOKCOMMAND']._serialized_start=654
-  _globals['_HOOKCOMMAND']._serialized_end=795
-  _globals['_HOOKSERVICE']._serialized_start=797
-  _globals['_HOOKSERVICE']._serialized_end=885
+  _globals['_BATCHSHARES']._serialized_start=653
+  _globals['_BATCHSHARES']._serialized_end=717
+  _globals['_HOOKCOMMAND']._serialized_start=720
+  _globals['_HOOKCOMMAND']._serialized_end=915
+  _globals['_HOOKSERVICE']._serialized_start=917
+  _globals['_HOOKSERVICE']._serialized_end=1005
 # @@protoc_insertion_point(module_scope)

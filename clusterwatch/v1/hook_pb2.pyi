@@ -162,26 +162,62 @@ class CheckpointState(_message.Message):
 Global___CheckpointState: _TypeAlias = CheckpointState  # noqa: Y015
 
 @_typing.final
+class BatchShares(_message.Message):
+    """Each rank's share of the global batch from `from_step` on (index: rank;
+    they sum to 1), for a job whose ranks compute at different speeds
+    (the coordinator's rebalance action; clusterwatch/hook/balance.py).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARES_FIELD_NUMBER: _builtins.int
+    FROM_STEP_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    from_step: _builtins.int
+    reason: _builtins.str
+    """Why, for the hook's log."""
+    @_builtins.property
+    def shares(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        shares: _abc.Iterable[_builtins.float] | None = ...,
+        from_step: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_step", b"from_step", "reason", b"reason", "shares", b"shares"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchShares: _TypeAlias = BatchShares  # noqa: Y015
+
+@_typing.final
 class HookCommand(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     CHECKPOINT_STATE_FIELD_NUMBER: _builtins.int
+    BATCH_SHARES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def checkpoint(self) -> Global___CheckpointRequest: ...
     @_builtins.property
     def checkpoint_state(self) -> Global___CheckpointState: ...
+    @_builtins.property
+    def batch_shares(self) -> Global___BatchShares: ...
     def __init__(
         self,
         *,
         checkpoint: Global___CheckpointRequest | None = ...,
         checkpoint_state: Global___CheckpointState | None = ...,
+        batch_shares: Global___BatchShares | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "checkpoint_state", b"checkpoint_state", "kind", b"kind"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch_shares", b"batch_shares", "checkpoint", b"checkpoint", "checkpoint_state", b"checkpoint_state", "kind", b"kind"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "checkpoint_state", b"checkpoint_state", "kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_shares", b"batch_shares", "checkpoint", b"checkpoint", "checkpoint_state", b"checkpoint_state", "kind", b"kind"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["checkpoint", "checkpoint_state"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["checkpoint", "checkpoint_state", "batch_shares"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

@@ -88,6 +88,7 @@ class RankIdentity(_message.Message):
     MIN_NODES_FIELD_NUMBER: _builtins.int
     MAX_NODES_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    REBALANCES_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     """Job name: TrainingMonitor(job=...), else CLUSTERWATCH_JOB, else the
     SLURM job (SLURM_JOB_ID, or <array job id>_<task id> in a job array),
@@ -119,6 +120,10 @@ class RankIdentity(_message.Message):
     an elastic job, which can re-form on fewer nodes down to MIN.
     """
     max_nodes: _builtins.int
+    rebalances: _builtins.bool
+    """The job splits its global batch by shares the coordinator may send
+    (BalancedBatchSampler): a persistently slower rank is rebalanced, not left out.
+    """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Where the job runs, for people and dashboards; the coordinator keeps
@@ -146,10 +151,11 @@ class RankIdentity(_message.Message):
         min_nodes: _builtins.int = ...,
         max_nodes: _builtins.int = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        rebalances: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "gpu_uuid", b"gpu_uuid", "hook_version", b"hook_version", "hostname", b"hostname", "instance_id", b"instance_id", "job", b"job", "labels", b"labels", "local_rank", b"local_rank", "max_nodes", b"max_nodes", "min_nodes", b"min_nodes", "pid", b"pid", "rank", b"rank", "restart_count", b"restart_count", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "gpu_uuid", b"gpu_uuid", "hook_version", b"hook_version", "hostname", b"hostname", "instance_id", b"instance_id", "job", b"job", "labels", b"labels", "local_rank", b"local_rank", "max_nodes", b"max_nodes", "min_nodes", b"min_nodes", "pid", b"pid", "rank", b"rank", "rebalances", b"rebalances", "restart_count", b"restart_count", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

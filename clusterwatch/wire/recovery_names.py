@@ -15,6 +15,7 @@ CHECKPOINT_AND_RESTART = "checkpoint_and_restart"
 EXCLUDE_NODE_AND_RESTART = "exclude_node_and_restart"
 STOP_ORPHANS = "stop_orphans"
 AVOID_INTERFACE = "avoid_interface"
+REBALANCE = "rebalance"
 
 # What ``hang_action``, ``rank_failure_action``, ``straggler_action`` and ``node_failure_action`` may be.
 POLICY_ACTIONS = (ALERT, CHECKPOINT, RESTART, CHECKPOINT_AND_RESTART, EXCLUDE_NODE_AND_RESTART)

@@ -68,12 +68,19 @@ from clusterwatch.coordinator.model.event_log import EventLog
 from clusterwatch.coordinator.model.incidents import Incident, IncidentState, Kind
 from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord, RankConflict
 from clusterwatch.coordinator.model.state import NodeRecord
+from clusterwatch.coordinator.recovery.balance import batch_shares, current_shares, first_step, worth_changing
 from clusterwatch.coordinator.recovery.interfaces import plan_worker_env
 from clusterwatch.coordinator.recovery.launchers.protocol import Launcher, SendStop
 from clusterwatch.coordinator.recovery.launchers.torchrun import (
     STOP_ANSWER_MARGIN_S,
     stop_on_node,
     summarise_stops,
+)
+from clusterwatch.coordinator.recovery.node_commands import (
+    SendCommand,
+    describe,
+    send_each,
+    worker_env_commands,
 )
 from clusterwatch.coordinator.recovery.policy import (
     HOUR_S,
@@ -82,13 +89,13 @@ from clusterwatch.coordinator.recovery.policy import (
     checkpoints_first,
     exclusion_blocker,
 )
-from clusterwatch.coordinator.recovery.worker_env import SendCommand, describe, set_worker_env
 from clusterwatch.v1 import agent_pb2, cluster_pb2
 from clusterwatch.wire.recovery_names import (
     ALERT,
     AVOID_INTERFACE,
     CHECKPOINT,
     EXCLUDE_NODE_AND_RESTART,
+    REBALANCE,
     RESTARTS,
     STOP_ORPHANS,
     restart_action,
@@ -363,6 +370,8 @@ class Recovery:
         plan: dict[str, dict[str, str]] = {}
         if decision.action == AVOID_INTERFACE and not decision.skipped:
             decision, plan = self._plan_avoidance(decision)
+        if decision.action == REBALANCE and not decision.skipped:
+            decision = self._check_rebalance(decision, incident)
         record = cluster_pb2.ActionRecord(
             id=f"{decision.action}-{uuid.uuid4().hex[:10]}",
             job=decision.job,
@@ -390,8 +399,9 @@ class Recovery:
                     return self._finish(record, DONE, record.detail)
             if decision.action in RESTARTS:
                 return await self._restart(record, incident, plan)
-            if decision.action == STOP_ORPHANS:
-                return await self._stop_orphans(record)
+            acts = {STOP_ORPHANS: self._stop_orphans, REBALANCE: self._rebalance}
+            if (act := acts.get(decision.action)) is not None:
+                return await act(record)
         except Exception as exc:  # a failed action is recorded, never raised into the loop
             logger.exception("action %s on job %s failed", record.id, record.job)
             return self._finish(record, FAILED, f"{record.detail + '; ' if record.detail else ''}{exc}")
@@ -420,6 +430,49 @@ class Recovery:
             {},
         )
 
+    def _check_rebalance(self, decision: Decision, incident: Incident | None) -> Decision:
+        """The decision, or, for a job that does not split its batch by shares (or whose shares
+        cannot be worked out), the configured straggler_action instead, saying why."""
+        job = self._jobs().get(decision.job)
+        why = ""
+        if job is None:
+            why = f"job {decision.job} is gone"
+        elif not all(r.identity.rebalances for r in job.running_ranks()):
+            why = "the job does not split its batch by shares (BalancedBatchSampler)"
+        elif isinstance(shares := batch_shares(job), str):
+            why = shares
+        if not why:
+            return decision
+        action = self.settings.straggler_action
+        excluded = incident.nodes if incident is not None and action == EXCLUDE_NODE_AND_RESTART else ()
+        return dataclasses.replace(
+            decision,
+            action=action,
+            exclude_nodes=excluded,
+            reason=f"{decision.reason}; not rebalanced ({why})",
+        )
+
+    async def _rebalance(self, record: cluster_pb2.ActionRecord) -> cluster_pb2.ActionRecord:
+        """Send every node of the job the ranks' new shares of the global batch."""
+        job = self._jobs().get(record.job)
+        shares = batch_shares(job) if job is not None else f"job {record.job} is gone"
+        if job is None or isinstance(shares, str):
+            return self._finish(record, FAILED, str(shares))
+        current = current_shares(job)
+        shown = ", ".join(f"rank {rank} {share:.3f}" for rank, share in enumerate(shares))
+        if not worth_changing(current, shares):
+            return self._finish(record, DONE, f"already balanced ({shown})")
+        if self._send_command is None:
+            return self._finish(record, FAILED, "this coordinator cannot reach agents to send batch shares")
+        from_step = first_step(job)
+        rebalance = agent_pb2.RebalanceCommand(
+            job=record.job, shares=shares, from_step=from_step, reason=f"{record.action} {record.id}"
+        )
+        answers = await send_each(self._send_command, dict.fromkeys(job.nodes(), rebalance))
+        if not_taken := [f"{node} ({why})" for node, why in answers.items() if why]:
+            return self._finish(record, FAILED, f"batch shares not relayed on {', '.join(not_taken)}")
+        return self._finish(record, DONE, f"batch shares from step {from_step}: {shown}")
+
     async def _move_workers(self, record: cluster_pb2.ActionRecord, plan: dict[str, dict[str, str]]) -> str:
         """Give every node's agent the environment the restarted workers start with; "" when all
         took it, else why the restart is not made (it would not move the job)."""
@@ -428,15 +481,15 @@ class Recovery:
             return f"{prefix}this coordinator cannot reach agents to set the workers' environment"
         expires_unix_s = self._wall() + self.settings.avoid_interface_hold_s
         reason = f"{record.action} {record.id}: {record.reason}"
-        answers = await set_worker_env(
-            self._send_command, record.job, plan, reason=reason, expires_unix_s=expires_unix_s
+        answers = await send_each(
+            self._send_command,
+            worker_env_commands(record.job, plan, reason=reason, expires_unix_s=expires_unix_s),
         )
         if not_taken := [f"{node} ({why})" for node, why in answers.items() if why]:
             # Half a move is worse than none: the nodes that took it forget it again.
             took: dict[str, dict[str, str]] = {node: {} for node, why in answers.items() if not why}
-            await set_worker_env(
-                self._send_command, record.job, took, reason=f"undone: {reason}", expires_unix_s=0.0
-            )
+            undo = worker_env_commands(record.job, took, reason=f"undone: {reason}", expires_unix_s=0.0)
+            await send_each(self._send_command, undo)
             return f"{prefix}not restarted: the workers' environment was not set on {', '.join(not_taken)}"
         record.detail = f"{prefix}workers start with {describe(plan)}"
         return ""

@@ -38,6 +38,7 @@ from clusterwatch.wire.recovery_names import (
     CHECKPOINT,
     CHECKPOINT_AND_RESTART,
     EXCLUDE_NODE_AND_RESTART,
+    REBALANCE,
     RESTARTS,
 )
 
@@ -47,6 +48,8 @@ COLLECTIVE_MISMATCH = "collective_mismatch"
 NODE_KINDS = frozenset({Kind.NODE_UNREACHABLE, Kind.GPU_XID, Kind.GPU_LOST, Kind.INFINIBAND})
 # The cause of a job slowdown that names nodes (coordinator/detection/causes/network.py).
 NETWORK_CAUSE = "network"
+# A straggler's cause when no fault explains it: it is simply slower (coordinator/detection/causes/).
+COMPUTE_CAUSE = "compute"
 # Kinds whose job still makes progress, so it can checkpoint before a restart
 # (a hung, crashed or node-less job cannot: it resumes from the last complete one).
 PROGRESSING_KINDS = frozenset({Kind.STRAGGLER, Kind.JOB_SLOWDOWN})
@@ -95,6 +98,8 @@ class Policy:
             Kind.STRAGGLER: s.straggler_action,
             Kind.ORPHANED_RANKS: s.orphaned_ranks_action,
         }
+        if incident.kind == Kind.STRAGGLER and incident.cause == COMPUTE_CAUSE and s.straggler_rebalance:
+            return REBALANCE  # the executor falls back to straggler_action for a job that cannot
         if incident.kind in by_kind:
             return by_kind[incident.kind]
         if incident.kind in NODE_KINDS and incident.severity == Severity.CRITICAL:

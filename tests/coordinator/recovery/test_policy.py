@@ -202,3 +202,19 @@ def test_a_network_slowdown_naming_an_interface_avoids_it_else_its_node_is_left_
     victim = dataclasses.replace(incident(Kind.JOB_SLOWDOWN, 4, job="y"), cause="network", evidence=slower)
     assert policy.decide(victim, 200.0) is None
     assert checkpoints_first("avoid_interface", Kind.JOB_SLOWDOWN)
+
+
+def test_a_persistent_straggler_no_fault_explains_is_rebalanced_unless_switched_off() -> None:
+    policy = Policy(RecoverySettings(cooldown_s=0, straggler_persist_s=10))
+    compute = dataclasses.replace(incident(Kind.STRAGGLER, 1), cause="compute")
+    decision = policy.decide(compute, 200.0)
+    assert decision is not None
+    assert (decision.action, decision.exclude_nodes) == ("rebalance", ())
+    thermal = dataclasses.replace(incident(Kind.STRAGGLER, 2, job="b"), cause="gpu_thermal")
+    decision = policy.decide(thermal, 200.0)
+    assert decision is not None
+    assert decision.action == "exclude_node_and_restart", "a fault is not rebalanced around"
+    off = Policy(RecoverySettings(cooldown_s=0, straggler_persist_s=10, straggler_rebalance=False))
+    decision = off.decide(compute, 200.0)
+    assert decision is not None
+    assert decision.action == "exclude_node_and_restart"
