@@ -203,14 +203,12 @@ class CommandHandler:
         )
         ranks = relay.relay_batch_shares(rebalance.job, shares)
         if not ranks:
-            return agent_pb2.CommandResult(
-                command_id=command_id,
-                status=Status.STATUS_FAILED,
-                message=f"no running rank of job {rebalance.job} on this node",
+            return _answer(
+                command_id, ok=False, message=f"no running rank of job {rebalance.job} on this node"
             )
-        return agent_pb2.CommandResult(
-            command_id=command_id,
-            status=Status.STATUS_OK,
+        return _answer(
+            command_id,
+            ok=True,
             message=f"batch shares from step {rebalance.from_step} relayed to ranks {ranks}",
         )
 
@@ -223,17 +221,11 @@ class CommandHandler:
         try:
             book.set(command.job, env, command.reason, command.expires_unix_seconds)
         except (WorkerEnvError, OSError) as exc:
-            return agent_pb2.CommandResult(
-                command_id=command_id,
-                status=Status.STATUS_FAILED,
-                message=f"worker environment not set: {exc}",
-            )
+            return _answer(command_id, ok=False, message=f"worker environment not set: {exc}")
         shown = " ".join(f"{key}={value}" for key, value in sorted(env.items())) or "cleared"
         logger.info("worker environment of job %s: %s (%s)", command.job, shown, command.reason)
-        return agent_pb2.CommandResult(
-            command_id=command_id,
-            status=Status.STATUS_OK,
-            message=f"job {command.job}'s workers that start from now: {shown}",
+        return _answer(
+            command_id, ok=True, message=f"job {command.job}'s workers that start from now: {shown}"
         )
 
     @staticmethod
@@ -360,6 +352,11 @@ class CommandHandler:
             message=message,
             stopped=report.processes,
         )
+
+
+def _answer(command_id: str, *, ok: bool, message: str) -> agent_pb2.CommandResult:
+    status = Status.STATUS_OK if ok else Status.STATUS_FAILED
+    return agent_pb2.CommandResult(command_id=command_id, status=status, message=message)
 
 
 def _job_of(command: agent_pb2.Command) -> str:

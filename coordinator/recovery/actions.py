@@ -20,6 +20,7 @@ from typing import Protocol
 
 from clusterwatch.coordinator.ingest.core import Coordinator
 from clusterwatch.coordinator.model.jobs import JobRecord
+from clusterwatch.coordinator.recovery.node_commands import why_not
 from clusterwatch.errors import (
     FailedPreconditionError,
     InvalidRequestError,
@@ -211,15 +212,4 @@ class Actions:
 
     async def _relay(self, node_id: str, command: agent_pb2.Command, wait_s: float) -> str:
         """Send the command to one node; '' when it relayed it, else why not."""
-        try:
-            result = await self._core.send_command(node_id, command, wait_s)
-        except KeyError:
-            return "not connected"
-        except TimeoutError:
-            return f"no answer within {wait_s:.1f} s"
-        except ConnectionError as exc:
-            return f"stream closed ({exc})"
-        if result.status != Status.STATUS_OK:
-            status = Status.Name(result.status).removeprefix("STATUS_").lower()
-            return f"{status}: {result.message}" if result.message else status
-        return ""
+        return await why_not(self._core.send_command, node_id, command, wait_s)

@@ -57,14 +57,20 @@ async def send_each(
 async def _send(send: SendCommand, node: str, action: Message, timeout_s: float) -> str:
     command = agent_pb2.Command(command_id=f"cmd-{uuid.uuid4().hex[:12]}", issued_unix_seconds=time.time())
     getattr(command, _FIELDS[action.DESCRIPTOR.full_name]).CopyFrom(action)
+    return await why_not(send, node, command, timeout_s)
+
+
+async def why_not(send: SendCommand, node: str, command: agent_pb2.Command, timeout_s: float) -> str:
+    """Send ``command`` to ``node``; "" when its agent did it, else why not, in a few words."""
     try:
         result = await send(node, command, timeout_s)
     except KeyError:
         return "not connected"
     except TimeoutError:
-        return f"no answer within {timeout_s:.0f} s"
+        return f"no answer within {timeout_s:.1f} s"
     except ConnectionError as exc:
         return f"stream closed ({exc})"
     if result.status != Status.STATUS_OK:
-        return f"{Status.Name(result.status).removeprefix('STATUS_').lower()}: {result.message}"
+        status = Status.Name(result.status).removeprefix("STATUS_").lower()
+        return f"{status}: {result.message}" if result.message else status
     return ""
