@@ -287,7 +287,7 @@ class Recovery:
         for incident in live:
             if incident.id in self._decided_before:
                 continue
-            decision = self.policy.decide(incident, now)
+            decision = self.policy.decide(incident, now, rebalances=self._rebalances(incident.job))
             if decision is not None:
                 self._actions.start(self._carry_out(decision, incident), f"action on {incident.id}")
         self._track(now)
@@ -370,8 +370,6 @@ class Recovery:
         plan: dict[str, dict[str, str]] = {}
         if decision.action == AVOID_INTERFACE and not decision.skipped:
             decision, plan = self._plan_avoidance(decision)
-        if decision.action == REBALANCE and not decision.skipped:
-            decision = self._check_rebalance(decision, incident)
         record = cluster_pb2.ActionRecord(
             id=f"{decision.action}-{uuid.uuid4().hex[:10]}",
             job=decision.job,
@@ -430,27 +428,11 @@ class Recovery:
             {},
         )
 
-    def _check_rebalance(self, decision: Decision, incident: Incident | None) -> Decision:
-        """The decision, or, for a job that does not split its batch by shares (or whose shares
-        cannot be worked out), the configured straggler_action instead, saying why."""
-        job = self._jobs().get(decision.job)
-        why = ""
-        if job is None:
-            why = f"job {decision.job} is gone"
-        elif not all(r.identity.rebalances for r in job.running_ranks()):
-            why = "the job does not split its batch by shares (BalancedBatchSampler)"
-        elif isinstance(shares := batch_shares(job), str):
-            why = shares
-        if not why:
-            return decision
-        action = self.settings.straggler_action
-        excluded = incident.nodes if incident is not None and action == EXCLUDE_NODE_AND_RESTART else ()
-        return dataclasses.replace(
-            decision,
-            action=action,
-            exclude_nodes=excluded,
-            reason=f"{decision.reason}; not rebalanced ({why})",
-        )
+    def _rebalances(self, job_name: str) -> bool:
+        """Whether every running rank of the job splits its batch by shares (BalancedBatchSampler)."""
+        job = self._jobs().get(job_name)
+        ranks = job.running_ranks() if job is not None else []
+        return bool(ranks) and all(r.identity.rebalances for r in ranks)
 
     async def _rebalance(self, record: cluster_pb2.ActionRecord) -> cluster_pb2.ActionRecord:
         """Send every node of the job the ranks' new shares of the global batch."""

@@ -46,6 +46,8 @@ HOUR_S = 3600.0
 # A hang or failure whose ranks called different collectives (coordinator/detection/mismatch.py): a bug, not a fault.
 COLLECTIVE_MISMATCH = "collective_mismatch"
 NODE_KINDS = frozenset({Kind.NODE_UNREACHABLE, Kind.GPU_XID, Kind.GPU_LOST, Kind.INFINIBAND})
+# Splits one straggler incident gets at most (see Policy._rebalanced).
+MAX_REBALANCES = 3
 # The cause of a job slowdown that names nodes (coordinator/detection/causes/network.py).
 NETWORK_CAUSE = "network"
 # A straggler's cause when no fault explains it: it is simply slower (coordinator/detection/causes/).
@@ -86,11 +88,16 @@ class Policy:
     def __init__(self, settings: RecoverySettings) -> None:
         self.settings = settings
         self._decided: set[str] = set()
+        # A straggler rebalanced so far: (times, when last). It is decided again, once it has
+        # persisted straggler_persist_s past the last split, up to MAX_REBALANCES times: a split
+        # from one measurement can leave the rank a little slow, and the next one corrects it.
+        self._rebalanced: dict[str, tuple[int, float]] = {}
         self._last_action_unix_s: dict[str, float] = {}
         self._restarts_unix_s: dict[str, collections.deque[float]] = {}
 
-    def action_for(self, incident: Incident) -> str | None:
-        """The configured action for the incident's kind; None for kinds the policy leaves alone."""
+    def action_for(self, incident: Incident, *, rebalances: bool = False) -> str | None:
+        """The configured action for the incident's kind; None for kinds the policy leaves alone.
+        ``rebalances``: the incident's job splits its batch by shares (BalancedBatchSampler)."""
         s = self.settings
         by_kind = {
             Kind.HANG: s.hang_action,
@@ -98,8 +105,13 @@ class Policy:
             Kind.STRAGGLER: s.straggler_action,
             Kind.ORPHANED_RANKS: s.orphaned_ranks_action,
         }
-        if incident.kind == Kind.STRAGGLER and incident.cause == COMPUTE_CAUSE and s.straggler_rebalance:
-            return REBALANCE  # the executor falls back to straggler_action for a job that cannot
+        if (
+            incident.kind == Kind.STRAGGLER
+            and incident.cause == COMPUTE_CAUSE
+            and s.straggler_rebalance
+            and rebalances
+        ):
+            return REBALANCE
         if incident.kind in by_kind:
             return by_kind[incident.kind]
         if incident.kind in NODE_KINDS and incident.severity == Severity.CRITICAL:
@@ -119,21 +131,21 @@ class Policy:
             )
         return None
 
-    def decide(self, incident: Incident, now_unix_s: float) -> Decision | None:
-        """A decision for an incident not decided yet, or None (not its time, not its kind, no job)."""
+    def decide(self, incident: Incident, now_unix_s: float, *, rebalances: bool = False) -> Decision | None:
+        """A decision for an incident not decided yet, or None (not its time, not its kind, no job).
+        ``rebalances``: the incident's job splits its batch by shares (see action_for)."""
         if incident.id in self._decided or not incident.job:
             return None
-        action = self.action_for(incident)
+        action = self.action_for(incident, rebalances=rebalances)
         if action is None:
             return None
-        if (
-            incident.kind == Kind.STRAGGLER
-            and now_unix_s - incident.opened_unix_s < self.settings.straggler_persist_s
-        ):
+        if not self._due(incident, action, now_unix_s):
             return None
-        if action != ALERT and self._cooling_down(incident.job, now_unix_s):
-            return None  # decided once the cooldown is over
-        self._decided.add(incident.id)
+        if action == REBALANCE:
+            times, _ = self._rebalanced.get(incident.id, (0, 0.0))
+            self._rebalanced[incident.id] = (times + 1, now_unix_s)
+        else:
+            self._decided.add(incident.id)
         exclude = incident.nodes if action == EXCLUDE_NODE_AND_RESTART else ()
         avoid = incident.interfaces if action == AVOID_INTERFACE else ()
         decision = Decision(
@@ -151,9 +163,21 @@ class Policy:
         self.note_action(incident.job, action, now_unix_s)
         return decision
 
+    def _due(self, incident: Incident, action: str, now_unix_s: float) -> bool:
+        """Whether the incident's action is due now: a straggler persisted (since its last split),
+        fewer than MAX_REBALANCES splits, the job's cooldown over."""
+        times, since_unix_s = self._rebalanced.get(incident.id, (0, incident.opened_unix_s))
+        if action == REBALANCE and times >= MAX_REBALANCES:
+            self._decided.add(incident.id)  # left as it is: the incident says how far it got
+            return False
+        if incident.kind == Kind.STRAGGLER and now_unix_s - since_unix_s < self.settings.straggler_persist_s:
+            return False
+        return action == ALERT or not self._cooling_down(incident.job, now_unix_s)
+
     def retain(self, live_incident_ids: set[str]) -> None:
         """Forget decisions about incidents that are no longer live (they never come back)."""
         self._decided &= live_incident_ids
+        self._rebalanced = {i: kept for i, kept in self._rebalanced.items() if i in live_incident_ids}
 
     def note_action(self, job: str, action: str, now_unix_s: float) -> None:
         """Count an action against the job's cooldown and restart budget (operator requests too)."""

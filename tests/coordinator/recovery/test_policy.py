@@ -207,14 +207,29 @@ def test_a_network_slowdown_naming_an_interface_avoids_it_else_its_node_is_left_
 def test_a_persistent_straggler_no_fault_explains_is_rebalanced_unless_switched_off() -> None:
     policy = Policy(RecoverySettings(cooldown_s=0, straggler_persist_s=10))
     compute = dataclasses.replace(incident(Kind.STRAGGLER, 1), cause="compute")
-    decision = policy.decide(compute, 200.0)
+    decision = policy.decide(compute, 200.0, rebalances=True)
     assert decision is not None
     assert (decision.action, decision.exclude_nodes) == ("rebalance", ())
     thermal = dataclasses.replace(incident(Kind.STRAGGLER, 2, job="b"), cause="gpu_thermal")
-    decision = policy.decide(thermal, 200.0)
+    decision = policy.decide(thermal, 200.0, rebalances=True)
     assert decision is not None
     assert decision.action == "exclude_node_and_restart", "a fault is not rebalanced around"
+    not_opted_in = dataclasses.replace(incident(Kind.STRAGGLER, 3, job="c"), cause="compute")
+    decision = policy.decide(not_opted_in, 200.0)
+    assert decision is not None
+    assert decision.action == "exclude_node_and_restart", "a job that does not split by shares"
     off = Policy(RecoverySettings(cooldown_s=0, straggler_persist_s=10, straggler_rebalance=False))
-    decision = off.decide(compute, 200.0)
+    decision = off.decide(compute, 200.0, rebalances=True)
     assert decision is not None
     assert decision.action == "exclude_node_and_restart"
+
+
+def test_a_rebalanced_straggler_that_persists_is_split_again_at_most_three_times() -> None:
+    policy = Policy(RecoverySettings(cooldown_s=0, straggler_persist_s=10))
+    compute = dataclasses.replace(incident(Kind.STRAGGLER, 1, opened=100.0), cause="compute")
+    decided = []
+    for now in range(100, 200):
+        decision = policy.decide(compute, float(now), rebalances=True)
+        if decision is not None:
+            decided.append((now, decision.action))
+    assert decided == [(110, "rebalance"), (120, "rebalance"), (130, "rebalance")]
