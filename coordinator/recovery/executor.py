@@ -452,6 +452,15 @@ class Recovery:
         )
         answers = await send_each(self._send_command, dict.fromkeys(job.nodes(), rebalance))
         if not_taken := [f"{node} ({why})" for node, why in answers.items() if why]:
+            # Ranks splitting by different shares would overlap and miss samples: the nodes that
+            # took the new ones get the split in force again, from the same step.
+            keep = agent_pb2.RebalanceCommand(
+                job=record.job,
+                shares=current or [1.0 / job.world_size] * job.world_size,
+                from_step=from_step,
+                reason=f"undone: {rebalance.reason}",
+            )
+            await send_each(self._send_command, {node: keep for node, why in answers.items() if not why})
             return self._finish(record, FAILED, f"batch shares not relayed on {', '.join(not_taken)}")
         return self._finish(record, DONE, f"batch shares from step {from_step}: {shown}")
 
