@@ -94,7 +94,9 @@ def test_head_answers_what_get_would_without_the_body() -> None:
             assert got == b""
             if path == url:
                 assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
-                assert int(headers["Content-Length"]) == len(body)
+                # The page's own process_* series (memory, CPU seconds) move between the GET and
+                # the HEAD, a digit or two: the length is the page's, not an exact byte count.
+                assert abs(int(headers["Content-Length"]) - len(body)) <= 32
         # On one kept-alive HTTP/1.1 connection, a GET after a HEAD gets its whole body.
         parts = urllib.parse.urlsplit(url)
         connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
