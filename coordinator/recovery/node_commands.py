@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from google.protobuf.message import Message
 
+from clusterwatch.coordinator.recovery.launchers.protocol import answer_or_why
 from clusterwatch.v1 import agent_pb2
 
 SendCommand = Callable[[str, agent_pb2.Command, float], Awaitable[agent_pb2.CommandResult]]
@@ -62,14 +63,9 @@ async def _send(send: SendCommand, node: str, action: Message, timeout_s: float)
 
 async def why_not(send: SendCommand, node: str, command: agent_pb2.Command, timeout_s: float) -> str:
     """Send ``command`` to ``node``; "" when its agent did it, else why not, in a few words."""
-    try:
-        result = await send(node, command, timeout_s)
-    except KeyError:
-        return "not connected"
-    except TimeoutError:
-        return f"no answer within {timeout_s:.1f} s"
-    except ConnectionError as exc:
-        return f"stream closed ({exc})"
+    result = await answer_or_why(send(node, command, timeout_s), timeout_s)
+    if isinstance(result, str):
+        return result
     if result.status != Status.STATUS_OK:
         status = Status.Name(result.status).removeprefix("STATUS_").lower()
         return f"{status}: {result.message}" if result.message else status

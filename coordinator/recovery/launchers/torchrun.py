@@ -15,6 +15,7 @@ from collections.abc import Collection, Mapping, Sequence
 from clusterwatch.coordinator.recovery.launchers.protocol import (
     LaunchOutcome,
     SendStop,
+    answer_or_why,
     unique,
 )
 from clusterwatch.v1 import agent_pb2
@@ -75,14 +76,7 @@ async def stop_on_node(
     send_stop: SendStop, node: str, command: agent_pb2.StopWorkersCommand, timeout_s: float
 ) -> agent_pb2.CommandResult | str:
     """One node's answer to ``command``, or why there is none (for summarise_stops)."""
-    try:
-        return await send_stop(node, command, timeout_s)
-    except KeyError:
-        return "not connected"
-    except TimeoutError:
-        return f"no answer within {timeout_s:.1f} s"
-    except ConnectionError as exc:
-        return f"stream closed ({exc})"
+    return await answer_or_why(send_stop(node, command, timeout_s), timeout_s)
 
 
 _OUTCOME_ORDER = ("sigterm", "sigkill", "already_gone", "survived")
