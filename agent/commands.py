@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from clusterwatch.agent.diagnose import DiagnosisTarget, ProcessDiagnoser
+from clusterwatch.agent.probes.client import probe_path
+from clusterwatch.agent.probes.protocol import MAX_BYTES, MAX_ROUND_TRIPS
 from clusterwatch.agent.process_instance import ProcessInstance
 from clusterwatch.agent.worker_env import WorkerEnvBook
 from clusterwatch.agent.workers import WorkerStopper, effective_grace_s
@@ -19,6 +21,8 @@ from clusterwatch.wire.worker_env import WorkerEnvError
 logger = logging.getLogger(__name__)
 
 Status = agent_pb2.CommandResult.Status
+
+MAX_PROBE_TARGETS = 16
 
 
 class CheckpointRelay(Protocol):
@@ -183,6 +187,8 @@ class CommandHandler:
             result = self._rebalance(command.command_id, command.rebalance, self._checkpoint_relay)
         elif action == "worker_env" and self._worker_env is not None:
             result = self._set_worker_env(command.command_id, command.worker_env, self._worker_env)
+        elif action == "probe":
+            result = await self._probe(command.command_id, command.probe)
         else:
             logger.warning("unsupported command %s (%s)", command.command_id, action)
             result = agent_pb2.CommandResult(
@@ -211,6 +217,37 @@ class CommandHandler:
             ok=True,
             message=f"batch shares from step {rebalance.from_step} relayed to ranks {ranks}",
         )
+
+    @staticmethod
+    async def _probe(command_id: str, probe: agent_pb2.ProbeCommand) -> agent_pb2.CommandResult:
+        """OK with one result per target, probed one after another off the event loop (a failed
+        path is a result too: its error says what failed)."""
+        if len(probe.targets) > MAX_PROBE_TARGETS:
+            return _answer(
+                command_id, ok=False, message=f"{len(probe.targets)} targets, at most {MAX_PROBE_TARGETS}"
+            )
+        if (
+            probe.bytes > MAX_BYTES
+            or probe.round_trips > MAX_ROUND_TRIPS
+            or not 0 < probe.timeout_seconds <= 60
+        ):
+            return _answer(
+                command_id,
+                ok=False,
+                message=f"a probe is at most {MAX_BYTES} bytes, {MAX_ROUND_TRIPS} round trips and 60 s, "
+                f"not {probe.bytes}, {probe.round_trips} and {probe.timeout_seconds:g}",
+            )
+        results = []
+        for target in probe.targets:
+            results.append(
+                await asyncio.to_thread(
+                    probe_path, target, probe.bytes, probe.round_trips, probe.timeout_seconds
+                )
+            )
+        failed = sum(1 for r in results if r.error)
+        answer = _answer(command_id, ok=True, message=f"{len(results)} paths probed, {failed} failed")
+        answer.probes.extend(results)
+        return answer
 
     @staticmethod
     def _set_worker_env(
@@ -364,6 +401,6 @@ def _job_of(command: agent_pb2.Command) -> str:
     action = command.WhichOneof("action")
     return (
         str(getattr(command, action).job)
-        if action in ("checkpoint", "diagnose", "stop_workers", "worker_env")
+        if action in ("checkpoint", "diagnose", "stop_workers", "worker_env", "rebalance", "probe")
         else ""
     )

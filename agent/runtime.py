@@ -19,6 +19,7 @@ from clusterwatch.agent.commands import CommandHandler
 from clusterwatch.agent.gpu.backend import GpuBackend
 from clusterwatch.agent.hook_links import HookLinks
 from clusterwatch.agent.hook_server import HookServer
+from clusterwatch.agent.probes.server import ProbeServer
 from clusterwatch.agent.proc_exit import ProcessExitWatcher
 from clusterwatch.agent.rank_interfaces import RankInterfaces
 from clusterwatch.agent.ranks import RankRegistry, RankState
@@ -187,6 +188,7 @@ class Agent:
         self._collections_started = 0
         self._collected = asyncio.Condition()  # notified after each report is collected
         self._http: MetricsHttpServer | None = None
+        self.probe_server = ProbeServer(settings.probe_listen) if settings.probe_listen else None
         # Swapped whole after each report, so the /metrics thread never iterates the registry.
         self._rank_counts: dict[RankState, int] = dict.fromkeys(RankState, 0)
 
@@ -209,6 +211,7 @@ class Agent:
             interval_seconds=self.settings.interval_s,
             last_acked_sequence=last_acked_sequence,
             topology=self.topology.current,
+            probe_port=self.probe_server.port if self.probe_server else 0,
         )
 
     def _tell_systemd_connection(self, connected: bool) -> None:
@@ -306,6 +309,7 @@ class Agent:
             )
             self._http.start()
             logger.info("serving /metrics on port %d", self._http.port)
+        self._start_probe_server()
         logger.info(
             "agent %s reporting to %s every %.3g s",
             self.node_id,
@@ -338,6 +342,19 @@ class Agent:
             self._runner.close()
             if self._http:
                 self._http.close()
+            if self.probe_server:
+                self.probe_server.close()
+
+    def _start_probe_server(self) -> None:
+        """Answer peers' probes; where its address cannot be bound the agent reports without it (the
+        coordinator then says this node cannot be probed)."""
+        if self.probe_server is None:
+            return
+        try:
+            self.probe_server.start()
+        except OSError as exc:
+            logger.error("no probe server: agent.probe_listen %s: %s", self.settings.probe_listen, exc)
+            self.probe_server = None
 
     def render_metrics(self) -> bytes:
         """This node's /metrics page (called from the HTTP thread; reads one reference)."""

@@ -142,6 +142,13 @@ class AgentSettings(TransportSettings):
         "as dcgm-exporter: 2 series a GPU) or link (one per link, labelled link: 36 a GPU with 18 links)",
         choices=NVLINK_SERIES,
     )
+    probe_listen: str = setting(
+        "0.0.0.0:0",
+        "answer other agents' network probes on HOST:PORT (port 0: any free one, told to the coordinator; "
+        "a fixed port where a firewall sits between nodes; empty: off)",
+        host_port=True,
+        optional=True,
+    )
     web_config_file: str = setting(
         "",
         "this agent's /metrics over TLS and with basic auth, as a Prometheus exporter-toolkit web "
@@ -263,6 +270,15 @@ class DetectionSettings:
         "held-back packets, TCP retransmits, errors, a link down) is flagged after this long, not the 30 s "
         "an unexplained one needs",
         positive=True,
+    )
+    network_probe: bool = setting(
+        True,
+        "while a job's communication slows down and its nodes' counters do not say why, have the agents "
+        "of its nodes probe the paths between them (round trip, throughput; a few seconds, once per 15 s "
+        "at most) to name the slow node or link",
+    )
+    network_probe_bytes: int = setting(
+        4 << 20, "bytes each probed path's throughput is measured with (at most 64 MiB)", positive=True
     )
     hang_floor_s: float = setting(5.0, "never call a job hung sooner than this", positive=True)
     hang_p99_factor: float = setting(

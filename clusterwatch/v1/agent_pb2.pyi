@@ -55,6 +55,7 @@ class Hello(_message.Message):
     TOPOLOGY_FIELD_NUMBER: _builtins.int
     NEWEST_SEQUENCE_FIELD_NUMBER: _builtins.int
     RANKS_BY_JOB_FIELD_NUMBER: _builtins.int
+    PROBE_PORT_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     hostname: _builtins.str
     agent_version: _builtins.str
@@ -69,6 +70,10 @@ class Hello(_message.Message):
     """The newest sequence the agent holds as it says hello (0: none). Reports up
     to it were collected before this stream and are replayed: the coordinator
     does not count how old they are as its own lag.
+    """
+    probe_port: _builtins.int
+    """The port of this agent's probe server on every address of the node
+    (agent/probes/server.py); 0: it runs none.
     """
     @_builtins.property
     def capabilities(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
@@ -99,10 +104,11 @@ class Hello(_message.Message):
         topology: _node_pb2.NodeTopology | None = ...,
         newest_sequence: _builtins.int = ...,
         ranks_by_job: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        probe_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_topology", b"_topology", "topology", b"topology"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_topology", b"_topology", "agent_version", b"agent_version", "capabilities", b"capabilities", "hostname", b"hostname", "instance_id", b"instance_id", "interval_seconds", b"interval_seconds", "last_acked_sequence", b"last_acked_sequence", "newest_sequence", b"newest_sequence", "node_id", b"node_id", "ranks_by_job", b"ranks_by_job", "topology", b"topology"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_topology", b"_topology", "agent_version", b"agent_version", "capabilities", b"capabilities", "hostname", b"hostname", "instance_id", b"instance_id", "interval_seconds", b"interval_seconds", "last_acked_sequence", b"last_acked_sequence", "newest_sequence", b"newest_sequence", "node_id", b"node_id", "probe_port", b"probe_port", "ranks_by_job", b"ranks_by_job", "topology", b"topology"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__topology: _TypeAlias = _typing.Literal["topology"]  # noqa: Y015
     _WhichOneofArgType__topology: _TypeAlias = _typing.Literal["_topology", b"_topology"]  # noqa: Y015
@@ -143,6 +149,7 @@ class CommandResult(_message.Message):
     DURATION_SECONDS_FIELD_NUMBER: _builtins.int
     DIAGNOSES_FIELD_NUMBER: _builtins.int
     STOPPED_FIELD_NUMBER: _builtins.int
+    PROBES_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
     status: Global___CommandResult.Status.ValueType
     message: _builtins.str
@@ -155,6 +162,10 @@ class CommandResult(_message.Message):
     def stopped(self) -> _containers.RepeatedCompositeFieldContainer[Global___StoppedProcess]:
         """stop_workers: every process the agent stopped (or found gone)."""
 
+    @_builtins.property
+    def probes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProbeResult]:
+        """probe: one entry per target, in the order asked."""
+
     def __init__(
         self,
         *,
@@ -164,10 +175,11 @@ class CommandResult(_message.Message):
         duration_seconds: _builtins.float = ...,
         diagnoses: _abc.Iterable[_training_pb2.ProcessDiagnosis] | None = ...,
         stopped: _abc.Iterable[Global___StoppedProcess] | None = ...,
+        probes: _abc.Iterable[Global___ProbeResult] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_id", b"command_id", "diagnoses", b"diagnoses", "duration_seconds", b"duration_seconds", "message", b"message", "status", b"status", "stopped", b"stopped"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_id", b"command_id", "diagnoses", b"diagnoses", "duration_seconds", b"duration_seconds", "message", b"message", "probes", b"probes", "status", b"status", "stopped", b"stopped"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -501,6 +513,7 @@ class Command(_message.Message):
     STOP_WORKERS_FIELD_NUMBER: _builtins.int
     WORKER_ENV_FIELD_NUMBER: _builtins.int
     REBALANCE_FIELD_NUMBER: _builtins.int
+    PROBE_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
     issued_unix_seconds: _builtins.float
     deadline_unix_seconds: _builtins.float
@@ -521,6 +534,8 @@ class Command(_message.Message):
     def worker_env(self) -> Global___WorkerEnvCommand: ...
     @_builtins.property
     def rebalance(self) -> Global___RebalanceCommand: ...
+    @_builtins.property
+    def probe(self) -> Global___ProbeCommand: ...
     def __init__(
         self,
         *,
@@ -534,16 +549,128 @@ class Command(_message.Message):
         stop_workers: Global___StopWorkersCommand | None = ...,
         worker_env: Global___WorkerEnvCommand | None = ...,
         rebalance: Global___RebalanceCommand | None = ...,
+        probe: Global___ProbeCommand | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "diagnose", b"diagnose", "ping", b"ping", "rebalance", b"rebalance", "stop_workers", b"stop_workers", "worker_env", b"worker_env"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "diagnose", b"diagnose", "ping", b"ping", "probe", b"probe", "rebalance", b"rebalance", "stop_workers", b"stop_workers", "worker_env", b"worker_env"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "command_id", b"command_id", "deadline_unix_seconds", b"deadline_unix_seconds", "diagnose", b"diagnose", "fencing_token", b"fencing_token", "issued_unix_seconds", b"issued_unix_seconds", "ping", b"ping", "rebalance", b"rebalance", "stop_workers", b"stop_workers", "worker_env", b"worker_env"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checkpoint", b"checkpoint", "command_id", b"command_id", "deadline_unix_seconds", b"deadline_unix_seconds", "diagnose", b"diagnose", "fencing_token", b"fencing_token", "issued_unix_seconds", b"issued_unix_seconds", "ping", b"ping", "probe", b"probe", "rebalance", b"rebalance", "stop_workers", b"stop_workers", "worker_env", b"worker_env"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["ping", "checkpoint", "diagnose", "stop_workers", "worker_env", "rebalance"]  # noqa: Y015
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["ping", "checkpoint", "diagnose", "stop_workers", "worker_env", "rebalance", "probe"]  # noqa: Y015
     _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
 
 Global___Command: _TypeAlias = Command  # noqa: Y015
+
+@_typing.final
+class ProbeCommand(_message.Message):
+    """Measure paths from this node to peers' probe servers, one after another
+    (never two at once from one node): the fastest of round_trips pings, then
+    the throughput of sending bytes. Sent while a job's communication slows
+    down and its nodes' counters do not say why (coordinator/detection/probes.py).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    TARGETS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    ROUND_TRIPS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    bytes: _builtins.int
+    round_trips: _builtins.int
+    timeout_seconds: _builtins.float
+    """Per target."""
+    @_builtins.property
+    def targets(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProbeTarget]: ...
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        targets: _abc.Iterable[Global___ProbeTarget] | None = ...,
+        bytes: _builtins.int = ...,
+        round_trips: _builtins.int = ...,
+        timeout_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "job", b"job", "round_trips", b"round_trips", "targets", b"targets", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProbeCommand: _TypeAlias = ProbeCommand  # noqa: Y015
+
+@_typing.final
+class ProbeTarget(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PEER_NODE_FIELD_NUMBER: _builtins.int
+    INTERFACE_FIELD_NUMBER: _builtins.int
+    SOURCE_ADDRESS_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    PORT_FIELD_NUMBER: _builtins.int
+    PEER_INTERFACE_FIELD_NUMBER: _builtins.int
+    peer_node: _builtins.str
+    interface: _builtins.str
+    """This node's interface the probe leaves from, and its address there."""
+    source_address: _builtins.str
+    address: _builtins.str
+    """The peer's address on the same network, and its probe port."""
+    port: _builtins.int
+    peer_interface: _builtins.str
+    """The peer's interface that address is on."""
+    def __init__(
+        self,
+        *,
+        peer_node: _builtins.str = ...,
+        interface: _builtins.str = ...,
+        source_address: _builtins.str = ...,
+        address: _builtins.str = ...,
+        port: _builtins.int = ...,
+        peer_interface: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "interface", b"interface", "peer_interface", b"peer_interface", "peer_node", b"peer_node", "port", b"port", "source_address", b"source_address"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProbeTarget: _TypeAlias = ProbeTarget  # noqa: Y015
+
+@_typing.final
+class ProbeResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TARGET_FIELD_NUMBER: _builtins.int
+    ROUND_TRIP_SECONDS_FIELD_NUMBER: _builtins.int
+    ROUND_TRIP_MEDIAN_SECONDS_FIELD_NUMBER: _builtins.int
+    THROUGHPUT_BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    round_trip_seconds: _builtins.float
+    """The fastest ping (noise only ever adds to a round trip), and the median."""
+    round_trip_median_seconds: _builtins.float
+    throughput_bytes_per_second: _builtins.float
+    """Bytes over the time from the first sent to the peer's count of them."""
+    error: _builtins.str
+    """What failed ("" when measured): refused, no route, busy, timed out."""
+    @_builtins.property
+    def target(self) -> Global___ProbeTarget: ...
+    def __init__(
+        self,
+        *,
+        target: Global___ProbeTarget | None = ...,
+        round_trip_seconds: _builtins.float = ...,
+        round_trip_median_seconds: _builtins.float = ...,
+        throughput_bytes_per_second: _builtins.float = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "round_trip_median_seconds", b"round_trip_median_seconds", "round_trip_seconds", b"round_trip_seconds", "target", b"target", "throughput_bytes_per_second", b"throughput_bytes_per_second"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProbeResult: _TypeAlias = ProbeResult  # noqa: Y015
 
 @_typing.final
 class JobCheckpoints(_message.Message):

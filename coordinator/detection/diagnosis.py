@@ -38,6 +38,21 @@ SAID_OF_STATE = {
 }
 
 
+async def answer_or_why(
+    answer: Awaitable[agent_pb2.CommandResult], timeout_s: float
+) -> agent_pb2.CommandResult | str:
+    """An agent's answer, or why there is none, in a few words (from what Coordinator.send_command
+    raises: KeyError, TimeoutError after ``timeout_s``, ConnectionError)."""
+    try:
+        return await answer
+    except KeyError:
+        return "not connected"
+    except TimeoutError:
+        return f"no answer within {timeout_s:.1f} s"
+    except ConnectionError as exc:
+        return f"stream closed ({exc})"
+
+
 async def diagnose(
     send: SendCommand,
     job: str,
@@ -91,14 +106,9 @@ async def _ask(
             job=job, ranks=ranks, stack_dump=stack_dumps, healthy_ranks=healthy
         ),
     )
-    try:
-        result = await send(node, command, timeout_s)
-    except KeyError:
-        error = f"node {node} has no open stream"
-    except TimeoutError:
-        error = f"node {node} did not answer within {timeout_s:.0f} s"
-    except ConnectionError as exc:
-        error = f"node {node}'s stream closed: {exc}"
+    result = await answer_or_why(send(node, command, timeout_s), timeout_s)
+    if isinstance(result, str):
+        error = f"node {node}: {result}"
     else:
         if result.status == agent_pb2.CommandResult.Status.STATUS_OK:
             for diagnosis in result.diagnoses:

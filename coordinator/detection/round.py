@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from clusterwatch.config import DetectionSettings
 from clusterwatch.coordinator.detection.causes import Cause, network_cause, straggler_causes
@@ -39,6 +39,7 @@ from clusterwatch.coordinator.detection.hangs import (
     hang_clock,
 )
 from clusterwatch.coordinator.detection.orphans import orphaned_ranks
+from clusterwatch.coordinator.detection.probes import ProbeRound
 from clusterwatch.coordinator.detection.slowdowns import SlowdownDetector, SlowdownFinding, SlowdownSettings
 from clusterwatch.coordinator.detection.stragglers import (
     StragglerDetector,
@@ -101,10 +102,21 @@ class Detection:
 
     Args:
         settings: thresholds; ``apply`` changes them at run time.
+        probes: a job's latest round of active probes while fresh (Prober.fresh); their
+            verdict names the slow node or link of a communication-bound slowdown that
+            the nodes' counters leave unexplained.
+
+    Attributes:
+        wants_probe: after each run, the jobs whose communication-bound slowdown (confirmed
+            or building up) no node's counters explain: probing their paths may.
     """
 
-    def __init__(self, settings: DetectionSettings) -> None:
+    def __init__(
+        self, settings: DetectionSettings, probes: Callable[[str], ProbeRound | None] = lambda _job: None
+    ) -> None:
         self.settings = settings
+        self._probes = probes
+        self.wants_probe: dict[str, JobRecord] = {}
         self._hang = hang_settings(settings)
         self._stragglers = StragglerDetector(straggler_settings(settings))
         self._slowdowns = SlowdownDetector(slowdown_settings(settings))
@@ -171,6 +183,7 @@ class Detection:
             self._verdicts = {name: v for name, v in self._verdicts.items() if name in jobs}
             self._hang_clocks = {name: c for name, c in self._hang_clocks.items() if name in jobs}
         findings: list[Finding] = []
+        self.wants_probe = {}
         for job in jobs.values():
             findings.extend(self._job(job, nodes, now_mono_s, unreachable))
         ranks_by_node = running_ranks_by_node(jobs.values())
@@ -202,19 +215,29 @@ class Detection:
         if verdicts.slowdown is None:
             verdicts.slowdown = self._corroborated_slowdown(job, nodes)
         if verdicts.slowdown is not None:
-            findings.append(_slowdown_finding(job, verdicts.slowdown, network_cause(job, nodes)))
+            network = self._network_cause(job, nodes) if verdicts.slowdown.bound == "communication" else None
+            findings.append(_slowdown_finding(job, verdicts.slowdown, network))
         return findings
 
     def _corroborated_slowdown(self, job: JobRecord, nodes: dict[str, NodeRecord]) -> SlowdownFinding | None:
         """A communication-bound slowdown still building up, flagged now when a node's transport
-        counters explain it (the slowdown detector's ``corroborated_duration_s``)."""
-        pending = self._slowdowns.provisional(job.job)
+        counters, or probes of the job's paths, explain it (the slowdown detector's
+        ``corroborated_duration_s``)."""
+        # Probes are asked for halfway there, so their verdict is in by the time it may be flagged.
+        halfway_s = self._slowdowns.settings.corroborated_duration_s / 2
+        pending = self._slowdowns.provisional(job.job, lasted_s=halfway_s)
         if pending is None or pending.bound != "communication":
             return None
-        cause = network_cause(job, nodes)
-        if cause.name != CauseName.NETWORK or not CORROBORATING_EVIDENCE & cause.evidence.keys():
-            return None
-        return self._slowdowns.confirm(job.job)
+        explained = _corroborated(self._network_cause(job, nodes))
+        return self._slowdowns.confirm(job.job) if explained else None
+
+    def _network_cause(self, job: JobRecord, nodes: dict[str, NodeRecord]) -> Cause:
+        """``network_cause`` with the job's fresh probes; one that neither explains (no transport
+        or probe evidence) puts the job on ``wants_probe``."""
+        cause = network_cause(job, nodes, probes=self._probes(job.job))
+        if not _corroborated(cause):
+            self.wants_probe[job.job] = job
+        return cause
 
     def _verdicts_of(self, job: JobRecord) -> _JobVerdicts:
         """The per-job detectors' verdicts on the job as it is (run again only if it changed)."""
@@ -412,6 +435,11 @@ def _straggler_finding(job: JobRecord, straggler: StragglerFinding, cause: Cause
         gpus=_gpus(job, {straggler.rank}),
         evidence=evidence,
     )
+
+
+def _corroborated(cause: Cause) -> bool:
+    """A network cause backed by what a transport or a probe measured, not only by timings."""
+    return cause.name == CauseName.NETWORK and bool(CORROBORATING_EVIDENCE & cause.evidence.keys())
 
 
 def _slowdown_finding(job: JobRecord, slowdown: SlowdownFinding, network: Cause | None) -> Finding:

@@ -254,13 +254,14 @@ class SlowdownDetector:
             state.last_step = new.steps[-1]
         return self._finding(job.job, state)
 
-    def provisional(self, job: str) -> SlowdownFinding | None:
+    def provisional(self, job: str, *, lasted_s: float | None = None) -> SlowdownFinding | None:
         """The finding the job would be flagged with, while its slow steps have lasted at least
-        ``corroborated_duration_s`` but not yet ``min_duration_s``; None otherwise."""
+        ``lasted_s`` (default ``corroborated_duration_s``) but not yet ``min_duration_s``; None otherwise."""
         state = self._jobs.get(job)
         if state is None or state.flagged_step is not None or state.pending_since_s is None:
             return None
-        if state.last_slow_end_s - state.pending_since_s < self.settings.corroborated_duration_s:
+        wanted_s = self.settings.corroborated_duration_s if lasted_s is None else lasted_s
+        if state.last_slow_end_s - state.pending_since_s < wanted_s:
             return None
         return self._finding(job, state, flagged_step=state.last_step)
 

@@ -23,8 +23,10 @@ from collections.abc import Callable, Mapping
 from clusterwatch import config
 from clusterwatch.config import DetectionSettings
 from clusterwatch.coordinator.background import BackgroundTasks, every
+from clusterwatch.coordinator.detection.causes.network import job_interfaces
 from clusterwatch.coordinator.detection.diagnosis import SAID_OF_STATE, SendCommand, cause_from, diagnose
 from clusterwatch.coordinator.detection.overload import overloaded_finding
+from clusterwatch.coordinator.detection.prober import Prober
 from clusterwatch.coordinator.detection.round import Detection
 from clusterwatch.coordinator.model.event_log import EventLog
 from clusterwatch.coordinator.model.incidents import Change, Incident, IncidentBook, IncidentState, Kind
@@ -79,7 +81,10 @@ class Watchdog:
         *,
         lag: Lag | None = None,
     ) -> None:
-        self.detection = Detection(settings)
+        self.prober = Prober(
+            send, clock, size_bytes=settings.network_probe_bytes, enabled=settings.network_probe
+        )
+        self.detection = Detection(settings, self.prober.fresh)
         self.lag = lag
         self._event_log = event_log
         self._send = send
@@ -116,6 +121,7 @@ class Watchdog:
             ConfigError: the detectors reject the combination; nothing changes.
         """
         self.detection.apply(settings)
+        self.prober.enabled, self.prober.size_bytes = settings.network_probe, settings.network_probe_bytes
         logger.info("detection settings now %s", config.as_strings(settings))
 
     def update_settings(self, values: Mapping[str, str]) -> DetectionSettings:
@@ -136,6 +142,8 @@ class Watchdog:
             changes = self.book.observe([overloaded_finding(reading, now_mono)], now_unix, only=HELD_KINDS)
         else:
             changes = self.book.observe(self.detection.run(jobs, nodes, now_mono), now_unix)
+            for job in self.detection.wants_probe.values():
+                self.prober.want(job, nodes, job_interfaces(job))
         self._rounds += 1
         self._last_round_s = self._clock() - now_mono
         for change in changes:
@@ -177,6 +185,7 @@ class Watchdog:
 
     def forget(self, job: str) -> None:
         self.detection.forget(job)
+        self.prober.forget(job)
 
     def end_job(self, job: str, note: str) -> list[Incident]:
         """Resolve the live incidents of a job that ended on purpose, saying ``note``; forget its
@@ -221,6 +230,7 @@ class Watchdog:
 
     async def close(self) -> None:
         await self._diagnoses.close()
+        await self.prober.close()
 
     def _count(self, change: Change) -> None:
         incident = change.incident

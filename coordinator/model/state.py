@@ -85,6 +85,8 @@ class NodeRecord:
     # ... and until a whole unreachable window later its ranks' data may be stale for that reason:
     # detection treats it as not heard from (it reported again by then, or is unreachable).
     unheard_until_monotonic_s: float = 0.0
+    # Its agent's probe server port (Hello.probe_port; 0: none, or an agent that has none).
+    probe_port: int = 0
 
     @property
     def topology(self) -> node_pb2.NodeTopology | None:
@@ -142,6 +144,7 @@ class ClusterState:
         record.hostname = hello.hostname
         record.agent_version = hello.agent_version
         record.interval_s = hello.interval_seconds
+        record.probe_port = hello.probe_port
         record.state = NodeState.NODE_STATE_UP
         record.last_seen_monotonic_s = now_mono
         record.last_seen_unix_s = now_unix

@@ -19,15 +19,12 @@ each node's workers start with (WorkerEnvCommand), or why there is none.
 
 from __future__ import annotations
 
-import ipaddress
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 
 from clusterwatch.coordinator.model.jobs import JobRecord
+from clusterwatch.coordinator.model.networks import nics, node_networks
 from clusterwatch.coordinator.model.state import NodeRecord
-from clusterwatch.v1 import node_pb2
 from clusterwatch.wire.worker_env import GLOO_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_SOCKET_IFNAME
-
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 def plan_worker_env(
@@ -46,7 +43,10 @@ def plan_worker_env(
     if not sockets:
         return env
     job_nodes = sorted(job.nodes())
-    by_node = {node_id: _networks(nodes.get(node_id)) for node_id in job_nodes}
+    by_node = {
+        node_id: {network: at.interface for network, at in node_networks(nodes.get(node_id)).items()}
+        for node_id in job_nodes
+    }
     if missing := [n for n, networks in by_node.items() if not networks]:
         return f"no interface addresses known for {', '.join(missing)} (no report yet, or an agent that does not report them)"
     avoided = set(sockets)
@@ -54,7 +54,7 @@ def plan_worker_env(
     speeds = {
         (node_id, nic.device): nic.speed_bytes_per_second
         for node_id in bad_nodes
-        for nic in _nics(nodes.get(node_id))
+        for nic in nics(nodes.get(node_id))
     }
     choices = sorted(
         {
@@ -80,25 +80,3 @@ def plan_worker_env(
         f"no network other than {named}'s reaches every node of job {job.job} "
         f"(tried {', '.join(str(network) for network, _, _ in choices)})"
     )
-
-
-def _nics(node: NodeRecord | None) -> Sequence[node_pb2.NicSample]:
-    report = node.report if node is not None else None
-    return report.nics if report is not None else ()
-
-
-def _networks(node: NodeRecord | None) -> dict[Network, str]:
-    """``{network: interface}`` of a node's up, addressed interfaces (first interface per network)."""
-    found: dict[Network, str] = {}
-    for nic in _nics(node):
-        if nic.device == "lo" or (nic.HasField("up") and not nic.up):
-            continue
-        for entry in nic.addresses:
-            try:
-                address = ipaddress.ip_interface(entry)
-            except ValueError:
-                continue
-            if address.ip.is_loopback or address.ip.is_link_local:
-                continue
-            found.setdefault(address.network, nic.device)
-    return found

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from google.protobuf.message import Message
 
-from clusterwatch.coordinator.recovery.launchers.protocol import answer_or_why
+from clusterwatch.coordinator.detection.diagnosis import answer_or_why
 from clusterwatch.v1 import agent_pb2
 
 SendCommand = Callable[[str, agent_pb2.Command, float], Awaitable[agent_pb2.CommandResult]]

@@ -1,8 +1,12 @@
 """A throttled link, found and routed around, for real: two "nodes" in network namespaces joined
 by two veth paths, a gloo job over path A under ``clusterwatch run``, path A shaped with
-``tc ... tbf``. clusterwatch names node 1 and its path-A interface from the shaper's counters,
-checkpoints, sets both nodes' GLOO_SOCKET_IFNAME to their path-B interfaces and restarts the
-job, whose ranks then talk over path B (their sockets say so) at the healthy step time.
+``tc ... tbf``. clusterwatch names the path-A interface, checkpoints, sets both nodes' GLOO_SOCKET_IFNAME
+to their path-B interfaces and restarts the job, whose ranks then talk over path B (their sockets
+say so) at the healthy step time. Two faults:
+
+* the shaper on node 1's own end of path A: its queue's counters name node 1 and the interface;
+* the shaper on a switch's port (path A runs through a bridge in a third namespace): no node's
+  counters see it, so the agents probe the job's paths and the probes name path A's two ends.
 
     root namespace: coordinator (on node 1's management address), test, rendezvous store
     cwn1: agent n1, torchrun        cwn2: agent n2, torchrun
@@ -39,6 +43,9 @@ JOB = "netjob"
 COMPUTE_MS = 100
 ALLREDUCE_BYTES = 1 << 20
 SHAPER = ("root", "tbf", "rate", "20mbit", "burst", "32kb", "latency", "100ms")
+# On the switch: a deeper queue that holds the job's bursts without dropping any, so no node's TCP
+# retransmits either: nothing a node counts gives the slow port away.
+SWITCH_SHAPER = ("root", "tbf", "rate", "20mbit", "burst", "32kb", "latency", "1s")
 HEALTHY_S = 8.0  # healthy steps first (the slowdown baseline needs 40), and the false-positive check
 RESOLVED = cluster_pb2.INCIDENT_STATE_RESOLVED
 
@@ -50,9 +57,12 @@ def run(*argv: str) -> None:
 class TwoNodes:
     """The namespaces and links of the module docstring; names carry the pid (parallel runs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, switched: bool) -> None:
         tag = os.getpid() % 100_000
         self.namespaces = (f"cwn1-{tag}", f"cwn2-{tag}")
+        # Path A through a bridge in a namespace of its own (its ports: toward node 1, node 2).
+        self.switch = f"cwsw-{tag}" if switched else ""
+        self.switch_ports = (f"cwp{tag}x", f"cwp{tag}y")
         self.path_a = (f"cwa{tag}x", f"cwa{tag}y")
         self.path_b = (f"cwb{tag}x", f"cwb{tag}y")
         self.path_s = (f"cws{tag}x", f"cws{tag}y")
@@ -65,11 +75,15 @@ class TwoNodes:
 
     def create(self) -> None:
         one, two = self.namespaces
-        for namespace in self.namespaces:
-            run("ip", "netns", "add", namespace)
-            run("ip", "-n", namespace, "link", "set", "lo", "up")
+        for namespace in (*self.namespaces, self.switch):
+            if namespace:
+                run("ip", "netns", "add", namespace)
+                run("ip", "-n", namespace, "link", "set", "lo", "up")
         for (x, y), subnet in ((self.path_a, 1), (self.path_b, 2), (self.path_s, 5)):
-            run("ip", "link", "add", x, "netns", one, "type", "veth", "peer", "name", y, "netns", two)
+            if subnet == 1 and self.switch:
+                self._switched(x, y)
+            else:
+                run("ip", "link", "add", x, "netns", one, "type", "veth", "peer", "name", y, "netns", two)
             run("ip", "-n", one, "addr", "add", f"10.81.{subnet}.1/24", "dev", x)
             run("ip", "-n", two, "addr", "add", f"10.81.{subnet}.2/24", "dev", y)
             run("ip", "-n", one, "link", "set", x, "up")
@@ -84,21 +98,50 @@ class TwoNodes:
         # Node 2 reaches the coordinator's address (the root namespace's, on node 1's link) over its own.
         run("ip", "-n", two, "route", "add", f"{self.coordinator_host}/32", "via", "10.81.4.254")
 
+    def _switched(self, x: str, y: str) -> None:
+        """Path A as node 1 -- switch port -- bridge -- switch port -- node 2."""
+        bridge = f"{self.switch_ports[0]}br"
+        run("ip", "-n", self.switch, "link", "add", bridge, "type", "bridge")
+        for port, end, namespace in zip(self.switch_ports, (x, y), self.namespaces, strict=True):
+            run(
+                "ip",
+                "link",
+                "add",
+                port,
+                "netns",
+                self.switch,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                end,
+                "netns",
+                namespace,
+            )
+            run("ip", "-n", self.switch, "link", "set", port, "master", bridge)
+            run("ip", "-n", self.switch, "link", "set", port, "up")
+        run("ip", "-n", self.switch, "link", "set", bridge, "up")
+
     def delete(self) -> None:
-        for namespace in self.namespaces:  # their veths go with them, the root ends too
-            subprocess.run(["ip", "netns", "del", namespace], check=False, timeout=30)
+        for namespace in (*self.namespaces, self.switch):  # their veths go with them, the root ends too
+            if namespace:
+                subprocess.run(["ip", "netns", "del", namespace], check=False, timeout=30)
 
     def shape_path_a(self) -> None:
-        run("tc", "-n", self.namespaces[0], "qdisc", "add", "dev", self.path_a[0], *SHAPER)
+        """Node 1's end of path A; or, switched, the switch's port toward node 1 (what node 2 sends it)."""
+        if self.switch:
+            run("tc", "-n", self.switch, "qdisc", "add", "dev", self.switch_ports[0], *SWITCH_SHAPER)
+        else:
+            run("tc", "-n", self.namespaces[0], "qdisc", "add", "dev", self.path_a[0], *SHAPER)
 
 
-@pytest.fixture
-def two_nodes() -> Iterator[TwoNodes]:
+@pytest.fixture(params=["shaped_node", "shaped_switch"])
+def two_nodes(request: pytest.FixtureRequest) -> Iterator[TwoNodes]:
     if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
         if os.environ.get("CI"):
             pytest.fail("CI runs as root with iproute2 (./dev installs it)")
         pytest.skip("needs root and iproute2 (ip, tc) for network namespaces")
-    nodes = TwoNodes()
+    nodes = TwoNodes(switched=request.param == "shaped_switch")
     try:
         nodes.create()
         yield nodes
@@ -222,8 +265,14 @@ def test_a_throttled_link_is_named_and_the_job_restarted_over_the_other_path(
 
         found = wait_for(slowdown, 60, "the slowdown to be found")
         assert found.cause == "network", found.summary
-        assert list(found.nodes) == ["n1"], found.summary
-        assert list(found.interfaces) == [f"n1/{two_nodes.path_a[0]}"], found.summary
+        x, y = two_nodes.path_a
+        if two_nodes.switch:  # probes: path A's two ends (two nodes cannot say which end is slow)
+            named, avoided = ["n1", "n2"], [f"n1/{x}", f"n2/{y}"]
+            assert found.evidence["probe_slow_paths"] >= 1, found.summary
+        else:  # the shaper's counters on node 1
+            named, avoided = ["n1"], [f"n1/{x}"]
+        assert list(found.nodes) == named, found.summary
+        assert list(found.interfaces) == avoided, found.summary
         during = [found.evidence["recent_step_seconds"]]
 
         def resolved() -> cluster_pb2.Incident | None:
@@ -233,7 +282,7 @@ def test_a_throttled_link_is_named_and_the_job_restarted_over_the_other_path(
         with coordinator.client() as client:
             (action,) = [a for a in client.actions(JOB) if a.action == "avoid_interface"]
         assert action.outcome == "done", action.detail
-        assert list(action.avoid_interfaces) == [f"n1/{two_nodes.path_a[0]}"]
+        assert list(action.avoid_interfaces) == avoided
         x, y = two_nodes.path_b
         assert (
             f"n1: GLOO_SOCKET_IFNAME={x} NCCL_SOCKET_IFNAME={x}; n2: GLOO_SOCKET_IFNAME={y}" in action.detail
@@ -256,7 +305,7 @@ def test_a_throttled_link_is_named_and_the_job_restarted_over_the_other_path(
         "step_during_s": statistics.median(during),
         "step_after_s": statistics.median(after),
     }
-    print("avoid_interface:", json.dumps(measured))
+    print(f"avoid_interface ({'switch' if two_nodes.switch else 'node'}):", json.dumps(measured))
     if out := os.environ.get("CLUSTERWATCH_BENCH_OUT"):
         Path(out).write_text(json.dumps(measured))
     assert measured["step_during_s"] > 2 * measured["step_before_s"], measured  # the shaper bit

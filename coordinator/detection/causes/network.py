@@ -29,6 +29,7 @@ from clusterwatch.coordinator.detection.causes.shared import (
     put,
     report_of,
 )
+from clusterwatch.coordinator.detection.probes import ProbeRound
 from clusterwatch.coordinator.detection.topology_advice import Placement, place
 from clusterwatch.coordinator.model.jobs import JobRecord, RankRecord
 from clusterwatch.coordinator.model.rates import counter_rate, nic_key, port_key
@@ -62,15 +63,20 @@ CORROBORATING_EVIDENCE = frozenset(
         "queue_drops_per_second",
         "queue_overlimits_per_second",
         "tcp_retransmit_ratio",
+        "probe_slow_paths",
     }
 )
-"""Evidence a transport itself gives (as opposed to timings compared across nodes): a network
-cause with any of it lets a communication-bound slowdown be flagged sooner
-(coordinator/detection/slowdowns.py, ``corroborated_duration_s``)."""
+"""Evidence a transport itself gives, or a probe of a path measured (as opposed to timings compared
+across nodes): a network cause with any of it lets a communication-bound slowdown be flagged
+sooner (coordinator/detection/slowdowns.py, ``corroborated_duration_s``), and lets recovery act."""
 
 
 def network_cause(
-    job: JobRecord, nodes: Mapping[str, NodeRecord], *, settings: CauseSettings = DEFAULT_SETTINGS
+    job: JobRecord,
+    nodes: Mapping[str, NodeRecord],
+    *,
+    settings: CauseSettings = DEFAULT_SETTINGS,
+    probes: ProbeRound | None = None,
 ) -> Cause:
     """The job's nodes whose network stands out, for a communication-bound job slowdown.
 
@@ -82,6 +88,8 @@ def network_cause(
         job: the job as the store holds it (read only).
         nodes: ``ClusterState.nodes``.
         settings: thresholds.
+        probes: the job's latest round of active probes (coordinator/detection/probes.py),
+            when fresh: where the nodes' counters name no node, slow paths it measured do.
 
     Returns:
         ``network`` with the culprit nodes (worst first; the evidence is the
@@ -119,10 +127,22 @@ def network_cause(
         signals = _network_signals(net, peers, busbw.get(node_id), settings)
         if signals.reasons:
             culprits.append(_Culprit(node_id, signals, _suspect_interface(net, used.get(node_id, set()))))
-    if any(CORROBORATING_EVIDENCE & c.signals.evidence.keys() for c in culprits):
+    corroborated = [c for c in culprits if CORROBORATING_EVIDENCE & c.signals.evidence.keys()]
+    verdict = probes.verdict if probes is not None else None
+    if corroborated:
         # A bad link slows its peers' collectives too: where a node's transport says what is
         # wrong, nodes that only measure slower (bus bandwidth, transmit wait) are its victims.
-        culprits = [c for c in culprits if CORROBORATING_EVIDENCE & c.signals.evidence.keys()]
+        culprits = corroborated
+    elif verdict is not None and verdict.nodes:
+        # What a probe measured of each path beats timings compared across nodes.
+        return Cause(
+            CauseName.NETWORK,
+            f"job {job.job} communicates slower; its nodes' counters name none, but probes of its paths "
+            f"do: {'; '.join(verdict.reasons)}",
+            verdict.evidence,
+            verdict.nodes,
+            verdict.interfaces,
+        )
     if culprits:
         culprits.sort(key=lambda c: (c.signals.level, -c.signals.magnitude, c.node_id))
         named = "; ".join(f"{c.node_id}{_where(c)}: {', '.join(c.signals.reasons)}" for c in culprits)
@@ -137,10 +157,11 @@ def network_cause(
     evidence: dict[str, float] = {}
     put(evidence, "bus_bandwidth_bytes_per_second", median(busbw.values()))
     put(evidence, "ib_transmit_wait_per_second", median(n.transmit_wait_per_s for n in networks.values()))
+    probed = f"; {probes.describe()}" if probes is not None else ""
     return Cause(
         CauseName.COMMUNICATION,
         f"job {job.job} communicates slower but none of its {len(hosting)} nodes stands out "
-        "(links up, no errors, transmit wait and bus bandwidth alike): the fabric or the "
+        f"(links up, no errors, transmit wait and bus bandwidth alike{probed}): the fabric or the "
         "job's communication as a whole",
         evidence,
     )

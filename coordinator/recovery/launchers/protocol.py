@@ -74,21 +74,6 @@ class Launcher(Protocol):
         ...
 
 
-async def answer_or_why(
-    answer: Awaitable[agent_pb2.CommandResult], timeout_s: float
-) -> agent_pb2.CommandResult | str:
-    """An agent's answer, or why there is none, in a few words (from what Coordinator.send_command
-    raises: KeyError, TimeoutError after ``timeout_s``, ConnectionError)."""
-    try:
-        return await answer
-    except KeyError:
-        return "not connected"
-    except TimeoutError:
-        return f"no answer within {timeout_s:.1f} s"
-    except ConnectionError as exc:
-        return f"stream closed ({exc})"
-
-
 def describe_failure(run: CommandRun) -> str:
     """A failed command, for a LaunchOutcome's detail: what ran and why it failed."""
     return f"`{run.shown()}` failed ({run.failure})"

@@ -12,12 +12,8 @@ import collections
 import logging
 from collections.abc import Collection, Mapping, Sequence
 
-from clusterwatch.coordinator.recovery.launchers.protocol import (
-    LaunchOutcome,
-    SendStop,
-    answer_or_why,
-    unique,
-)
+from clusterwatch.coordinator.detection.diagnosis import answer_or_why
+from clusterwatch.coordinator.recovery.launchers.protocol import LaunchOutcome, SendStop, unique
 from clusterwatch.v1 import agent_pb2
 from clusterwatch.wire.recovery_names import TORCHRUN
 

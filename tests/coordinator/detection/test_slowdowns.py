@@ -8,7 +8,11 @@ from collections.abc import Callable
 import pytest
 from training_builders import T0, rank_report, step
 
+from clusterwatch.config import DetectionSettings
+from clusterwatch.coordinator.detection.probes import ProbeRound, ProbeVerdict
+from clusterwatch.coordinator.detection.round import Detection
 from clusterwatch.coordinator.detection.slowdowns import SlowdownDetector, SlowdownFinding, SlowdownSettings
+from clusterwatch.coordinator.model.incidents import Kind
 from clusterwatch.coordinator.model.jobs import RUNNING, JobRecord, JobStore, RankRecord
 from clusterwatch.coordinator.model.step_ring import StepColumns, StepRing
 from clusterwatch.errors import ConfigError
@@ -553,3 +557,40 @@ def test_an_unconfirmed_provisional_slowdown_still_needs_min_duration_s_and_a_sh
     index, _ = first_finding(results) or (None, None)
     assert index is not None
     assert sum(sim.step_times_s[95 : 95 + index + 1]) >= SETTINGS.min_duration_s
+
+
+def test_a_round_asks_for_probes_halfway_and_flags_the_slowdown_once_they_name_a_path() -> None:
+    slow_path = ProbeVerdict(
+        ("node-0",),
+        (("node-0", "eth1"),),
+        ("node-0/eth1 -> node-1/eth1: 1.6 MB/s",),
+        {"probe_slow_paths": 1.0},
+        "",
+    )
+    rounds: dict[str, ProbeRound] = {}
+    detection = Detection(DetectionSettings(), rounds.get)
+    sim, unused = SyncJob(), SlowdownDetector()
+    sim.run(60, unused)
+    detection.run(sim.store.jobs, {}, 0.0)
+    asked_at = flagged = None
+    for index in range(80):
+        sim.run(1, unused, communication_s=3 * COMMUNICATION_S)
+        findings = detection.run(sim.store.jobs, {}, 0.0)
+        if asked_at is None and "train" in detection.wants_probe:
+            asked_at = index
+            rounds["train"] = ProbeRound(0.0, slow_path)  # the probes' verdict arrives
+        if findings:
+            (flagged,) = findings
+            break
+    assert asked_at is not None, "probes were never asked for"
+    assert flagged is not None, "the probes' verdict did not flag the slowdown"
+    # Here the 0.7 s steps reach min_slow_steps after corroborated_duration_s/2: asked at that step.
+    assert asked_at == SETTINGS.min_slow_steps - 1
+    assert sum(sim.step_times_s[60 : 60 + index + 1]) < SETTINGS.min_duration_s
+    assert (flagged.kind, flagged.cause, flagged.nodes, flagged.interfaces) == (
+        Kind.JOB_SLOWDOWN,
+        "network",
+        ("node-0",),
+        (("node-0", "eth1"),),
+    )
+    assert "train" not in detection.wants_probe, "explained: no more probes"

@@ -3,15 +3,10 @@ jobs and node reports built through the real stores."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 import pytest
-from training_builders import T0, rank_report, step
+from network_builders import job_on, nodes_with
 
-from clusterwatch.coordinator.model.jobs import JobRecord, JobStore
-from clusterwatch.coordinator.model.state import ClusterState, NodeRecord
 from clusterwatch.coordinator.recovery.interfaces import plan_worker_env
-from clusterwatch.v1 import agent_pb2, node_pb2
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -20,31 +15,6 @@ TWO_PATHS = {
     "node-1": {"cwa1": ["10.81.1.1/24"], "cwb1": ["10.81.2.1/24", "fe80::1/64"]},
     "node-2": {"cwa2": ["10.81.1.2/24"], "cwb2": ["10.81.2.2/24"]},
 }
-
-
-def nodes_with(
-    nics: Mapping[str, Mapping[str, Sequence[str]]], down: Sequence[str] = ()
-) -> dict[str, NodeRecord]:
-    state = ClusterState()
-    for node_id, devices in nics.items():
-        state.hello(
-            agent_pb2.Hello(node_id=node_id, hostname=node_id, instance_id="i", interval_seconds=1.0), 0.0, T0
-        )
-        report = node_pb2.NodeReport(sequence=1, timestamp_unix_seconds=T0, interval_seconds=1.0)
-        report.nics.add(device="lo", up=True, addresses=["127.0.0.1/8"])
-        for device, addresses in devices.items():
-            report.nics.add(device=device, up=device not in down, addresses=addresses)
-        state.ingest(node_id, report, 1.0, T0)
-    return state.nodes
-
-
-def job_on(nodes: Sequence[str], interfaces: Mapping[str, Sequence[str]]) -> JobRecord:
-    store = JobStore()
-    for index, node_id in enumerate(nodes):
-        report = rank_report(index, world_size=len(nodes), steps=[step(1)])
-        report.interfaces.extend(interfaces.get(node_id, ()))
-        store.ingest(node_id, [report], now_mono=1.0, now_unix=T0)
-    return store.jobs["train"]
 
 
 def test_the_job_moves_to_the_one_network_every_node_shares() -> None:
