@@ -256,7 +256,9 @@ class CommandHandler:
         """OK once the job's entry is in the file its workers read at start."""
         env = dict(command.env)
         try:
-            book.set(command.job, env, command.reason, command.expires_unix_seconds)
+            book.set(
+                command.job, env, command.reason, command.expires_unix_seconds, command.avoided_interfaces
+            )
         except (WorkerEnvError, OSError) as exc:
             return _answer(command_id, ok=False, message=f"worker environment not set: {exc}")
         shown = " ".join(f"{key}={value}" for key, value in sorted(env.items())) or "cleared"

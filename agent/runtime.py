@@ -163,6 +163,7 @@ class Agent:
             if settings.socket
             else None
         )
+        self.worker_env = WorkerEnvBook(Path(env_file_path(settings.socket))) if self.hook_server else None
         self.commands = CommandHandler(
             checkpoint_relay=self.hook_links if self.hook_server else None,
             process_lookup=self.ranks if self.hook_server else None,
@@ -170,7 +171,7 @@ class Agent:
             stopper=WorkerStopper(
                 gpu_pids=self.gpu_pids_in_use, gpu_check_timeout_s=3 * settings.interval_s + 5.0
             ),
-            worker_env=WorkerEnvBook(Path(env_file_path(settings.socket))) if self.hook_server else None,
+            worker_env=self.worker_env,
         )
         self.uplink = Uplink(
             settings.coordinator,
@@ -235,6 +236,8 @@ class Agent:
         changed = self.topology.take_change()
         if changed is not None:
             report.topology.CopyFrom(changed)
+        if self.worker_env is not None:
+            report.worker_env.extend(self.worker_env.report())
         report.timestamp_unix_seconds = time.time()
         return report
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from clusterwatch.v1 import node_pb2
 from clusterwatch.wire.worker_env import WorkerEnv, WorkerEnvError, check_env, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,16 @@ class WorkerEnvBook:
         now = self._clock()
         return {job: entry for job, entry in self._entries.items() if entry.live(now)}
 
-    def set(self, job: str, env: Mapping[str, str], reason: str, expires_unix_s: float) -> None:
-        """Give ``job``'s workers that start from now ``env`` (empty: clear its entry).
+    def set(
+        self,
+        job: str,
+        env: Mapping[str, str],
+        reason: str,
+        expires_unix_s: float,
+        avoided: Sequence[str] = (),
+    ) -> None:
+        """Give ``job``'s workers that start from now ``env`` (empty: clear its entry), to keep them off
+        ``avoided`` ("NODE/INTERFACE").
 
         Raises:
             WorkerEnvError: a variable that may not be set, or no job.
@@ -57,11 +66,24 @@ class WorkerEnvBook:
         check_env(env)
         entries = self.entries()
         if env:
-            entries[job] = WorkerEnv(dict(env), reason, expires_unix_s)
+            entries[job] = WorkerEnv(dict(env), reason, expires_unix_s, tuple(avoided))
         else:
             entries.pop(job, None)
         self._write(entries)
         self._entries = entries
+
+    def report(self) -> list[node_pb2.WorkerEnvEntry]:
+        """The live entries, for the node report (which jobs are kept off which interfaces)."""
+        return [
+            node_pb2.WorkerEnvEntry(
+                job=job,
+                env=entry.env,
+                reason=entry.reason,
+                expires_unix_seconds=entry.expires_unix_s,
+                avoided_interfaces=entry.avoided,
+            )
+            for job, entry in sorted(self.entries().items())
+        ]
 
     def _write(self, entries: Mapping[str, WorkerEnv]) -> None:
         staging = self.path.with_name(f".{self.path.name}.{os.getpid()}")

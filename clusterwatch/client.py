@@ -14,7 +14,7 @@ from clusterwatch.runtime.grpc_options import CHANNEL_OPTIONS
 from clusterwatch.runtime.reach import tls_paths, why_unreachable
 from clusterwatch.runtime.tls import credentials
 from clusterwatch.v1 import cluster_pb2, cluster_pb2_grpc
-from clusterwatch.wire.recovery_names import restart_action
+from clusterwatch.wire.recovery_names import RESTORE_INTERFACES, restart_action
 
 
 class ClusterClient:
@@ -118,6 +118,17 @@ class ClusterClient:
         """
         action = restart_action(exclude_nodes)
         request = cluster_pb2.ActionRequest(job=job, action=action, exclude_nodes=exclude_nodes or [])
+        return self._stub.RequestAction(
+            request, timeout=self.timeout_s, wait_for_ready=True, metadata=self._admin
+        )
+
+    def restore_interfaces(self, job: str) -> cluster_pb2.ActionResponse:
+        """Let ``job``'s workers use the interfaces avoid_interface kept them off again (from their next start).
+
+        Raises:
+            grpc.RpcError: NOT_FOUND (no node keeps the job off an interface), INVALID_ARGUMENT.
+        """
+        request = cluster_pb2.ActionRequest(job=job, action=RESTORE_INTERFACES)
         return self._stub.RequestAction(
             request, timeout=self.timeout_s, wait_for_ready=True, metadata=self._admin
         )

@@ -358,7 +358,14 @@ class RecoverySettings:
         choices=NETWORK_ACTIONS,
     )
     avoid_interface_hold_s: float = setting(
-        3600.0, "how long a job stays off an interface avoid_interface moved it from", positive=True
+        3600.0,
+        "a job stays off an interface avoid_interface moved it from until the interface has measured "
+        "healthy this long (probed every avoid_interface_recheck_s; without probes, this long after the "
+        "move), or a person restores it (clusterwatch restore-interfaces)",
+        positive=True,
+    )
+    avoid_interface_recheck_s: float = setting(
+        60.0, "seconds between probes of the interfaces jobs are kept off", positive=True
     )
     max_restarts_per_hour: int = setting(
         3, "restarts of one job per hour before it is left to a person", minimum=0

@@ -41,6 +41,7 @@ from clusterwatch.coordinator.metrics.recovery import RecoveryView, recovery_vie
 from clusterwatch.coordinator.model.event_log import EventLog, StateHealth
 from clusterwatch.coordinator.model.retention import SECONDS_PER_DAY, keep_pruned
 from clusterwatch.coordinator.recovery.actions import Actions
+from clusterwatch.coordinator.recovery.avoidance import AvoidanceWatch
 from clusterwatch.coordinator.recovery.executor import Recovery
 from clusterwatch.coordinator.recovery.launchers import (
     Launcher,
@@ -172,7 +173,16 @@ class CoordinatorServer:
             nodes=lambda: self.core.state.nodes,
             send_command=self.core.send_command,
         )
+        self.avoidance = AvoidanceWatch(
+            self.core.send_command,
+            nodes=lambda: self.core.state.nodes,
+            jobs=lambda: self.core.jobs.jobs,
+            hold_s=lambda: self.recovery.settings.avoid_interface_hold_s,
+            recheck_s=lambda: self.recovery.settings.avoid_interface_recheck_s,
+            wall_clock=time.time,
+        )
         self.actions.recovery = self.recovery
+        self.actions.avoidance = self.avoidance
         self.core.job_ended_listeners.append(self.recovery.forget_job)
         self.grpc_port = 0
         self.api_port: int | None = None
@@ -322,6 +332,7 @@ class CoordinatorServer:
             asyncio.create_task(self.core.tick_acks(), name="acks"),
             asyncio.create_task(self._watch_incidents(), name="detection"),
             asyncio.create_task(self.recovery.run(), name="recovery"),
+            asyncio.create_task(self.avoidance.run(), name="avoided interfaces"),
         ]
         if self.settings.history_retention_days > 0:
             retention_s = self.settings.history_retention_days * SECONDS_PER_DAY

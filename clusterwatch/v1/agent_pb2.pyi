@@ -439,6 +439,7 @@ class WorkerEnvCommand(_message.Message):
     ENV_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     EXPIRES_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    AVOIDED_INTERFACES_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     reason: _builtins.str
     """Why, for the agent's log and the hook's warning."""
@@ -446,6 +447,12 @@ class WorkerEnvCommand(_message.Message):
     """When the entry lapses (the interface is tried again); 0: never."""
     @_builtins.property
     def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def avoided_interfaces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The interfaces the entry keeps the job off, "NODE/INTERFACE" (every node's
+        entry lists all of them): what the coordinator probes to lift it.
+        """
+
     def __init__(
         self,
         *,
@@ -453,10 +460,11 @@ class WorkerEnvCommand(_message.Message):
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         reason: _builtins.str = ...,
         expires_unix_seconds: _builtins.float = ...,
+        avoided_interfaces: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env", "expires_unix_seconds", b"expires_unix_seconds", "job", b"job", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["avoided_interfaces", b"avoided_interfaces", "env", b"env", "expires_unix_seconds", b"expires_unix_seconds", "job", b"job", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1166,8 +1166,9 @@ class ActionRequest(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     action: _builtins.str
-    """"checkpoint", "restart", "checkpoint_and_restart" or
-    "exclude_node_and_restart" (needs exclude_nodes).
+    """"checkpoint", "restart", "checkpoint_and_restart",
+    "exclude_node_and_restart" (needs exclude_nodes), or "restore_interfaces"
+    (the job's nodes forget the interfaces avoid_interface kept it off).
     """
     idempotency_key: _builtins.str
     step: _builtins.int

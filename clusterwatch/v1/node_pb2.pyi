@@ -1226,6 +1226,7 @@ class NodeReport(_message.Message):
     RANKS_FIELD_NUMBER: _builtins.int
     TOPOLOGY_FIELD_NUMBER: _builtins.int
     TCP_FIELD_NUMBER: _builtins.int
+    WORKER_ENV_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """1, 2, 3... per agent instance; see Hello.instance_id."""
     timestamp_unix_seconds: _builtins.float
@@ -1261,6 +1262,12 @@ class NodeReport(_message.Message):
     def tcp(self) -> Global___TcpSample:
         """Unset when /proc/net/snmp could not be read."""
 
+    @_builtins.property
+    def worker_env(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerEnvEntry]:
+        """The live worker environments this agent gives starting workers
+        (WorkerEnvCommand): which jobs are kept off which interfaces, until when.
+        """
+
     def __init__(
         self,
         *,
@@ -1277,10 +1284,11 @@ class NodeReport(_message.Message):
         ranks: _abc.Iterable[_training_pb2.RankReport] | None = ...,
         topology: Global___NodeTopology | None = ...,
         tcp: Global___TcpSample | None = ...,
+        worker_env: _abc.Iterable[Global___WorkerEnvEntry] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_tcp", b"_tcp", "_topology", b"_topology", "gpu_inventory", b"gpu_inventory", "host", b"host", "tcp", b"tcp", "topology", b"topology"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tcp", b"_tcp", "_topology", b"_topology", "collectors", b"collectors", "gpu_inventory", b"gpu_inventory", "gpus", b"gpus", "host", b"host", "ib_ports", b"ib_ports", "interval_seconds", b"interval_seconds", "nics", b"nics", "ranks", b"ranks", "reports_dropped_total", b"reports_dropped_total", "sequence", b"sequence", "tcp", b"tcp", "timestamp_unix_seconds", b"timestamp_unix_seconds", "topology", b"topology"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tcp", b"_tcp", "_topology", b"_topology", "collectors", b"collectors", "gpu_inventory", b"gpu_inventory", "gpus", b"gpus", "host", b"host", "ib_ports", b"ib_ports", "interval_seconds", b"interval_seconds", "nics", b"nics", "ranks", b"ranks", "reports_dropped_total", b"reports_dropped_total", "sequence", b"sequence", "tcp", b"tcp", "timestamp_unix_seconds", b"timestamp_unix_seconds", "topology", b"topology", "worker_env", b"worker_env"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__tcp: _TypeAlias = _typing.Literal["tcp"]  # noqa: Y015
     _WhichOneofArgType__tcp: _TypeAlias = _typing.Literal["_tcp", b"_tcp"]  # noqa: Y015
@@ -1292,3 +1300,56 @@ class NodeReport(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__topology) -> _WhichOneofReturnType__topology | None: ...
 
 Global___NodeReport: _TypeAlias = NodeReport  # noqa: Y015
+
+@_typing.final
+class WorkerEnvEntry(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EnvEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    JOB_FIELD_NUMBER: _builtins.int
+    ENV_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    EXPIRES_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    AVOIDED_INTERFACES_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    reason: _builtins.str
+    expires_unix_seconds: _builtins.float
+    @_builtins.property
+    def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def avoided_interfaces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        reason: _builtins.str = ...,
+        expires_unix_seconds: _builtins.float = ...,
+        avoided_interfaces: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["avoided_interfaces", b"avoided_interfaces", "env", b"env", "expires_unix_seconds", b"expires_unix_seconds", "job", b"job", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerEnvEntry: _TypeAlias = WorkerEnvEntry  # noqa: Y015

@@ -69,6 +69,9 @@ MAX_ENTRIES: dict[str, int] = {
     # One per training process on the node (one per core for CPU jobs), plus those that exited
     # (agent/hook_limits.py keeps a node's live ranks at most this many).
     f"{V1}NodeReport.ranks": 1024,
+    # One per job the agent gives starting workers an environment (avoid_interface).
+    f"{V1}NodeReport.worker_env": 1024,
+    f"{V1}WorkerEnvEntry.avoided_interfaces": 64,
     f"{V1}GpuSample.nvlinks": MAX_NVLINKS,
     # Distinct XID codes (they are below 200 today).
     f"{V1}GpuSample.xid_errors": 1024,
@@ -86,6 +89,7 @@ MAX_ENTRIES: dict[str, int] = {
     f"{V1}Hello.capabilities": 64,
     f"{V1}CommandResult.diagnoses": 4096,
     f"{V1}CommandResult.stopped": 4096,
+    f"{V1}CommandResult.probes": 16,  # agent/commands.py MAX_PROBE_TARGETS
 }
 DEFAULT_MAX_ENTRIES = 1024
 # Repeated strings, and how long each element may be (ids; blind spots are sentences).
@@ -96,4 +100,5 @@ REPEATED_STRING_CHARS: dict[str, int] = {
     f"{V1}Heartbeat.blind_spots": MAX_TEXT_CHARS,
     f"{V1}NicSample.addresses": MAX_ID_CHARS,
     f"{V1}RankReport.interfaces": MAX_ID_CHARS,
+    f"{V1}WorkerEnvEntry.avoided_interfaces": MAX_ID_CHARS,
 }

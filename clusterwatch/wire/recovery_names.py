@@ -16,6 +16,7 @@ EXCLUDE_NODE_AND_RESTART = "exclude_node_and_restart"
 STOP_ORPHANS = "stop_orphans"
 AVOID_INTERFACE = "avoid_interface"
 REBALANCE = "rebalance"
+RESTORE_INTERFACES = "restore_interfaces"
 
 # What ``hang_action``, ``rank_failure_action``, ``straggler_action`` and ``node_failure_action`` may be.
 POLICY_ACTIONS = (ALERT, CHECKPOINT, RESTART, CHECKPOINT_AND_RESTART, EXCLUDE_NODE_AND_RESTART)
@@ -26,7 +27,7 @@ ORPHAN_ACTIONS = (ALERT, STOP_ORPHANS)
 # The actions that stop a job's workers for its launcher to start them again.
 RESTARTS = frozenset({RESTART, CHECKPOINT_AND_RESTART, EXCLUDE_NODE_AND_RESTART, AVOID_INTERFACE})
 # What an operator may ask for (RequestAction): the policy's decisions are its own.
-REQUESTABLE = (CHECKPOINT, RESTART, EXCLUDE_NODE_AND_RESTART)
+REQUESTABLE = (CHECKPOINT, RESTART, EXCLUDE_NODE_AND_RESTART, RESTORE_INTERFACES)
 
 # The launcher adapters of coordinator/recovery/launchers/ (registry.py builds each kind).
 TORCHRUN, SLURM, KUBERNETES = "torchrun", "slurm", "kubernetes"

@@ -41,11 +41,13 @@ class WorkerEnvError(ClusterwatchError):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkerEnv:
-    """One job's entry: the variables, why, and when it lapses (0: never)."""
+    """One job's entry: the variables, why, when it lapses (0: never), and the interfaces it keeps
+    the job off ("NODE/INTERFACE")."""
 
     env: dict[str, str]
     reason: str = ""
     expires_unix_s: float = 0.0
+    avoided: tuple[str, ...] = ()
 
     def live(self, now_unix_s: float) -> bool:
         return not self.expires_unix_s or now_unix_s < self.expires_unix_s
@@ -67,7 +69,12 @@ def check_env(env: Mapping[str, str]) -> None:
 
 def encode(entries: Mapping[str, WorkerEnv]) -> bytes:
     jobs = {
-        job: {"env": dict(entry.env), "reason": entry.reason, "expires_unix_s": entry.expires_unix_s}
+        job: {
+            "env": dict(entry.env),
+            "reason": entry.reason,
+            "expires_unix_s": entry.expires_unix_s,
+            "avoided": list(entry.avoided),
+        }
         for job, entry in sorted(entries.items())
     }
     return (json.dumps({"version": FORMAT_VERSION, "jobs": jobs}, indent=1) + "\n").encode()
@@ -89,6 +96,7 @@ def decode(data: bytes) -> dict[str, WorkerEnv]:
                 {str(k): str(v) for k, v in entry["env"].items()},
                 str(entry.get("reason", "")),
                 float(entry.get("expires_unix_s", 0.0)),
+                tuple(str(name) for name in entry.get("avoided", ())),
             )
             for job, entry in jobs.items()
         }

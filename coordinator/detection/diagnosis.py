@@ -20,6 +20,8 @@ from clusterwatch.v1 import agent_pb2, training_pb2
 logger = logging.getLogger(__name__)
 
 SendCommand = Callable[[str, agent_pb2.Command, float], Awaitable[agent_pb2.CommandResult]]
+"""Send one node's agent a command and wait (at most the given seconds) for its result; raises
+KeyError (not connected), TimeoutError or ConnectionError (stream closed), like Coordinator.send_command."""
 
 # py-spy takes ~25 ms per process; the agent's own limit is 5 s per dump.
 DIAGNOSE_TIMEOUT_S = 15.0

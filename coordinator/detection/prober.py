@@ -20,6 +20,7 @@ from clusterwatch.coordinator.detection.probes import (
     PROBE_TIMEOUT_S,
     ProbePlan,
     ProbeRound,
+    ProbeVerdict,
     judge_probes,
     path_results,
     plan_probes,
@@ -89,16 +90,7 @@ class Prober:
         await self._tasks.close()
 
     async def _run(self, job: str, plan: ProbePlan) -> None:
-        answers: dict[str, agent_pb2.CommandResult] = {}
-        for wave in plan.waves:
-            results = await asyncio.gather(*(self._probe(node, command) for node, command in wave.items()))
-            answers.update(zip(wave, results, strict=True))
-        paths, problems = path_results(plan, answers)
-        verdict = judge_probes(paths)
-        if problems:
-            verdict = dataclasses.replace(
-                verdict, summary=f"{verdict.summary}; not measured: {'; '.join(problems)}"
-            )
+        verdict = await run_probes(self._send, plan)
         self.rounds[job] = ProbeRound(self._clock(), verdict)
         self.rounds_total += 1
         logger.info(
@@ -108,9 +100,25 @@ class Prober:
             f"; slow: {'; '.join(verdict.reasons)}" if verdict.reasons else "",
         )
 
-    async def _probe(self, node: str, command: agent_pb2.ProbeCommand) -> agent_pb2.CommandResult:
-        timeout_s = len(command.targets) * PROBE_TIMEOUT_S + COMMAND_SLACK_S
-        answer = await answer_or_why(self._send(node, agent_pb2.Command(probe=command), timeout_s), timeout_s)
-        if isinstance(answer, str):
-            return agent_pb2.CommandResult(status=agent_pb2.CommandResult.STATUS_FAILED, message=answer)
-        return answer
+
+async def run_probes(send: SendCommand, plan: ProbePlan) -> ProbeVerdict:
+    """Carry out ``plan`` (its waves one after another, each wave's nodes at once) and judge it."""
+    answers: dict[str, agent_pb2.CommandResult] = {}
+    for wave in plan.waves:
+        results = await asyncio.gather(*(_probe(send, node, command) for node, command in wave.items()))
+        answers.update(zip(wave, results, strict=True))
+    paths, problems = path_results(plan, answers)
+    verdict = judge_probes(paths)
+    if problems:
+        verdict = dataclasses.replace(
+            verdict, summary=f"{verdict.summary}; not measured: {'; '.join(problems)}"
+        )
+    return verdict
+
+
+async def _probe(send: SendCommand, node: str, command: agent_pb2.ProbeCommand) -> agent_pb2.CommandResult:
+    timeout_s = len(command.targets) * PROBE_TIMEOUT_S + COMMAND_SLACK_S
+    answer = await answer_or_why(send(node, agent_pb2.Command(probe=command), timeout_s), timeout_s)
+    if isinstance(answer, str):
+        return agent_pb2.CommandResult(status=agent_pb2.CommandResult.STATUS_FAILED, message=answer)
+    return answer

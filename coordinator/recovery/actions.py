@@ -20,6 +20,7 @@ from typing import Protocol
 
 from clusterwatch.coordinator.ingest.core import Coordinator
 from clusterwatch.coordinator.model.jobs import JobRecord
+from clusterwatch.coordinator.recovery.avoidance import AvoidanceWatch
 from clusterwatch.coordinator.recovery.node_commands import why_not
 from clusterwatch.errors import (
     FailedPreconditionError,
@@ -28,7 +29,13 @@ from clusterwatch.errors import (
     UnimplementedError,
 )
 from clusterwatch.v1 import agent_pb2, cluster_pb2
-from clusterwatch.wire.recovery_names import CHECKPOINT, EXCLUDE_NODE_AND_RESTART, REQUESTABLE, RESTARTS
+from clusterwatch.wire.recovery_names import (
+    CHECKPOINT,
+    EXCLUDE_NODE_AND_RESTART,
+    REQUESTABLE,
+    RESTARTS,
+    RESTORE_INTERFACES,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +89,8 @@ class Actions:
         self._relay_timeout_s = relay_timeout_s
         # Set by the server once recovery exists (restart actions need it).
         self.recovery: RestartRequests | None = None
+        # Set by the server (restore_interfaces needs it).
+        self.avoidance: AvoidanceWatch | None = None
         # idempotency key -> (job, action id, step)
         self._decided: collections.OrderedDict[str, tuple[str, str, int]] = collections.OrderedDict()
 
@@ -112,6 +121,8 @@ class Actions:
             raise InvalidRequestError("job is empty")
         if request.action in RESTARTS:
             return await self._restart(request, requested_by)
+        if request.action == RESTORE_INTERFACES:
+            return await self._restore_interfaces(request, requested_by)
         if request.exclude_nodes:
             raise InvalidRequestError("exclude_nodes does not apply to checkpoint: every rank must save")
         job = self._core.jobs.jobs.get(request.job)
@@ -143,6 +154,18 @@ class Actions:
             message += "; " + "; ".join(problems)
         logger.info("action %s: %s", action_id, message)
         return cluster_pb2.ActionResponse(action_id=action_id, message=message, step=step)
+
+    async def _restore_interfaces(
+        self, request: cluster_pb2.ActionRequest, requested_by: str
+    ) -> cluster_pb2.ActionResponse:
+        if request.exclude_nodes:
+            raise InvalidRequestError("exclude_nodes does not apply to restore_interfaces")
+        if self.avoidance is None:
+            raise UnimplementedError("this coordinator does not keep jobs off interfaces")
+        message = await self.avoidance.restore(request.job)
+        action_id = f"restore-{uuid.uuid4().hex[:12]}"
+        logger.info("action %s by %s: %s", action_id, requested_by, message)
+        return cluster_pb2.ActionResponse(action_id=action_id, message=message)
 
     async def checkpoint_now(self, job: str, timeout_s: float) -> int:
         """Ask every rank of ``job`` to checkpoint and wait until all acknowledged; the step.

@@ -62,6 +62,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from clusterwatch import config
 from clusterwatch.config import RecoverySettings
 from clusterwatch.coordinator.background import BackgroundTasks, every
+from clusterwatch.coordinator.detection.diagnosis import SendCommand
 from clusterwatch.coordinator.detection.orphans import orphan_pids
 from clusterwatch.coordinator.detection.watchdog import Watchdog
 from clusterwatch.coordinator.model.event_log import EventLog
@@ -76,12 +77,7 @@ from clusterwatch.coordinator.recovery.launchers.torchrun import (
     stop_on_node,
     summarise_stops,
 )
-from clusterwatch.coordinator.recovery.node_commands import (
-    SendCommand,
-    describe,
-    send_each,
-    worker_env_commands,
-)
+from clusterwatch.coordinator.recovery.node_commands import describe, send_each, worker_env_commands
 from clusterwatch.coordinator.recovery.policy import (
     HOUR_S,
     Decision,
@@ -474,7 +470,13 @@ class Recovery:
         reason = f"{record.action} {record.id}: {record.reason}"
         answers = await send_each(
             self._send_command,
-            worker_env_commands(record.job, plan, reason=reason, expires_unix_s=expires_unix_s),
+            worker_env_commands(
+                record.job,
+                plan,
+                reason=reason,
+                expires_unix_s=expires_unix_s,
+                avoided=record.avoid_interfaces,
+            ),
         )
         if not_taken := [f"{node} ({why})" for node, why in answers.items() if why]:
             # Half a move is worse than none: the nodes that took it forget it again.

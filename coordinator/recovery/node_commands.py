@@ -5,16 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping, Sequence
 
 from google.protobuf.message import Message
 
-from clusterwatch.coordinator.detection.diagnosis import answer_or_why
+from clusterwatch.coordinator.detection.diagnosis import SendCommand, answer_or_why
 from clusterwatch.v1 import agent_pb2
 
-SendCommand = Callable[[str, agent_pb2.Command, float], Awaitable[agent_pb2.CommandResult]]
-"""Send one node's agent a command and wait (at most the given seconds) for its result; raises
-KeyError (not connected), TimeoutError or ConnectionError (stream closed), like Coordinator.send_command."""
 ANSWER_TIMEOUT_S = 10.0
 
 Status = agent_pb2.CommandResult.Status
@@ -35,12 +32,22 @@ def describe(plan: Mapping[str, Mapping[str, str]]) -> str:
 
 
 def worker_env_commands(
-    job: str, plan: Mapping[str, Mapping[str, str]], *, reason: str, expires_unix_s: float
+    job: str,
+    plan: Mapping[str, Mapping[str, str]],
+    *,
+    reason: str,
+    expires_unix_s: float,
+    avoided: Sequence[str] = (),
 ) -> dict[str, Message]:
-    """Each node's WorkerEnvCommand for ``plan`` (an empty environment clears the job's entry)."""
+    """Each node's WorkerEnvCommand for ``plan`` (an empty environment clears the job's entry), keeping
+    the job off ``avoided`` ("NODE/INTERFACE")."""
     return {
         node: agent_pb2.WorkerEnvCommand(
-            job=job, env=dict(env), reason=reason, expires_unix_seconds=expires_unix_s
+            job=job,
+            env=dict(env),
+            reason=reason,
+            expires_unix_seconds=expires_unix_s,
+            avoided_interfaces=avoided,
         )
         for node, env in plan.items()
     }

@@ -70,6 +70,23 @@ def test_entries_of_other_jobs_stay_and_an_empty_env_clears_one(socket_path: str
     assert set(WorkerEnvBook(book.path).entries()) == {"eval"}, "a restarted agent reads the file back"
 
 
+def test_what_an_entry_keeps_the_job_off_is_kept_and_reported(socket_path: str) -> None:
+    book = WorkerEnvBook(Path(env_file_path(socket_path)))
+    set_it = command("train", MOVE)
+    set_it.worker_env.avoided_interfaces.extend(["n1/cwa1", "n2/cwa2"])
+    set_it.worker_env.expires_unix_seconds = 4e9
+
+    assert handle(CommandHandler(worker_env=book), set_it).status == Status.STATUS_OK
+
+    (reported,) = WorkerEnvBook(book.path).report()  # read back as a restarted agent would
+    assert (reported.job, dict(reported.env), list(reported.avoided_interfaces)) == (
+        "train",
+        MOVE,
+        ["n1/cwa1", "n2/cwa2"],
+    )
+    assert (reported.reason, reported.expires_unix_seconds) == ("incident job_slowdown-1", 4e9)
+
+
 @pytest.mark.parametrize(
     ("env", "wanted"),
     [

@@ -29,6 +29,7 @@ COMMANDS = {
     "topology": ["topology"],
     "checkpoint": ["checkpoint", "--job", "j"],
     "restart": ["restart", "--job", "j"],
+    "restore-interfaces": ["restore-interfaces", "--job", "j"],
     "job": ["job", "end", "--job", "j"],
 }
 

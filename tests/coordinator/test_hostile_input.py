@@ -880,10 +880,15 @@ def violations(descriptor: Any, path: str = "", at: Callable[[Any], Any] = lambd
                     found.append((f"{name}[", lambda r, c=container, n=chars: c(r).append("x" * (n + 1))))
                 continue
             if fd.message_type.GetOptions().map_entry:
+                value_field = fd.message_type.fields_by_name["value"]
+                v: object = "x" if value_field.type == value_field.TYPE_STRING else 1
                 found.append(
-                    (name, lambda r, c=container, n=limit: c(r).update({f"k{i}": 1 for i in range(n + 1)}))
+                    (
+                        name,
+                        lambda r, c=container, n=limit, v=v: c(r).update({f"k{i}": v for i in range(n + 1)}),
+                    )
                 )
-                found.append((f"{name}[", lambda r, c=container: c(r).__setitem__("k" * 300, 1)))
+                found.append((f"{name}[", lambda r, c=container, v=v: c(r).__setitem__("k" * 300, v)))
                 continue
             message_class = GetMessageClass(fd.message_type)
             found.append(

@@ -30,11 +30,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import psutil
 import pytest
 from helpers import Cluster, Coordinator, incidents, job_status, wait_for
 
 from clusterwatch.v1 import cluster_pb2
+from clusterwatch.wire.worker_env import WorkerEnv, decode, env_file_path
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -127,6 +129,9 @@ class TwoNodes:
             if namespace:
                 subprocess.run(["ip", "netns", "del", namespace], check=False, timeout=30)
 
+    def unshape_path_a(self) -> None:
+        run("tc", "-n", self.switch, "qdisc", "del", "dev", self.switch_ports[0], "root")
+
     def shape_path_a(self) -> None:
         """Node 1's end of path A; or, switched, the switch's port toward node 1 (what node 2 sends it)."""
         if self.switch:
@@ -210,11 +215,67 @@ def step_times(coordinator: Coordinator, seconds: float) -> list[float]:
     return list(seen.values())
 
 
+def entry_of(cluster: Cluster, node: str) -> WorkerEnv | None:
+    """The job's live entry in ``node``'s worker environment file (what its agent gives new workers)."""
+    path = Path(env_file_path(str(cluster.socket_path(node))))
+    entry = decode(path.read_bytes()).get(JOB) if path.exists() else None
+    return entry if entry is not None and entry.live(time.time()) else None
+
+
+def lift_once_healthy(cluster: Cluster, two_nodes: TwoNodes, avoided: list[str]) -> None:
+    """While the switch port is still shaped, the avoidance is renewed (probes find path A slow);
+    once it is not, it lapses the hold after the last slow probe."""
+    first = entry_of(cluster, "n1")
+    assert first is not None
+    assert sorted(first.avoided) == avoided
+    renewed = wait_for(
+        lambda: (
+            (e := entry_of(cluster, "n1")) is not None and e.expires_unix_s > first.expires_unix_s + 1 and e
+        ),
+        30,
+        "the avoidance renewed while path A probes slow",
+    )
+    two_nodes.unshape_path_a()
+    healthy_since = time.time()
+    wait_for(
+        lambda: entry_of(cluster, "n1") is None and entry_of(cluster, "n2") is None,
+        60,
+        "the avoidance to lapse",
+    )
+    lapsed_after_s = time.time() - healthy_since
+    # Not before the hold from the last renewal, which came no later than one recheck after the fix.
+    assert lapsed_after_s >= renewed.expires_unix_s - healthy_since - 0.5, lapsed_after_s
+
+
+def restore_by_request(cluster: Cluster, coordinator: Coordinator) -> None:
+    """A person gives the interface back: both nodes forget the job's entry; once their next reports
+    say so, there is nothing left to restore."""
+    assert entry_of(cluster, "n1") is not None
+    with coordinator.client() as client:
+        response = client.restore_interfaces(JOB)
+        assert "on n1, n2" in response.message, response.message
+        assert entry_of(cluster, "n1") is None
+        assert entry_of(cluster, "n2") is None
+
+        def not_found() -> bool:
+            try:
+                client.restore_interfaces(JOB)
+            except grpc.RpcError as exc:
+                return exc.code() == grpc.StatusCode.NOT_FOUND
+            return False
+
+        wait_for(not_found, 10, "the nodes' reports to say nothing is avoided")
+
+
 def test_a_throttled_link_is_named_and_the_job_restarted_over_the_other_path(
     cluster: Cluster, tmp_path: Path, two_nodes: TwoNodes, rendezvous_port: int
 ) -> None:
+    # Switched: the avoided port is probed every 2 s, held 20 s past its last slow probe (lifted below).
+    holding = (
+        ("--avoid-interface-recheck-s", "2", "--avoid-interface-hold-s", "20") if two_nodes.switch else ()
+    )
     coordinator = cluster.coordinator(
-        "--cooldown-s", "0", "--restart-grace-s", "3", host=two_nodes.coordinator_host
+        "--cooldown-s", "0", "--restart-grace-s", "3", *holding, host=two_nodes.coordinator_host
     )
     nodes = ("n1", "n2")
     for node, name in enumerate(nodes):
@@ -290,6 +351,10 @@ def test_a_throttled_link_is_named_and_the_job_restarted_over_the_other_path(
 
         wait_for(lambda: on_path(coordinator, two_nodes.path_b), 60, "the restarted ranks' sockets on path B")
         after = step_times(coordinator, HEALTHY_S)
+        if two_nodes.switch:
+            lift_once_healthy(cluster, two_nodes, avoided)
+        else:
+            restore_by_request(cluster, coordinator)
         (tmp_path / "stop").touch()
         for job in jobs:
             assert job.wait(120) == 0, job.log()
