@@ -11,7 +11,9 @@ For every ``<sys_root>/class/infiniband/<dev>/ports/<port>/`` it reads:
 * ``link_layer``: "InfiniBand" or "Ethernet" (RoCE);
 * every integer file in ``hw_counters/`` (driver counters such as mlx5's
   ``np_cnp_sent``, ``out_of_sequence``), except ``lifespan``, which is the
-  counter cache lifetime setting, not a counter.
+  counter cache lifetime setting, not a counter; the congestion-control ones
+  (``np_cnp_sent``, ``np_ecn_marked_roce_packets``, ``rp_cnp_handled``) also
+  in fields of their own, which the coordinator reads.
 
 It runs every interval on nodes with many HCAs, so each attribute is read
 with one open and one read, the counter names are fixed (only
@@ -45,6 +47,13 @@ _PORT_COUNTERS: tuple[tuple[str, str, int], ...] = (
     ("link_downed", "link_downed_total", 1),
     ("port_rcv_errors", "receive_errors_total", 1),
 )
+
+# hw_counters that say a RoCE path is congested (mlx5's names), and their IbPortSample fields.
+_CONGESTION = {
+    "np_cnp_sent": "cnp_sent_total",
+    "np_ecn_marked_roce_packets": "ecn_marked_packets_total",
+    "rp_cnp_handled": "cnp_handled_total",
+}
 
 # hw_counters entries that are settings rather than counters.
 _NOT_HW_COUNTERS = frozenset({"lifespan"})
@@ -124,6 +133,8 @@ def _read_hw_counters(hw_dir: str, sample: node_pb2.IbPortSample) -> None:
         value = _read_uint(entry.path)
         if value is not None:
             sample.hw_counters[entry.name] = value
+            if (field := _CONGESTION.get(entry.name)) is not None:
+                setattr(sample, field, value)
 
 
 def _read_uint(path: str) -> int | None:

@@ -10,7 +10,8 @@ the duration of each ``collect()`` (a process-wide setting, restored after).
 Link state and speed come from ``<sys_root>/class/net/<dev>/operstate`` and
 ``.../speed``, one small read each. Each interface's root qdisc statistics
 come from one rtnetlink dump (``clusterwatch.agent.collectors.qdisc``, the
-agent's network namespace); the host's TCP counters (retransmits, timeouts)
+agent's network namespace); pause/PFC frames from the driver's ethtool
+statistics (``clusterwatch.agent.collectors.ethtool``); the host's TCP counters (retransmits, timeouts)
 from ``<proc_root>/net/snmp`` and ``net/netstat``
 (``clusterwatch.agent.collectors.tcp``).
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 import psutil
 
 from clusterwatch.agent.collectors.addresses import interface_addresses
+from clusterwatch.agent.collectors.ethtool import EthtoolPause
 from clusterwatch.agent.collectors.qdisc import RootQdisc, read_root_qdiscs
 from clusterwatch.agent.collectors.roots import psutil_procfs
 from clusterwatch.agent.collectors.tcp import read_tcp
@@ -64,6 +66,7 @@ class NetworkCollector:
         include_loopback: also report ``lo``.
         read_qdiscs: the root qdiscs by interface (None: not read).
         read_addresses: the interfaces' addresses (None: not read).
+        pause: reads pause/PFC frame counters (default: EthtoolPause()).
     """
 
     name = "network"
@@ -75,12 +78,15 @@ class NetworkCollector:
         include_loopback: bool = False,
         read_qdiscs: Callable[[], Mapping[str, RootQdisc]] | None = read_root_qdiscs,
         read_addresses: Callable[[], Mapping[str, list[str]]] | None = interface_addresses,
+        *,
+        pause: EthtoolPause | None = None,
     ) -> None:
         self.proc_root = proc_root
         self.sys_root = sys_root
         self.include_loopback = include_loopback
         self.read_qdiscs = read_qdiscs
         self.read_addresses = read_addresses
+        self.pause = pause if pause is not None else EthtoolPause()
 
     def collect(self, report: node_pb2.NodeReport) -> None:
         """Append fresh ``NicSample`` values to ``report.nics``.
@@ -125,6 +131,13 @@ class NetworkCollector:
                 nic.qdisc_drops_total = qdisc.drops_total
                 nic.qdisc_overlimits_total = qdisc.overlimits_total
                 nic.qdisc_requeues_total = qdisc.requeues_total
+            pause = self.pause.read(device)
+            if pause is not None:
+                if pause.received_total is not None:
+                    nic.pause_frames_received_total = pause.received_total
+                if pause.sent_total is not None:
+                    nic.pause_frames_sent_total = pause.sent_total
+        self.pause.forget(counters)
         tcp = read_tcp(self.proc_root)
         if tcp is not None:
             report.tcp.CopyFrom(tcp)
@@ -139,7 +152,8 @@ class NetworkCollector:
             return {}
 
     def close(self) -> None:
-        """Nothing to release; present for the Collector protocol."""
+        """Close the ethtool socket."""
+        self.pause.close()
 
 
 def _parse_operstate(text: str | None) -> bool | None:

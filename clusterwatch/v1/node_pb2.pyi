@@ -681,6 +681,8 @@ class NicSample(_message.Message):
     QDISC_OVERLIMITS_TOTAL_FIELD_NUMBER: _builtins.int
     QDISC_REQUEUES_TOTAL_FIELD_NUMBER: _builtins.int
     ADDRESSES_FIELD_NUMBER: _builtins.int
+    PAUSE_FRAMES_RECEIVED_TOTAL_FIELD_NUMBER: _builtins.int
+    PAUSE_FRAMES_SENT_TOTAL_FIELD_NUMBER: _builtins.int
     device: _builtins.str
     receive_bytes_total: _builtins.int
     transmit_bytes_total: _builtins.int
@@ -702,6 +704,12 @@ class NicSample(_message.Message):
     qdisc_drops_total: _builtins.int
     qdisc_overlimits_total: _builtins.int
     qdisc_requeues_total: _builtins.int
+    pause_frames_received_total: _builtins.int
+    """Pause and PFC frames (ethtool statistics, agent/collectors/ethtool.py):
+    received, the switch holds this NIC's transmit back; sent, this NIC
+    holds the switch back. Unset when the driver counts none.
+    """
+    pause_frames_sent_total: _builtins.int
     @_builtins.property
     def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The interface's addresses with their prefix length ("10.81.1.1/24",
@@ -729,11 +737,17 @@ class NicSample(_message.Message):
         qdisc_overlimits_total: _builtins.int | None = ...,
         qdisc_requeues_total: _builtins.int | None = ...,
         addresses: _abc.Iterable[_builtins.str] | None = ...,
+        pause_frames_received_total: _builtins.int | None = ...,
+        pause_frames_sent_total: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_qdisc_backlog_bytes", b"_qdisc_backlog_bytes", "_qdisc_drops_total", b"_qdisc_drops_total", "_qdisc_overlimits_total", b"_qdisc_overlimits_total", "_qdisc_requeues_total", b"_qdisc_requeues_total", "_speed_bytes_per_second", b"_speed_bytes_per_second", "_up", b"_up", "qdisc_backlog_bytes", b"qdisc_backlog_bytes", "qdisc_drops_total", b"qdisc_drops_total", "qdisc_overlimits_total", b"qdisc_overlimits_total", "qdisc_requeues_total", b"qdisc_requeues_total", "speed_bytes_per_second", b"speed_bytes_per_second", "up", b"up"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_pause_frames_received_total", b"_pause_frames_received_total", "_pause_frames_sent_total", b"_pause_frames_sent_total", "_qdisc_backlog_bytes", b"_qdisc_backlog_bytes", "_qdisc_drops_total", b"_qdisc_drops_total", "_qdisc_overlimits_total", b"_qdisc_overlimits_total", "_qdisc_requeues_total", b"_qdisc_requeues_total", "_speed_bytes_per_second", b"_speed_bytes_per_second", "_up", b"_up", "pause_frames_received_total", b"pause_frames_received_total", "pause_frames_sent_total", b"pause_frames_sent_total", "qdisc_backlog_bytes", b"qdisc_backlog_bytes", "qdisc_drops_total", b"qdisc_drops_total", "qdisc_overlimits_total", b"qdisc_overlimits_total", "qdisc_requeues_total", b"qdisc_requeues_total", "speed_bytes_per_second", b"speed_bytes_per_second", "up", b"up"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_qdisc_backlog_bytes", b"_qdisc_backlog_bytes", "_qdisc_drops_total", b"_qdisc_drops_total", "_qdisc_overlimits_total", b"_qdisc_overlimits_total", "_qdisc_requeues_total", b"_qdisc_requeues_total", "_speed_bytes_per_second", b"_speed_bytes_per_second", "_up", b"_up", "addresses", b"addresses", "device", b"device", "qdisc", b"qdisc", "qdisc_backlog_bytes", b"qdisc_backlog_bytes", "qdisc_drops_total", b"qdisc_drops_total", "qdisc_overlimits_total", b"qdisc_overlimits_total", "qdisc_requeues_total", b"qdisc_requeues_total", "receive_bytes_total", b"receive_bytes_total", "receive_drops_total", b"receive_drops_total", "receive_errors_total", b"receive_errors_total", "receive_packets_total", b"receive_packets_total", "speed_bytes_per_second", b"speed_bytes_per_second", "transmit_bytes_total", b"transmit_bytes_total", "transmit_drops_total", b"transmit_drops_total", "transmit_errors_total", b"transmit_errors_total", "transmit_packets_total", b"transmit_packets_total", "up", b"up"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_pause_frames_received_total", b"_pause_frames_received_total", "_pause_frames_sent_total", b"_pause_frames_sent_total", "_qdisc_backlog_bytes", b"_qdisc_backlog_bytes", "_qdisc_drops_total", b"_qdisc_drops_total", "_qdisc_overlimits_total", b"_qdisc_overlimits_total", "_qdisc_requeues_total", b"_qdisc_requeues_total", "_speed_bytes_per_second", b"_speed_bytes_per_second", "_up", b"_up", "addresses", b"addresses", "device", b"device", "pause_frames_received_total", b"pause_frames_received_total", "pause_frames_sent_total", b"pause_frames_sent_total", "qdisc", b"qdisc", "qdisc_backlog_bytes", b"qdisc_backlog_bytes", "qdisc_drops_total", b"qdisc_drops_total", "qdisc_overlimits_total", b"qdisc_overlimits_total", "qdisc_requeues_total", b"qdisc_requeues_total", "receive_bytes_total", b"receive_bytes_total", "receive_drops_total", b"receive_drops_total", "receive_errors_total", b"receive_errors_total", "receive_packets_total", b"receive_packets_total", "speed_bytes_per_second", b"speed_bytes_per_second", "transmit_bytes_total", b"transmit_bytes_total", "transmit_drops_total", b"transmit_drops_total", "transmit_errors_total", b"transmit_errors_total", "transmit_packets_total", b"transmit_packets_total", "up", b"up"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__pause_frames_received_total: _TypeAlias = _typing.Literal["pause_frames_received_total"]  # noqa: Y015
+    _WhichOneofArgType__pause_frames_received_total: _TypeAlias = _typing.Literal["_pause_frames_received_total", b"_pause_frames_received_total"]  # noqa: Y015
+    _WhichOneofReturnType__pause_frames_sent_total: _TypeAlias = _typing.Literal["pause_frames_sent_total"]  # noqa: Y015
+    _WhichOneofArgType__pause_frames_sent_total: _TypeAlias = _typing.Literal["_pause_frames_sent_total", b"_pause_frames_sent_total"]  # noqa: Y015
     _WhichOneofReturnType__qdisc_backlog_bytes: _TypeAlias = _typing.Literal["qdisc_backlog_bytes"]  # noqa: Y015
     _WhichOneofArgType__qdisc_backlog_bytes: _TypeAlias = _typing.Literal["_qdisc_backlog_bytes", b"_qdisc_backlog_bytes"]  # noqa: Y015
     _WhichOneofReturnType__qdisc_drops_total: _TypeAlias = _typing.Literal["qdisc_drops_total"]  # noqa: Y015
@@ -746,6 +760,10 @@ class NicSample(_message.Message):
     _WhichOneofArgType__speed_bytes_per_second: _TypeAlias = _typing.Literal["_speed_bytes_per_second", b"_speed_bytes_per_second"]  # noqa: Y015
     _WhichOneofReturnType__up: _TypeAlias = _typing.Literal["up"]  # noqa: Y015
     _WhichOneofArgType__up: _TypeAlias = _typing.Literal["_up", b"_up"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__pause_frames_received_total) -> _WhichOneofReturnType__pause_frames_received_total | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__pause_frames_sent_total) -> _WhichOneofReturnType__pause_frames_sent_total | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__qdisc_backlog_bytes) -> _WhichOneofReturnType__qdisc_backlog_bytes | None: ...
     @_typing.overload
@@ -864,6 +882,9 @@ class IbPortSample(_message.Message):
     RATE_BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
     LINK_LAYER_FIELD_NUMBER: _builtins.int
     HW_COUNTERS_FIELD_NUMBER: _builtins.int
+    CNP_SENT_TOTAL_FIELD_NUMBER: _builtins.int
+    ECN_MARKED_PACKETS_TOTAL_FIELD_NUMBER: _builtins.int
+    CNP_HANDLED_TOTAL_FIELD_NUMBER: _builtins.int
     device: _builtins.str
     port: _builtins.int
     receive_bytes_total: _builtins.int
@@ -881,6 +902,15 @@ class IbPortSample(_message.Message):
     rate_bytes_per_second: _builtins.float
     link_layer: _builtins.str
     """"InfiniBand" or "Ethernet" (RoCE)."""
+    cnp_sent_total: _builtins.int
+    """RoCE congestion control (mlx5 hw_counters), set where the driver counts
+    them: congestion notification packets this port sent because packets
+    arrived ECN-marked (np_cnp_sent), the ECN-marked packets themselves
+    (np_ecn_marked_roce_packets), and CNPs it received and slowed down for
+    (rp_cnp_handled). A congested path shows here before anything fails.
+    """
+    ecn_marked_packets_total: _builtins.int
+    cnp_handled_total: _builtins.int
     @_builtins.property
     def hw_counters(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """RoCE / driver hw_counters by file name (np_cnp_sent, out_of_sequence...)."""
@@ -903,11 +933,20 @@ class IbPortSample(_message.Message):
         rate_bytes_per_second: _builtins.float | None = ...,
         link_layer: _builtins.str = ...,
         hw_counters: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        cnp_sent_total: _builtins.int | None = ...,
+        ecn_marked_packets_total: _builtins.int | None = ...,
+        cnp_handled_total: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_link_downed_total", b"_link_downed_total", "_rate_bytes_per_second", b"_rate_bytes_per_second", "_receive_bytes_total", b"_receive_bytes_total", "_receive_errors_total", b"_receive_errors_total", "_receive_packets_total", b"_receive_packets_total", "_symbol_errors_total", b"_symbol_errors_total", "_transmit_bytes_total", b"_transmit_bytes_total", "_transmit_packets_total", b"_transmit_packets_total", "_transmit_wait_total", b"_transmit_wait_total", "link_downed_total", b"link_downed_total", "rate_bytes_per_second", b"rate_bytes_per_second", "receive_bytes_total", b"receive_bytes_total", "receive_errors_total", b"receive_errors_total", "receive_packets_total", b"receive_packets_total", "symbol_errors_total", b"symbol_errors_total", "transmit_bytes_total", b"transmit_bytes_total", "transmit_packets_total", b"transmit_packets_total", "transmit_wait_total", b"transmit_wait_total"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cnp_handled_total", b"_cnp_handled_total", "_cnp_sent_total", b"_cnp_sent_total", "_ecn_marked_packets_total", b"_ecn_marked_packets_total", "_link_downed_total", b"_link_downed_total", "_rate_bytes_per_second", b"_rate_bytes_per_second", "_receive_bytes_total", b"_receive_bytes_total", "_receive_errors_total", b"_receive_errors_total", "_receive_packets_total", b"_receive_packets_total", "_symbol_errors_total", b"_symbol_errors_total", "_transmit_bytes_total", b"_transmit_bytes_total", "_transmit_packets_total", b"_transmit_packets_total", "_transmit_wait_total", b"_transmit_wait_total", "cnp_handled_total", b"cnp_handled_total", "cnp_sent_total", b"cnp_sent_total", "ecn_marked_packets_total", b"ecn_marked_packets_total", "link_downed_total", b"link_downed_total", "rate_bytes_per_second", b"rate_bytes_per_second", "receive_bytes_total", b"receive_bytes_total", "receive_errors_total", b"receive_errors_total", "receive_packets_total", b"receive_packets_total", "symbol_errors_total", b"symbol_errors_total", "transmit_bytes_total", b"transmit_bytes_total", "transmit_packets_total", b"transmit_packets_total", "transmit_wait_total", b"transmit_wait_total"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_link_downed_total", b"_link_downed_total", "_rate_bytes_per_second", b"_rate_bytes_per_second", "_receive_bytes_total", b"_receive_bytes_total", "_receive_errors_total", b"_receive_errors_total", "_receive_packets_total", b"_receive_packets_total", "_symbol_errors_total", b"_symbol_errors_total", "_transmit_bytes_total", b"_transmit_bytes_total", "_transmit_packets_total", b"_transmit_packets_total", "_transmit_wait_total", b"_transmit_wait_total", "device", b"device", "hw_counters", b"hw_counters", "link_downed_total", b"link_downed_total", "link_layer", b"link_layer", "physical_state", b"physical_state", "port", b"port", "rate_bytes_per_second", b"rate_bytes_per_second", "receive_bytes_total", b"receive_bytes_total", "receive_errors_total", b"receive_errors_total", "receive_packets_total", b"receive_packets_total", "state", b"state", "symbol_errors_total", b"symbol_errors_total", "transmit_bytes_total", b"transmit_bytes_total", "transmit_packets_total", b"transmit_packets_total", "transmit_wait_total", b"transmit_wait_total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cnp_handled_total", b"_cnp_handled_total", "_cnp_sent_total", b"_cnp_sent_total", "_ecn_marked_packets_total", b"_ecn_marked_packets_total", "_link_downed_total", b"_link_downed_total", "_rate_bytes_per_second", b"_rate_bytes_per_second", "_receive_bytes_total", b"_receive_bytes_total", "_receive_errors_total", b"_receive_errors_total", "_receive_packets_total", b"_receive_packets_total", "_symbol_errors_total", b"_symbol_errors_total", "_transmit_bytes_total", b"_transmit_bytes_total", "_transmit_packets_total", b"_transmit_packets_total", "_transmit_wait_total", b"_transmit_wait_total", "cnp_handled_total", b"cnp_handled_total", "cnp_sent_total", b"cnp_sent_total", "device", b"device", "ecn_marked_packets_total", b"ecn_marked_packets_total", "hw_counters", b"hw_counters", "link_downed_total", b"link_downed_total", "link_layer", b"link_layer", "physical_state", b"physical_state", "port", b"port", "rate_bytes_per_second", b"rate_bytes_per_second", "receive_bytes_total", b"receive_bytes_total", "receive_errors_total", b"receive_errors_total", "receive_packets_total", b"receive_packets_total", "state", b"state", "symbol_errors_total", b"symbol_errors_total", "transmit_bytes_total", b"transmit_bytes_total", "transmit_packets_total", b"transmit_packets_total", "transmit_wait_total", b"transmit_wait_total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__cnp_handled_total: _TypeAlias = _typing.Literal["cnp_handled_total"]  # noqa: Y015
+    _WhichOneofArgType__cnp_handled_total: _TypeAlias = _typing.Literal["_cnp_handled_total", b"_cnp_handled_total"]  # noqa: Y015
+    _WhichOneofReturnType__cnp_sent_total: _TypeAlias = _typing.Literal["cnp_sent_total"]  # noqa: Y015
+    _WhichOneofArgType__cnp_sent_total: _TypeAlias = _typing.Literal["_cnp_sent_total", b"_cnp_sent_total"]  # noqa: Y015
+    _WhichOneofReturnType__ecn_marked_packets_total: _TypeAlias = _typing.Literal["ecn_marked_packets_total"]  # noqa: Y015
+    _WhichOneofArgType__ecn_marked_packets_total: _TypeAlias = _typing.Literal["_ecn_marked_packets_total", b"_ecn_marked_packets_total"]  # noqa: Y015
     _WhichOneofReturnType__link_downed_total: _TypeAlias = _typing.Literal["link_downed_total"]  # noqa: Y015
     _WhichOneofArgType__link_downed_total: _TypeAlias = _typing.Literal["_link_downed_total", b"_link_downed_total"]  # noqa: Y015
     _WhichOneofReturnType__rate_bytes_per_second: _TypeAlias = _typing.Literal["rate_bytes_per_second"]  # noqa: Y015
@@ -926,6 +965,12 @@ class IbPortSample(_message.Message):
     _WhichOneofArgType__transmit_packets_total: _TypeAlias = _typing.Literal["_transmit_packets_total", b"_transmit_packets_total"]  # noqa: Y015
     _WhichOneofReturnType__transmit_wait_total: _TypeAlias = _typing.Literal["transmit_wait_total"]  # noqa: Y015
     _WhichOneofArgType__transmit_wait_total: _TypeAlias = _typing.Literal["_transmit_wait_total", b"_transmit_wait_total"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cnp_handled_total) -> _WhichOneofReturnType__cnp_handled_total | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cnp_sent_total) -> _WhichOneofReturnType__cnp_sent_total | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ecn_marked_packets_total) -> _WhichOneofReturnType__ecn_marked_packets_total | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__link_downed_total) -> _WhichOneofReturnType__link_downed_total | None: ...
     @_typing.overload

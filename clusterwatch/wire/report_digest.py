@@ -68,6 +68,8 @@ KEPT: Mapping[str, tuple[str, ...]] = {
         "qdisc_drops_total",  # network cause
         "qdisc_overlimits_total",  # network cause
         "addresses",  # avoid_interface's plan (coordinator/recovery/interfaces.py)
+        "pause_frames_received_total",  # network cause
+        "pause_frames_sent_total",
     ),
     "IbPortSample": (
         "device",
@@ -82,6 +84,9 @@ KEPT: Mapping[str, tuple[str, ...]] = {
         "physical_state",  # failures
         "rate_bytes_per_second",  # topology, top
         "link_layer",  # top
+        "cnp_sent_total",  # network cause
+        "ecn_marked_packets_total",
+        "cnp_handled_total",
     ),
     "TcpSample": ("segments_sent_total", "segments_retransmitted_total"),  # network cause
 }

@@ -102,6 +102,14 @@ def test_roce_port_hw_counters() -> None:
         "rx_read_requests": 5555,
         "rx_write_requests": 66666,
     }
+    # The congestion-control ones also in their own fields, which the coordinator reads.
+    assert (port.cnp_sent_total, port.ecn_marked_packets_total, port.cnp_handled_total) == (
+        123456,
+        234567,
+        123400,
+    )
+    infiniband_only = collect(FIXTURES / "node_a" / "sys")[("mlx5_0", 1)]
+    assert not infiniband_only.HasField("cnp_sent_total")
 
 
 def test_down_port() -> None:

@@ -19,6 +19,8 @@ import statistics
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Literal, NamedTuple, TypeVar
 
+from google.protobuf.message import Message
+
 from clusterwatch.coordinator.detection.causes.shared import (
     DEFAULT_SETTINGS,
     Cause,
@@ -53,7 +55,42 @@ QDISC_OVERLIMITS_MIN_PER_S = 10.0
 """A shaper (tbf, htb) holding packets back this often per second on an interface the job uses..."""
 QDISC_OVERLIMITS_ABOVE_PEERS_RATIO = 10.0
 """...and this many times as often as on the other nodes' (healthy links are held back rarely or
-never; a site that shapes every node alike is not singled out)."""
+never; a site that shapes every node alike is not singled out). The same ratio singles out pause
+frames and RoCE congestion notifications (OUTLIERS)."""
+PAUSE_FRAMES_MIN_PER_S = 100.0
+"""Pause/PFC frames a NIC receives per second that hold its transmit back noticeably (a 100 Gb/s
+link paused at its quanta this often loses a few percent of its time)."""
+CONGESTION_NOTIFICATIONS_MIN_PER_S = 100.0
+"""RoCE congestion notifications (CNPs) a port sends per second because packets reach it
+ECN-marked: a path toward it congested."""
+
+
+class Outlier(NamedTuple):
+    """A counter rate that names a node when it stands out from the other nodes' (job-level)."""
+
+    name: str  # the evidence key's stem: NAME_per_second, peer_NAME_per_second
+    minimum_per_s: float
+    said: str  # for people, with {device}, {rate} and {peer}
+
+
+OUTLIERS = (
+    Outlier(
+        "queue_overlimits",
+        QDISC_OVERLIMITS_MIN_PER_S,
+        "{device}'s shaper holds packets back {rate:.0f} times/s vs {peer:.0f}/s on the others",
+    ),
+    Outlier(
+        "pause_frames",
+        PAUSE_FRAMES_MIN_PER_S,
+        "{device} receives {rate:.0f} pause frames/s vs {peer:.0f}/s on the others (its switch port holds it back)",
+    ),
+    Outlier(
+        "congestion_notifications",
+        CONGESTION_NOTIFICATIONS_MIN_PER_S,
+        "{device} sends {rate:.0f} RoCE congestion notifications/s vs {peer:.0f}/s on the others "
+        "(packets reach it ECN-marked)",
+    ),
+)
 CORROBORATING_EVIDENCE = frozenset(
     {
         "links_down",
@@ -62,6 +99,8 @@ CORROBORATING_EVIDENCE = frozenset(
         "nic_errors_per_second",
         "queue_drops_per_second",
         "queue_overlimits_per_second",
+        "pause_frames_per_second",
+        "congestion_notifications_per_second",
         "tcp_retransmit_ratio",
         "probe_slow_paths",
     }
@@ -110,7 +149,7 @@ def network_cause(
     op = _dominant_op(job)
     busbw = _busbw_by_node(job, op) if op is not None else {}
     waits = sorted(w for n in networks.values() if (w := n.transmit_wait_per_s) is not None)
-    overlimits = sorted(n.queue_overlimits[1] if n.queue_overlimits else 0.0 for n in networks.values())
+    outliers = {o.name: sorted(n.outlier_rate(o.name) for n in networks.values()) for o in OUTLIERS}
     bandwidths = sorted(busbw.values())
     culprits: list[_Culprit] = []
     for node_id in hosting:
@@ -120,9 +159,11 @@ def network_cause(
         peers = _Peers(
             wait_per_s=_median_without(waits, () if own_wait is None else (own_wait,)),
             busbw=_median_without(bandwidths, () if own_busbw is None else (own_busbw,)),
-            overlimits_per_s=_median_without(
-                overlimits, (net.queue_overlimits[1] if net.queue_overlimits else 0.0,)
-            ),
+            outliers_per_s={
+                name: peer
+                for name, rates in outliers.items()
+                if (peer := _median_without(rates, (net.outlier_rate(name),))) is not None
+            },
         )
         signals = _network_signals(net, peers, busbw.get(node_id), settings)
         if signals.reasons:
@@ -181,9 +222,14 @@ class _NodeNetwork:
     links_down: tuple[str, ...]
     # The interface whose root qdisc drops the most, and how fast; None when unknown.
     queue_drops: tuple[str, float] | None = None
-    # The interface whose root qdisc holds packets back (overlimits) the most, and how often.
-    queue_overlimits: tuple[str, float] | None = None
+    # Counters judged against the other nodes' (OUTLIERS), by name: the interface (or port) whose
+    # counter grew the most, and how fast.
+    outliers: Mapping[str, tuple[str, float]] = dataclasses.field(default_factory=dict)
     tcp_retransmit_ratio: float | None = None
+
+    def outlier_rate(self, name: str) -> float:
+        found = self.outliers.get(name)
+        return found[1] if found is not None else 0.0
 
 
 class _Peers(NamedTuple):
@@ -191,7 +237,7 @@ class _Peers(NamedTuple):
 
     wait_per_s: float | None
     busbw: float | None
-    overlimits_per_s: float | None = None
+    outliers_per_s: Mapping[str, float] = {}
 
 
 class _NetworkSignals(NamedTuple):
@@ -234,8 +280,9 @@ def job_interfaces(job: JobRecord) -> dict[str, set[str]]:
 def _suspect_interface(net: _NodeNetwork, used: set[str]) -> str:
     """The interface a node's signals point at: the one whose queue drops or holds back, a link
     down, else the one interface the job's ranks there use; "" when none can be told."""
-    for signal in (net.queue_drops, net.queue_overlimits):
-        if signal is not None and signal[1] > 0 and (not used or signal[0] in used):
+    for signal in (net.queue_drops, *net.outliers.values()):
+        # Sockets say which interfaces the job uses; an InfiniBand port (DEVICE/PORT) they cannot.
+        if signal is not None and signal[1] > 0 and (not used or signal[0] in used or "/" in signal[0]):
             return signal[0]
     if net.links_down:
         return net.links_down[0]
@@ -300,6 +347,7 @@ def _node_network(
     if previous is None or elapsed_s <= 0:
         return _NodeNetwork(None, None, None, None, down)
     ports_now, ports_before = _only(report.ib_ports, devices), _only(previous.ib_ports, devices)
+    job_nics_before, job_nics = _only(previous.nics, queue_devices), _only(report.nics, queue_devices)
     ib_errors = [
         counter_rate(ports_before, ports_now, port_key, _optional(field), elapsed_s) for field in _IB_ERRORS
     ]
@@ -320,37 +368,67 @@ def _node_network(
         queue_drops=_worst_queue(
             _only(previous.nics, devices), _only(report.nics, devices), "qdisc_drops_total", elapsed_s
         ),
-        queue_overlimits=_worst_queue(
-            _only(previous.nics, queue_devices),
-            _only(report.nics, queue_devices),
-            "qdisc_overlimits_total",
-            elapsed_s,
-        ),
+        outliers={
+            name: worst
+            for name, worst in (
+                (
+                    "queue_overlimits",
+                    _worst_queue(job_nics_before, job_nics, "qdisc_overlimits_total", elapsed_s),
+                ),
+                (
+                    "pause_frames",
+                    _worst_queue(job_nics_before, job_nics, "pause_frames_received_total", elapsed_s),
+                ),
+                (
+                    "congestion_notifications",
+                    _worst_queue(
+                        _only(previous.ib_ports, devices),
+                        _only(report.ib_ports, devices),
+                        "cnp_sent_total",
+                        elapsed_s,
+                    ),
+                ),
+            )
+            if worst is not None
+        },
         tcp_retransmit_ratio=_tcp_retransmit_ratio(previous, report, elapsed_s),
     )
 
 
-_QdiscCounter = Literal["qdisc_drops_total", "qdisc_overlimits_total"]
+_QueueCounter = Literal[
+    "qdisc_drops_total", "qdisc_overlimits_total", "pause_frames_received_total", "cnp_sent_total"
+]  # the counters _worst_queue compares
 
 
 def _worst_queue(
-    before: Sequence[node_pb2.NicSample],
-    now: Sequence[node_pb2.NicSample],
-    counter: _QdiscCounter,
+    before: Sequence[_Device],
+    now: Sequence[_Device],
+    counter: _QueueCounter,
     elapsed_s: float,
 ) -> tuple[str, float] | None:
-    """(interface, per second) of the NIC whose root qdisc's ``counter`` grew the most; None when unknown."""
-    earlier = {n.device: getattr(n, counter) for n in before if n.HasField(counter)}
+    """(interface or DEVICE/PORT, per second) of the NIC or port whose ``counter`` grew the most;
+    None when unknown."""
+    earlier = {_name(n): value for n in before if (value := _counter(n, counter)) is not None}
     rates = [
-        (getattr(n, counter) - earlier[n.device], n.device)
+        (value - earlier[_name(n)], _name(n))
         for n in now
         # A device new since the previous report, or a counter that went back: no rate.
-        if n.HasField(counter) and getattr(n, counter) >= earlier.get(n.device, -1) >= 0
+        if (value := _counter(n, counter)) is not None and value >= earlier.get(_name(n), -1) >= 0
     ]
     if not rates:
         return None
     grown, device = max(rates)
     return device, grown / elapsed_s
+
+
+def _counter(sample: Message, counter: str) -> int | None:
+    """A counter field's value; None when unset."""
+    return int(getattr(sample, counter)) if sample.HasField(counter) else None
+
+
+def _name(sample: node_pb2.NicSample | node_pb2.IbPortSample) -> str:
+    """An interface's name, or an InfiniBand port's DEVICE/PORT (as links are named)."""
+    return f"{sample.device}/{sample.port}" if isinstance(sample, node_pb2.IbPortSample) else sample.device
 
 
 def _tcp_retransmit_ratio(
@@ -423,19 +501,16 @@ def _network_signals(
         reasons.append(f"{device}'s queue drops {drops_per_s:.1f} packets/s")
         severities.append((1, drops_per_s))
         evidence["queue_drops_per_second"] = drops_per_s
-    if net.queue_overlimits is not None and peers.overlimits_per_s is not None:
-        device, held_per_s = net.queue_overlimits
-        peer_held_per_s = peers.overlimits_per_s
-        if (
-            held_per_s >= QDISC_OVERLIMITS_MIN_PER_S
-            and held_per_s >= QDISC_OVERLIMITS_ABOVE_PEERS_RATIO * max(peer_held_per_s, 1.0)
-        ):
-            reasons.append(
-                f"{device}'s shaper holds packets back {held_per_s:.0f} times/s vs {peer_held_per_s:.0f}/s on the others"
-            )
-            severities.append((1, held_per_s))
-            evidence["queue_overlimits_per_second"] = held_per_s
-            evidence["peer_queue_overlimits_per_second"] = peer_held_per_s
+    for outlier in OUTLIERS:
+        found, peer = net.outliers.get(outlier.name), peers.outliers_per_s.get(outlier.name)
+        if found is None or peer is None:
+            continue
+        device, rate = found
+        if rate >= outlier.minimum_per_s and rate >= QDISC_OVERLIMITS_ABOVE_PEERS_RATIO * max(peer, 1.0):
+            reasons.append(outlier.said.format(device=device, rate=rate, peer=peer))
+            severities.append((1, rate))
+            evidence[f"{outlier.name}_per_second"] = rate
+            evidence[f"peer_{outlier.name}_per_second"] = peer
     ratio = net.tcp_retransmit_ratio
     if ratio is not None and ratio >= TCP_RETRANSMIT_RATIO:
         reasons.append(f"TCP retransmits {ratio:.1%} of the segments it sends")

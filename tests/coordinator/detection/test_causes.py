@@ -15,6 +15,7 @@ from clusterwatch.coordinator.detection.causes import (
     network_cause,
     straggler_cause,
 )
+from clusterwatch.coordinator.detection.causes.network import CORROBORATING_EVIDENCE
 from clusterwatch.coordinator.model.jobs import JobRecord, JobStore
 from clusterwatch.coordinator.model.state import ClusterState, NodeRecord
 from clusterwatch.errors import ConfigError
@@ -128,6 +129,7 @@ def node_report(
             "symbol_errors_total",
             "link_downed_total",
             "receive_errors_total",
+            "cnp_sent_total",
         ):
             setattr(port, field, int(rates.get(field, 0.0) * at_unix_s))
         _apply(port, (ib or {}).get(device, {}))
@@ -139,6 +141,7 @@ def node_report(
             "transmit_errors_total",
             "qdisc_drops_total",
             "qdisc_overlimits_total",
+            "pause_frames_received_total",
         ):
             setattr(sample, field, int(nic_counter_rates.get(field, 0.0) * at_unix_s))
         _apply(sample, (nic or {}).get(device, {}))
@@ -399,6 +402,44 @@ def test_a_shaper_holding_back_one_nodes_job_interface_names_it_unless_every_nod
     # A shaper on an interface the job does not use is none of its business.
     elsewhere = {"nic_rates": {"eth1": {"qdisc_overlimits_total": 500.0}}}
     assert network_cause(job, cluster({1: elsewhere})).name == CauseName.COMMUNICATION
+
+
+@pytest.mark.parametrize(
+    ("spec", "named", "said", "key"),
+    [
+        (
+            {"nic_rates": {"eth0": {"pause_frames_received_total": 2000.0}}},
+            "eth0",
+            "eth0 receives 2000 pause frames/s vs 0/s on the others (its switch port holds it back)",
+            "pause_frames",
+        ),
+        (
+            {"ib_rates": {"mlx5_0": {"cnp_sent_total": 5000.0}}},
+            "mlx5_0/1",
+            "mlx5_0/1 sends 5000 RoCE congestion notifications/s vs 0/s on the others (packets reach it ECN-marked)",
+            "congestion_notifications",
+        ),
+    ],
+)
+def test_a_node_paused_by_its_switch_or_congested_names_its_link_unless_every_node_is(
+    spec: NodeSpec, named: str, said: str, key: str
+) -> None:
+    job = build_job(slow=())
+    for record in job.ranks.values():
+        record.interfaces = ("eth0",)
+    cause = network_cause(job, cluster({1: spec}))
+    assert (cause.name, cause.nodes, cause.interfaces) == (
+        CauseName.NETWORK,
+        ("node-1",),
+        (("node-1", named),),
+    )
+    assert said in cause.detail
+    assert cause.evidence.keys() == {f"{key}_per_second", f"peer_{key}_per_second"}
+    assert cause.evidence[f"{key}_per_second"] >= 1000
+    assert cause.evidence[f"peer_{key}_per_second"] == 0.0
+    assert CORROBORATING_EVIDENCE & cause.evidence.keys(), "the link itself says so: recovery may act"
+    # A whole fabric paused or congested alike singles no node out.
+    assert network_cause(job, cluster(dict.fromkeys(range(NODES), spec))).name == CauseName.COMMUNICATION
 
 
 def test_the_interface_of_a_node_wide_signal_is_the_one_the_jobs_ranks_use_there() -> None:
