@@ -5,8 +5,9 @@ which it uses (gloo's pairs, NCCL's socket transport and bootstrap). For each
 registered process: the local addresses of its established TCP connections,
 loopback left out, mapped to this namespace's interfaces. Read again at most
 every ``refresh_s`` per process (``/proc/PID/fd`` and ``/proc/net/tcp*`` are
-read for it), and at every report while a process has no connection yet (it
-is still starting, before ``init_process_group``).
+read for it), and at every report while a process has no connection yet or
+is younger than ``STARTING_S`` (it is still forming its process groups: its
+first connection is often the rendezvous store, its collectives' come after).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import psutil
 from clusterwatch.agent.collectors.addresses import device_by_ip, interface_addresses
 
 REFRESH_S = 10.0
+STARTING_S = 30.0
 
 
 def connection_addresses(pid: int) -> list[str]:
@@ -53,6 +55,7 @@ class RankInterfaces:
         self._addresses = addresses
         self._connections = connections
         self._kept: dict[int, tuple[float, tuple[str, ...]]] = {}
+        self._first_seen: dict[int, float] = {}
 
     def read(self, pids: Iterable[int]) -> dict[int, tuple[str, ...]]:
         now = self._clock()
@@ -60,7 +63,8 @@ class RankInterfaces:
         found: dict[int, tuple[str, ...]] = {}
         for pid in pids:
             kept = self._kept.get(pid)
-            if kept is not None and kept[1] and now - kept[0] < self._refresh_s:
+            settled = now - self._first_seen.setdefault(pid, now) >= STARTING_S
+            if kept is not None and kept[1] and settled and now - kept[0] < self._refresh_s:
                 found[pid] = kept[1]
                 continue
             if devices is None:
@@ -68,6 +72,7 @@ class RankInterfaces:
             found[pid] = _interfaces(self._connections(pid), devices)
             self._kept[pid] = (now, found[pid])
         self._kept = {pid: self._kept[pid] for pid in found}
+        self._first_seen = {pid: self._first_seen[pid] for pid in found}
         return found
 
 

@@ -62,6 +62,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from clusterwatch import config
 from clusterwatch.config import RecoverySettings
 from clusterwatch.coordinator.background import BackgroundTasks, every
+from clusterwatch.coordinator.detection.causes.network import job_bus_bandwidth, job_interfaces
 from clusterwatch.coordinator.detection.diagnosis import SendCommand
 from clusterwatch.coordinator.detection.orphans import orphan_pids
 from clusterwatch.coordinator.detection.watchdog import Watchdog
@@ -96,6 +97,7 @@ from clusterwatch.wire.recovery_names import (
     STOP_ORPHANS,
     restart_action,
 )
+from clusterwatch.wire.worker_env import GLOO_SOCKET_IFNAME
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +137,9 @@ class _Restarted:
     started_unix_s: float
     last_progress_unix_s: float
     step_s: float
+    # avoid_interface: the interface each node's workers were given, and those they were moved off.
+    moved_to: dict[str, str] = dataclasses.field(default_factory=dict)
+    avoided: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -606,6 +611,9 @@ class Recovery:
         if worker_env and (not_taken := await self._move_workers(record, worker_env)):
             return self._finish(record, FAILED, not_taken)
         watch = self._restart_watch(job, incident, self._wall())
+        if worker_env:
+            watch.moved_to = {n: i for n, env in worker_env.items() if (i := env.get(GLOO_SOCKET_IFNAME))}
+            watch.avoided = tuple(record.avoid_interfaces)
         record.resume_step = watch.resume_step
         if incident is not None and incident.state in (IncidentState.OPEN, IncidentState.ACKNOWLEDGED):
             self._watchdog.move(incident.id, IncidentState.ACTING)
@@ -674,14 +682,16 @@ class Recovery:
                     lost,
                 )
                 if restarted.incident_id and self._watchdog.book.get(restarted.incident_id) is not None:
+                    moved, moved_evidence = _moved(job, restarted) if restarted.avoided else ("", {})
                     self._watchdog.note_recovery(
                         restarted.incident_id,
                         f"recovered {recovery_s:.1f} s after it opened: every rank past step "
-                        f"{restarted.resume_step}, {lost} steps done again",
+                        f"{restarted.resume_step}, {lost} steps done again{moved}",
                         {
                             "recovery_seconds": recovery_s,
                             "steps_lost": float(lost),
                             "resume_step": float(restarted.resume_step),
+                            **moved_evidence,
                         },
                     )
                     self._watchdog.move(restarted.incident_id, IncidentState.RESOLVED)
@@ -735,3 +745,22 @@ def _resumed(job: JobRecord, restarted: _Restarted) -> bool:
         r.state == RUNNING and r.last_step is not None and r.last_step.step >= restarted.resume_step
         for r in ranks
     )
+
+
+def _moved(job: JobRecord, restarted: _Restarted) -> tuple[str, dict[str, float]]:
+    """Whether the restarted ranks talk where avoid_interface moved them (their agents read their sockets),
+    for the incident's note, and the bus bandwidth they reach there."""
+    used = job_interfaces(job)
+    avoided = [name.partition("/") for name in restarted.avoided]
+    still = sorted(f"{node}/{iface}" for node, _, iface in avoided if iface in used.get(node, ()))
+    busbw = job_bus_bandwidth(job)
+    evidence = {"moved_bus_bandwidth_bytes_per_second": busbw} if busbw is not None else {}
+    shown = f", bus bandwidth {busbw / 1e9:.2f} GB/s" if busbw is not None else ""
+    if still:
+        return f"; but its ranks still use {', '.join(still)}: not moved{shown}", evidence
+    on = sorted(
+        f"{node}/{iface}" for node, iface in restarted.moved_to.items() if iface in used.get(node, ())
+    )
+    if not on:
+        return f"; which interfaces its ranks use now is not known yet{shown}", evidence
+    return f"; its ranks now talk over {', '.join(on)}{shown}", evidence

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from clusterwatch.agent.collectors.addresses import interface_addresses
-from clusterwatch.agent.rank_interfaces import RankInterfaces
+from clusterwatch.agent.rank_interfaces import STARTING_S, RankInterfaces
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -51,7 +51,7 @@ def test_loopback_connections_are_left_out() -> None:
         assert RankInterfaces().read([os.getpid()]) == {os.getpid(): ()}
 
 
-def test_answers_are_kept_for_refresh_s_and_gone_processes_forgotten() -> None:
+def test_answers_are_kept_for_refresh_s_once_started_and_gone_processes_forgotten() -> None:
     now = [0.0]
     reads: list[int] = []
 
@@ -67,9 +67,15 @@ def test_answers_are_kept_for_refresh_s_and_gone_processes_forgotten() -> None:
     )
     assert interfaces.read([1, 2, 3]) == {1: ("cwa1",), 2: ("cwb1",), 3: ()}
     now[0] = 5.0
+    interfaces.read([1, 2, 3])
+    assert reads == [1, 2, 3] * 2, "starting processes are read every time (their groups are still forming)"
+    reads.clear()
+    now[0] = STARTING_S
+    interfaces.read([1, 2, 3])  # settled: read once more, then kept for refresh_s
+    now[0] = STARTING_S + 5.0
     assert interfaces.read([1, 2, 3]) == {1: ("cwa1",), 2: ("cwb1",), 3: ()}
     assert reads == [1, 2, 3, 3], "only the process without a connection yet is read again"
-    now[0] = 10.0
+    now[0] = STARTING_S + 10.0
     interfaces.read([1])
     assert reads[-1:] == [1]
     assert interfaces.read([]) == {}

@@ -640,6 +640,13 @@ def rank_network_cause(record: RankRecord, peers: NetworkPeers, settings: CauseS
     )
 
 
+def job_bus_bandwidth(job: JobRecord) -> float | None:
+    """The median bus bandwidth of the job's running ranks for its busiest collective; None when unknown."""
+    op = _dominant_op(job)
+    values = [v for r in job.running_ranks() if op is not None and (v := r.bus_bandwidth_bytes_per_s.get(op))]
+    return statistics.median(values) if values else None
+
+
 def _dominant_op(job: JobRecord) -> str | None:
     """The collective op that moved the most bytes in the job (ties: by name)."""
     moved = [(totals.bytes_total, op) for op, totals in job.collectives.items() if totals.bytes_total > 0]
