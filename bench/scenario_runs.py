@@ -17,15 +17,19 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_scenario(test: str, fields: Sequence[str], runs: int) -> list[dict[str, Any]] | None:
-    """The measurements of ``runs`` runs of ``test``; None (with the test's output) if one failed."""
+def run_scenario(
+    test: str, fields: Sequence[str], runs: int, select: str = ""
+) -> list[dict[str, Any]] | None:
+    """The measurements of ``runs`` runs of ``test`` (only its cases ``select`` names, as ``pytest -k``);
+    None (with the test's output) if one failed."""
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as folder:
         for index in range(runs):
             out = Path(folder) / f"run{index}.json"
             env = {**os.environ, "CLUSTERWATCH_BENCH_OUT": str(out)}
             done = subprocess.run(
-                [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", test],
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", test,
+                 *(("-k", select) if select else ())],
                 cwd=ROOT, env=env, capture_output=True, text=True, check=False,
             )  # fmt: skip
             if done.returncode != 0 or not out.exists():

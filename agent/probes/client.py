@@ -2,7 +2,9 @@
 
 Blocking, for a thread (the command handler runs it off the event loop). Leaves
 from ``source_address`` (the interface the coordinator asks about), so the
-kernel cannot pick another route. A probe that fails says what failed:
+kernel cannot pick another route. Besides the probe's own throughput, what the
+interface sent meanwhile (its ``tx_bytes``, the job's traffic included): on a
+path the job keeps busy the probe gets a share, the interface its capacity. A probe that fails says what failed:
 refused, no route, busy, timed out (with how far it got).
 """
 
@@ -12,6 +14,7 @@ import errno
 import socket
 import statistics
 import time
+from pathlib import Path
 
 from clusterwatch.agent.probes.protocol import (
     BUSY,
@@ -21,6 +24,7 @@ from clusterwatch.agent.probes.protocol import (
     MAGIC,
     PING,
     READY,
+    TRANSFER_S,
     receive_exactly,
 )
 from clusterwatch.v1 import agent_pb2
@@ -59,13 +63,19 @@ def probe_path(
             if times_s:
                 result.round_trip_seconds = min(times_s)
                 result.round_trip_median_seconds = statistics.median(times_s)
-            stage = f"sending {size_bytes} bytes"
+            stage = f"sending up to {size_bytes} bytes"
             if size_bytes:
+                sent_before = _transmitted(target.interface)
                 started = time.perf_counter()
-                _send(sock, size_bytes, deadline)
+                _send(sock, size_bytes, min(deadline, time.monotonic() + TRANSFER_S))
+                sock.shutdown(socket.SHUT_WR)  # all sent, or time is up: the server counts what came
                 _timeout(sock, deadline)
                 (received,) = COUNT.unpack(receive_exactly(sock, COUNT.size))
-                result.throughput_bytes_per_second = received / max(time.perf_counter() - started, 1e-9)
+                elapsed_s = max(time.perf_counter() - started, 1e-9)
+                sent_after = _transmitted(target.interface)
+                result.throughput_bytes_per_second = received / elapsed_s
+                if sent_before is not None and sent_after is not None and sent_after >= sent_before:
+                    result.interface_transmit_bytes_per_second = (sent_after - sent_before) / elapsed_s
     except TimeoutError:
         result.error = f"timed out after {timeout_s:g} s {stage}"
     except ConnectionRefusedError:
@@ -75,6 +85,16 @@ def probe_path(
     return result
 
 
+def _transmitted(interface: str) -> int | None:
+    """The interface's transmitted bytes so far (this network namespace's sysfs); None when unknown."""
+    if not interface or "/" in interface:
+        return None
+    try:
+        return int(Path(f"/sys/class/net/{interface}/statistics/tx_bytes").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _timeout(sock: socket.socket, deadline: float) -> None:
     left = deadline - time.monotonic()
     if left <= 0:
@@ -82,11 +102,18 @@ def _timeout(sock: socket.socket, deadline: float) -> None:
     sock.settimeout(left)
 
 
-def _send(sock: socket.socket, size_bytes: int, deadline: float) -> None:
+def _send(sock: socket.socket, size_bytes: int, until: float) -> None:
+    """Send ``size_bytes``, or as many as go out before ``until`` (monotonic)."""
     left = size_bytes
     while left:
-        _timeout(sock, deadline)
-        left -= sock.send(_SENT[: min(left, CHUNK_BYTES)])
+        remaining_s = until - time.monotonic()
+        if remaining_s <= 0:
+            return
+        sock.settimeout(remaining_s)
+        try:
+            left -= sock.send(_SENT[: min(left, CHUNK_BYTES)])
+        except TimeoutError:
+            return
 
 
 def _said(exc: OSError) -> str:

@@ -5,7 +5,8 @@
                                        <-   b"K" (ready), or b"B" (busy) / b"E" (refused) and close
     b"p"  (round_trips times)          ->
                                        <-   b"p"
-    bytes of anything                  ->
+    bytes of anything (all, or as many as  ->
+    TRANSFER_S allows, then end of stream)
                                        <-   bytes received:u64, then close
 
 The client times each ping (the fastest is the path's round trip: scheduling noise only ever adds)
@@ -26,6 +27,9 @@ MAX_ROUND_TRIPS = 64
 MAX_BYTES = 64 << 20
 """What one probe may ask of a server at most: a probe measures a path, it does not load it."""
 CHUNK_BYTES = 64 << 10
+TRANSFER_S = 0.5
+"""A transfer stops sending after this long: a throttled path is measured in half a second, not in the
+time its bytes would take (4 MiB at 20 Mb/s is 1.7 s)."""
 
 
 def receive_exactly(sock: socket.socket, size: int) -> bytes:

@@ -122,7 +122,7 @@ class ProbeServer:
         while received < size:
             conn.settimeout(max(0.001, deadline - time.monotonic()))
             got = conn.recv_into(buffer, min(CHUNK_BYTES, size - received))
-            if not got:
-                raise ConnectionError(f"closed with {size - received} of {size} bytes to come")
+            if not got:  # the client stopped early (its transfer is bounded in time too)
+                break
             received += got
         conn.sendall(COUNT.pack(received))

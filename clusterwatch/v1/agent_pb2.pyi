@@ -654,6 +654,7 @@ class ProbeResult(_message.Message):
     ROUND_TRIP_MEDIAN_SECONDS_FIELD_NUMBER: _builtins.int
     THROUGHPUT_BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    INTERFACE_TRANSMIT_BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
     round_trip_seconds: _builtins.float
     """The fastest ping (noise only ever adds to a round trip), and the median."""
     round_trip_median_seconds: _builtins.float
@@ -661,6 +662,12 @@ class ProbeResult(_message.Message):
     """Bytes over the time from the first sent to the peer's count of them."""
     error: _builtins.str
     """What failed ("" when measured): refused, no route, busy, timed out."""
+    interface_transmit_bytes_per_second: _builtins.float
+    """Everything the interface sent while the bytes went out, the job's own
+    traffic included (its tx_bytes counter): a busy path leaves a probe
+    little room, but its interface still moves as much as an idle one.
+    0: its counter could not be read.
+    """
     @_builtins.property
     def target(self) -> Global___ProbeTarget: ...
     def __init__(
@@ -671,10 +678,11 @@ class ProbeResult(_message.Message):
         round_trip_median_seconds: _builtins.float = ...,
         throughput_bytes_per_second: _builtins.float = ...,
         error: _builtins.str = ...,
+        interface_transmit_bytes_per_second: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "round_trip_median_seconds", b"round_trip_median_seconds", "round_trip_seconds", b"round_trip_seconds", "target", b"target", "throughput_bytes_per_second", b"throughput_bytes_per_second"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "interface_transmit_bytes_per_second", b"interface_transmit_bytes_per_second", "round_trip_median_seconds", b"round_trip_median_seconds", "round_trip_seconds", b"round_trip_seconds", "target", b"target", "throughput_bytes_per_second", b"throughput_bytes_per_second"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -21,6 +21,7 @@ from clusterwatch.coordinator.detection.probes import (
     ProbePlan,
     ProbeRound,
     ProbeVerdict,
+    confirmed,
     judge_probes,
     path_results,
     plan_probes,
@@ -91,6 +92,8 @@ class Prober:
 
     async def _run(self, job: str, plan: ProbePlan) -> None:
         verdict = await run_probes(self._send, plan)
+        if verdict.nodes:  # named only if slow again
+            verdict = confirmed(verdict, await run_probes(self._send, plan))
         self.rounds[job] = ProbeRound(self._clock(), verdict)
         self.rounds_total += 1
         logger.info(

@@ -14,7 +14,10 @@ each path can.
   its round trip is ``ROUND_TRIP_ABOVE_RATIO`` times the fastest quarter of the
   other paths' and at least ``ROUND_TRIP_MIN_EXTRA_S`` more, when its throughput
   is below ``1 / THROUGHPUT_BELOW_RATIO`` of the top quarter of theirs, or when
-  it failed (timed out, no route) where others did not. A node all of whose
+  it failed (timed out, no route) where others did not. Throughput is what the
+  source interface sent while probed, the job's traffic included (else the
+  probe's own): the job's path, busy with the job, leaves a probe a fifth of
+  what an idle path does and is not slow for it (bench/probe_noise.py). A node all of whose
   measured paths on the job's networks are slow, while some path between other
   nodes is not, is named alone; otherwise both ends of each slow path are. With
   nothing to compare with (one path) there is no verdict.
@@ -35,8 +38,9 @@ ROUND_TRIP_ABOVE_RATIO = 4.0
 ROUND_TRIP_MIN_EXTRA_S = 0.002
 """A path's fastest ping this many times the others', and this much more (a congested or
 shaped queue, a detour): healthy paths of one fabric differ by tens of microseconds."""
-THROUGHPUT_BELOW_RATIO = 4.0
-"""A path moving under a quarter of what the others move is throttled, not noisy."""
+THROUGHPUT_BELOW_RATIO = 10.0
+"""A path moving under a tenth of what the others move is throttled, not noisy: healthy paths under
+a busy job, on a 2-core machine, measured up to 5.8x apart (bench/probe_noise.py)."""
 MAX_TARGETS_PER_NODE = 4
 """Networks probed between one pair of nodes at most (the job's first)."""
 PROBE_BYTES = 4 << 20
@@ -185,6 +189,20 @@ def judge_probes(paths: Sequence[PathResult]) -> ProbeVerdict:
     return ProbeVerdict(named, interfaces, tuple(r for _, r, _ in slow), evidence, _summary(paths, ""))
 
 
+def confirmed(first: ProbeVerdict, second: ProbeVerdict) -> ProbeVerdict:
+    """The verdict of a round run again because ``first`` named a path: ``second`` where it names one
+    of the same interfaces, else nothing named (one slow measurement is noise until repeated)."""
+    if set(first.interfaces) & set(second.interfaces):
+        return second
+    return ProbeVerdict(
+        (),
+        (),
+        (),
+        {},
+        f"{second.summary}; slow in one round but not the next, so not named: {first.reasons[0]}",
+    )
+
+
 def _slow_path(path: PathResult, others: Sequence[PathResult]) -> tuple[str, dict[str, float]] | None:
     """(reason, evidence) when ``path`` stands out from ``others``, else None."""
     reasons: list[str] = []
@@ -203,10 +221,8 @@ def _slow_path(path: PathResult, others: Sequence[PathResult]) -> tuple[str, dic
             f"round trip {round_trip * 1e3:.2f} ms vs {peer_round_trip * 1e3:.2f} ms on other paths"
         )
         evidence |= {"probe_round_trip_seconds": round_trip, "peer_probe_round_trip_seconds": peer_round_trip}
-    throughput = path.probe.throughput_bytes_per_second
-    peer_throughput = _quartile(
-        [p.probe.throughput_bytes_per_second for p in others if p.probe.throughput_bytes_per_second > 0], 0.75
-    )
+    throughput = _capacity(path.probe)
+    peer_throughput = _quartile([c for p in others if (c := _capacity(p.probe)) > 0], 0.75)
     if (
         throughput > 0
         and peer_throughput is not None
@@ -220,6 +236,12 @@ def _slow_path(path: PathResult, others: Sequence[PathResult]) -> tuple[str, dic
     if not reasons:
         return None
     return f"{path.name()}: {', '.join(reasons)}", evidence
+
+
+def _capacity(probe: agent_pb2.ProbeResult) -> float:
+    """What the path moved while probed: the interface's whole transmit rate where its agent read it (the
+    job's own traffic on its path leaves the probe only a share), else the probe's throughput."""
+    return max(probe.throughput_bytes_per_second, probe.interface_transmit_bytes_per_second)
 
 
 def _named(paths: Sequence[PathResult], slow: Sequence[PathResult]) -> tuple[str, ...]:

@@ -47,6 +47,8 @@ def test_a_probe_measures_the_round_trip_and_the_throughput(server: ProbeServer)
     assert result.error == ""
     assert 0 < result.round_trip_seconds <= result.round_trip_median_seconds
     assert result.throughput_bytes_per_second > 0
+    # What the interface sent meanwhile, its other traffic included: at least the probe's bytes.
+    assert result.interface_transmit_bytes_per_second >= 0.9 * result.throughput_bytes_per_second
     assert result.target.port == server.port
     assert server.port > 0
 

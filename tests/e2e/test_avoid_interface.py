@@ -342,7 +342,9 @@ def test_a_throttled_link_is_named_and_the_job_restarted_over_the_other_path(
         recovered = wait_for(resolved, 180, "the job to resume over path B")
         # The restarted ranks' sockets confirm the move, in the incident's note.
         bx, by = two_nodes.path_b
-        assert f"its ranks now talk over n1/{bx}, n2/{by}, bus bandwidth" in recovered.summary, recovered.summary
+        assert f"its ranks now talk over n1/{bx}, n2/{by}, bus bandwidth" in recovered.summary, (
+            recovered.summary
+        )
         assert recovered.evidence["moved_bus_bandwidth_bytes_per_second"] > 0
         with coordinator.client() as client:
             (action,) = [a for a in client.actions(JOB) if a.action == "avoid_interface"]

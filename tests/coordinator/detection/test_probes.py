@@ -14,6 +14,7 @@ from clusterwatch.coordinator.detection.causes.network import job_interfaces
 from clusterwatch.coordinator.detection.probes import (
     ProbePlan,
     ProbeRound,
+    confirmed,
     judge_probes,
     path_results,
     plan_probes,
@@ -109,6 +110,28 @@ def test_with_two_nodes_both_ends_of_the_slow_path_are_named() -> None:
     assert verdict.interfaces == (("n1", "a1"), ("n2", "a2"))
 
 
+def test_a_path_busy_with_the_jobs_traffic_is_not_slow_for_leaving_a_probe_little_room() -> None:
+    plan = planned(["n1", "n2"])
+    busy = measure(plan, {("n1", "a1"): (HEALTHY_S, 0.15e9), ("n2", "a2"): (HEALTHY_S, 0.15e9)})
+    assert busy.verdict is not None
+    assert busy.verdict.nodes != (), "the probe's own share alone looks slow"
+    answers = {}
+    for wave in plan.waves:
+        for node, command in wave.items():
+            answer = answers[node] = agent_pb2.CommandResult(status=OK)
+            for target in command.targets:
+                job_path = target.interface.startswith("a")
+                answer.probes.add(
+                    target=target,
+                    round_trip_seconds=HEALTHY_S,
+                    throughput_bytes_per_second=0.3e9 if job_path else HEALTHY_BPS,
+                    interface_transmit_bytes_per_second=1.9e9
+                    if job_path
+                    else HEALTHY_BPS,  # + the job's 1.6 GB/s
+                )
+    assert judge_probes(path_results(plan, answers)[0]).nodes == ()
+
+
 def test_noise_within_the_margins_names_nothing() -> None:
     # 3x the round trip (under 4x), or 2 ms more than a slow fabric's; a third of the throughput.
     noisy = {("n1", "a1"): (180e-6, 0.7e9), ("n3", "a3"): (HEALTHY_S * 3.5, HEALTHY_BPS)}
@@ -166,3 +189,19 @@ def test_a_probe_verdict_names_the_cause_the_counters_could_not() -> None:
     assert "probes: 4 paths probed, round trip median 0.06 ms: every path alike" in alike.detail
     unplanned = network_cause(job, nodes, probes=ProbeRound(0.0, None, "no probe server on n2"))
     assert "not probed: no probe server on n2" in unplanned.detail
+
+
+def test_a_path_is_named_only_if_a_second_round_finds_it_slow_again() -> None:
+    plan = planned(["n1", "n2"])
+    slow = measure(plan, {("n2", "a2"): (HEALTHY_S, 1.6e6)}).verdict
+    again = measure(plan, {("n1", "a1"): (HEALTHY_S, 1.6e6)}).verdict
+    alike = measure(plan).verdict
+    assert slow is not None
+    assert again is not None
+    assert alike is not None
+    assert confirmed(slow, again) == again, "the same two ends again (from the other side)"
+    dismissed = confirmed(slow, alike)
+    assert dismissed.nodes == ()
+    assert dismissed.summary.endswith(
+        "every path alike; slow in one round but not the next, so not named: n2/a2 -> n1/a1: 1.6 MB/s vs 2000.0 MB/s on other paths"
+    )
