@@ -267,6 +267,10 @@ def _start_cluster(
                     # Any free port: the banner says which (agents mode; empty: off).
                     "--metrics-listen",
                     "127.0.0.1:0" if args.hardware_series == "agents" else "",
+                    # One host: no network between the agents to probe, and the banner finds each
+                    # agent's /metrics as the one port it listens on.
+                    "--probe-listen",
+                    "",
                 ],
                 log_level,
                 errors,

@@ -2,9 +2,10 @@
 
 A round at a time per job, and one per ``MIN_INTERVAL_S`` at most: probes are
 asked for while a communication-bound slowdown lasts, every detection round,
-and each round of probes is a few seconds of each node's time. Results reach
-detection through ``rounds`` on the next detection round; a round older than
-``FRESH_S`` is not used (the network has moved on).
+and each round of probes is a few seconds of each node's time. A round that
+names a path is run again at once (``confirmed``). Results reach detection
+through ``fresh`` on the next detection round; a round older than ``FRESH_S``
+is not used (the network has moved on).
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ class Prober:
         self.rounds: dict[str, ProbeRound] = {}
         self._started: dict[str, float] = {}
         self._tasks = BackgroundTasks()
-        self.rounds_total = 0
 
     def fresh(self, job: str) -> ProbeRound | None:
         """The job's latest round when recent enough to judge by."""
@@ -95,7 +95,6 @@ class Prober:
         if verdict.nodes:  # named only if slow again
             verdict = confirmed(verdict, await run_probes(self._send, plan))
         self.rounds[job] = ProbeRound(self._clock(), verdict)
-        self.rounds_total += 1
         logger.info(
             "job %s probed: %s%s",
             job,

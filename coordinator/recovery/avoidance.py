@@ -165,17 +165,14 @@ class AvoidanceWatch:
         still_bad = set(verdict.interfaces) & set(avoidance.avoided)
         if not still_bad:
             return f"measured healthy ({verdict.summary}): not renewed, it lapses on its own"
-        expires_unix_s = self._wall() + self._hold_s()
-        renew = {
-            node: worker_env_commands(
-                avoidance.job,
-                {node: entry.env},
-                reason=entry.reason,
-                expires_unix_s=expires_unix_s,
-                avoided=entry.avoided_interfaces,
-            )[node]
-            for node, entry in avoidance.entries.items()
-        }
+        first = next(iter(avoidance.entries.values()))  # one action's entries: one reason, one list
+        renew = worker_env_commands(
+            avoidance.job,
+            {node: entry.env for node, entry in avoidance.entries.items()},
+            reason=first.reason,
+            expires_unix_s=self._wall() + self._hold_s(),
+            avoided=first.avoided_interfaces,
+        )
         answers = await send_each(self._send, renew)
         self.renewals_total += 1
         failed = [f"{node} ({why})" for node, why in answers.items() if why]
