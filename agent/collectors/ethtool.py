@@ -81,10 +81,10 @@ class EthtoolPause:
 
     def read(self, device: str) -> PauseCounters | None:
         """The device's pause counters, or None when its driver counts none (or has no statistics)."""
-        selection = self._selections.get(device, _UNREAD)
         try:
-            if selection is _UNREAD:
-                selection = self._selections[device] = self._select(device)
+            if device not in self._selections:
+                self._selections[device] = self._select(device)
+            selection = self._selections[device]
             if selection is None:
                 return None
             values = self._stats(device, selection.size)
@@ -148,6 +148,3 @@ class EthtoolPause:
 def _buffer(data: bytes) -> ctypes.Array[ctypes.c_char]:
     """A buffer the kernel writes into, exactly ``data``'s size."""
     return ctypes.create_string_buffer(data, len(data))
-
-
-_UNREAD = _Selection((), (), -1)

@@ -365,7 +365,7 @@ def _node_network(
             elapsed_s,
         ),
         links_down=down,
-        queue_drops=_worst_queue(
+        queue_drops=_worst_rate(
             _only(previous.nics, devices), _only(report.nics, devices), "qdisc_drops_total", elapsed_s
         ),
         outliers={
@@ -373,15 +373,15 @@ def _node_network(
             for name, worst in (
                 (
                     "queue_overlimits",
-                    _worst_queue(job_nics_before, job_nics, "qdisc_overlimits_total", elapsed_s),
+                    _worst_rate(job_nics_before, job_nics, "qdisc_overlimits_total", elapsed_s),
                 ),
                 (
                     "pause_frames",
-                    _worst_queue(job_nics_before, job_nics, "pause_frames_received_total", elapsed_s),
+                    _worst_rate(job_nics_before, job_nics, "pause_frames_received_total", elapsed_s),
                 ),
                 (
                     "congestion_notifications",
-                    _worst_queue(
+                    _worst_rate(
                         _only(previous.ib_ports, devices),
                         _only(report.ib_ports, devices),
                         "cnp_sent_total",
@@ -395,15 +395,15 @@ def _node_network(
     )
 
 
-_QueueCounter = Literal[
+_RateCounter = Literal[
     "qdisc_drops_total", "qdisc_overlimits_total", "pause_frames_received_total", "cnp_sent_total"
-]  # the counters _worst_queue compares
+]  # the counters _worst_rate compares
 
 
-def _worst_queue(
+def _worst_rate(
     before: Sequence[_Device],
     now: Sequence[_Device],
-    counter: _QueueCounter,
+    counter: _RateCounter,
     elapsed_s: float,
 ) -> tuple[str, float] | None:
     """(interface or DEVICE/PORT, per second) of the NIC or port whose ``counter`` grew the most;
